@@ -1,0 +1,483 @@
+"""Transfer benchmark on one GPU: kvtier direct and staged vs SGLang's HiCache kernel, torch and the copy engine.
+
+One process, one run, CUDA events, warm-up first, medians over repeated timings. Writes a JSON (with a ``summary``)
+and a PNG. Sections (``--sections``, default all):
+
+* ``sweep``   direct kernel: programs x warps x tile bytes, per-layer 64 MiB, Qwen3-8B, page 16
+* ``sizes``   GB/s vs bytes per layer, every method, geometries x page sizes x layouts
+* ``gemm``    an 8192^3 bf16 GEMM alone and with a full-speed H2D alongside (kvtier, HiCache)
+* ``bidir``   a store and a load at once (staged; direct for reference)
+* ``latency`` one 16-token page x 36 layers through the all-layer call
+
+Run on the GPU machine: ``python bench/bench_transfer.py --out $OUT/transfer_h200.json`` (needs sglang 0.5.23
+importable for the HiCache peer; see shared/probe/README.md; without it the peer is skipped and recorded so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import traceback
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import (env_info, gbps, host_us_per_call, make_pool, random_slots, time_gpu_ms,  # noqa: E402
+                          write_json)
+from kvtier.geometry import KVGeometry  # noqa: E402
+from kvtier.kernels import StagedTransfer, copy_pages_ref, load_pages, store_pages  # noqa: E402
+from kvtier.kernels import transfer as direct_mod  # noqa: E402
+
+MiB = 1 << 20
+GEOMETRIES = {  # name -> (heads, head_dim, dtype, is_mla)
+    "qwen3_8b": (8, 128, torch.bfloat16, False),
+    "tp_1x128": (1, 128, torch.bfloat16, False),
+    "mla_bf16": (1, 576, torch.bfloat16, True),
+    "mla_fp8": (1, 576, torch.uint8, True),
+}
+PAGES = (1, 16, 64)
+PROGRAMS = (1, 2, 4, 8, 16)
+REPS = 20
+
+
+# --- peers ---
+
+_STUB = {"IPython", "jedi", "httpx2", "httpcore2", "truststore", "decorator", "pexpect", "prompt_toolkit",
+         "stack_data", "matplotlib_inline"}
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Stub heavy optional imports of sglang that the kernel module never uses (as in shared/probe)."""
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in _STUB:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec):
+        m = mock.MagicMock()
+        m.__name__, m.__path__, m.__spec__ = spec.name, [], spec
+        return m
+
+    def exec_module(self, m):
+        pass
+
+
+def load_hicache():
+    """SGLang 0.5.23's HiCache transfer ops, or (None, reason)."""
+    sys.meta_path.append(_StubFinder())
+    try:
+        from sglang.kernels.ops.kvcache import hicache
+        return hicache, None
+    except Exception as e:  # recorded in the JSON
+        return None, repr(e)[:500]
+
+
+class Setup:
+    """A device pool, pinned host memory and indices for one (geometry, page size, layout)."""
+
+    def __init__(self, name: str, num_layers: int, page: int, num_slots: int, host_tokens: int,
+                 host_bytes: torch.Tensor):
+        heads, hd, dt, mla = GEOMETRIES[name]
+        self.geo = KVGeometry(num_layers, heads, hd, dt, page_size=page, is_mla=mla)
+        self.kv = make_pool(self.geo, num_slots)
+        self.num_blocks = host_tokens // page
+        self.host_bytes = host_bytes
+        self.num_slots = num_slots
+
+    def host(self, layout: str) -> torch.Tensor:
+        shape = self.geo.host_shape(self.num_blocks, layout)
+        n = self.geo.block_bytes * self.num_blocks
+        return self.host_bytes[:n].view(self.geo.dtype).view(shape)
+
+
+def method_fns(s: Setup, tokens: int, layout: str, to_host: bool, hicache, gen: torch.Generator,
+               contiguous_blocks: bool = False) -> dict:
+    """name -> (fn, bytes) moving ``tokens`` tokens of layer 0 in one direction."""
+    geo, kv = s.geo, s.kv
+    pages = tokens // geo.page_size
+    slots = random_slots(pages, geo.page_size, s.num_slots, generator=gen)
+    blocks = (torch.arange(pages) if contiguous_blocks else torch.randperm(s.num_blocks, generator=torch.Generator()
+              .manual_seed(pages))[:pages]).to(torch.int64)
+    blocks_dev = blocks.cuda()
+    host = s.host(layout)
+    nbytes = tokens * geo.row_bytes * geo.kv_count
+    op = store_pages if to_host else load_pages
+    fns = {}
+    for p in PROGRAMS:
+        fns[f"kvtier_direct_p{p}"] = (lambda p=p: op(kv, host, slots, blocks_dev, layout=layout, layers=0,
+                                                     num_programs=p, check=False), nbytes)
+    staged = StagedTransfer(kv, host, layout=layout)
+    sop = staged.store if to_host else staged.load
+    contig = torch.arange(pages, dtype=torch.int64)
+    fns["kvtier_staged_contig"] = (lambda: sop(slots, contig, layers=0, check=False), nbytes)
+    if pages <= 1024 and not contiguous_blocks:  # random blocks: one copy per block (and K/V); host-bound beyond
+        fns["kvtier_staged_random"] = (lambda: sop(slots, blocks, layers=0, check=False), nbytes)
+    # torch: gather into a device buffer, one copy to pinned host (and the reverse), layer 0's buffers
+    bufs = kv.layer_buffers(0)
+    flat_host = torch.empty((len(bufs), tokens, geo.num_kv_heads, geo.head_dim), dtype=geo.dtype,
+                            pin_memory=True)
+    stage = torch.empty_like(flat_host, device="cuda")
+    if to_host:
+        def torch_gather_copy():
+            for i, b in enumerate(bufs):
+                torch.index_select(b, 0, slots, out=stage[i])
+            flat_host.copy_(stage, non_blocking=True)
+    else:
+        def torch_gather_copy():
+            stage.copy_(flat_host, non_blocking=True)
+            for i, b in enumerate(bufs):
+                b.index_copy_(0, slots, stage[i])
+    fns["torch_gather_copy"] = (torch_gather_copy, nbytes)
+    dev_flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host_flat = flat_host.view(-1).view(torch.uint8)
+    fns["copy_engine_contiguous"] = ((lambda: host_flat.copy_(dev_flat, non_blocking=True)) if to_host else
+                                     (lambda: dev_flat.copy_(host_flat, non_blocking=True)), nbytes)
+    if hicache is not None and not geo.is_mla:
+        hk, hv = flat_host[0], flat_host[1]
+        host_idx = torch.arange(tokens, device="cuda", dtype=torch.int64)
+        k, v = bufs
+        el = geo.num_kv_heads * geo.head_dim
+        if to_host:
+            fns["sglang_hicache"] = (lambda: hicache.transfer_hicache_one_layer(
+                hk, hv, host_idx, k, v, slots, element_dim=el, page_size=geo.page_size), nbytes)
+        else:
+            fns["sglang_hicache"] = (lambda: hicache.transfer_hicache_one_layer(
+                k, v, slots, hk, hv, host_idx, element_dim=el, page_size=geo.page_size), nbytes)
+    return fns
+
+
+def check_direct(s: Setup, layout: str, gen: torch.Generator) -> bool:
+    """Byte-exact round trip of the direct and staged paths on this setup (all layers, both directions)."""
+    geo, kv = s.geo, s.kv
+    pages = min(64, s.num_blocks // 2)
+    slots = random_slots(2 * pages, geo.page_size, s.num_slots, generator=gen)
+    src, dst = slots[:pages * geo.page_size], slots[pages * geo.page_size:]
+    blocks = torch.randperm(s.num_blocks)[:pages]
+    host = s.host(layout)
+    ok = True
+    for mode in ("direct", "staged"):
+        host.view(torch.uint8).fill_(0xA5)
+        if mode == "direct":
+            store_pages(kv, host, src, blocks, layout=layout)
+        else:
+            StagedTransfer(kv, host, layout=layout).store(src, blocks)
+        torch.cuda.synchronize()
+        expect = host.clone()
+        expect.view(torch.uint8).fill_(0xA5)
+        copy_pages_ref(kv, expect, src, blocks, to_host=True, layout=layout)
+        ok &= torch.equal(host.view(torch.uint8), expect.view(torch.uint8))
+        if mode == "direct":
+            load_pages(kv, host, dst, blocks, layout=layout)
+        else:
+            StagedTransfer(kv, host, layout=layout).load(dst, blocks)
+        torch.cuda.synchronize()
+        for b in kv.buffers:
+            ok &= torch.equal(b[dst].view(torch.uint8), b[src].view(torch.uint8))
+    return bool(ok)
+
+
+# --- sections ---
+
+def run_sweep(res: dict, host_bytes: torch.Tensor, gen) -> None:
+    s = Setup("qwen3_8b", 2, 16, 200_000, 16384, host_bytes)
+    tokens = 16384
+    slots = random_slots(tokens // 16, 16, s.num_slots, generator=gen)
+    blocks = torch.randperm(s.num_blocks)[:tokens // 16].cuda()
+    host = s.host("page_first")
+    nbytes = tokens * s.geo.row_bytes * 2
+    rows = []
+    for warps in (4, 8, 16, 32):
+        for tile_kib in (16, 32, 64, 128):
+            for p in (1, 2, 3, 4, 8, 16):
+                row = {"warps": warps, "tile_kib": tile_kib, "programs": p}
+                for name, op in (("d2h", store_pages), ("h2d", load_pages)):
+                    t = time_gpu_ms(lambda: op(s.kv, host, slots, blocks, layers=0, num_programs=p,
+                                               tile_bytes=tile_kib * 1024, num_warps=warps, check=False), reps=10)
+                    row[f"{name}_gbps"] = gbps(nbytes, t["median_ms"])
+                rows.append(row)
+        print("sweep warps", warps, "done", flush=True)
+    res["sweep"] = rows
+    best = sorted(rows, key=lambda r: (-min(r["h2d_gbps"], r["d2h_gbps"]), r["programs"]))[:10]
+    print("sweep best:", *best, sep="\n  ", flush=True)
+
+
+def run_sizes(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
+    out = []
+    for name in GEOMETRIES:
+        layers = 36 if name == "qwen3_8b" else 4
+        heads, hd, dt, _ = GEOMETRIES[name]
+        row_bytes = heads * hd * torch.empty((), dtype=dt).element_size()
+        kvc = 1 if GEOMETRIES[name][3] else 2
+        max_tokens = 64 * MiB // (row_bytes * kvc)
+        num_slots = max(200_000, 4 * max_tokens)
+        for page in PAGES:
+            s = Setup(name, layers, page, num_slots, max_tokens, host_bytes)
+            for layout in ("page_first", "layer_first"):
+                entry = {"geometry": name, "page": page, "layout": layout,
+                         "roundtrip_exact": check_direct(s, layout, gen)}
+                sizes = sorted({max(page, t // page * page) for t in (page, 64, 256, 1024, 4096, max_tokens)})
+                for to_host in (True, False):
+                    for tokens in sizes:
+                        for meth, (fn, nbytes) in method_fns(s, tokens, layout, to_host, hicache, gen).items():
+                            if meth == "sglang_hicache" and layout != "layer_first":
+                                continue  # its host side is one flat layer: measured once per page size
+                            t = time_gpu_ms(fn, reps=REPS)
+                            out.append({**entry, "direction": "d2h" if to_host else "h2d", "tokens": tokens,
+                                        "bytes": nbytes, "method": meth, "gbps": gbps(nbytes, t["median_ms"]),
+                                        **t})
+                print(f"sizes {name} page {page} {layout}: roundtrip_exact={entry['roundtrip_exact']}", flush=True)
+            del s
+            torch.cuda.empty_cache()
+    res["sizes"] = out
+
+
+def run_gemm(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
+    """GEMM time alone and with back-to-back 64 MiB H2D transfers on a side stream, alternating, 3 rounds."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    s = Setup("qwen3_8b", 2, 16, 200_000, 16384, host_bytes)
+    fns = method_fns(s, 16384, "layer_first", False, hicache, gen)
+    out = {}
+    side = torch.cuda.Stream()
+    methods = ["kvtier_direct_p1", "kvtier_direct_p2", "kvtier_direct_p4", "kvtier_direct_p8",
+               "kvtier_staged_contig", "sglang_hicache"]
+    alone_all = []
+    for meth in methods:
+        if meth not in fns:
+            continue
+        fn, nbytes = fns[meth]
+        fn()
+        torch.cuda.synchronize()
+        rounds = []
+        for _ in range(3):
+            alone = time_gpu_ms(lambda: a @ b, reps=10, warmup=3, hide_host_us=0)["median_ms"]
+            alone_all.append(alone)
+            n_gemm, n_copy = 15, 30
+            c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(int(4e6))  # ~2 ms: all copies are queued before the first one starts
+                c0.record(side)
+                for _ in range(n_copy):
+                    ev = fn()
+                    if isinstance(ev, torch.cuda.Event):
+                        side.wait_event(ev)
+                c1.record(side)
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(n_gemm)]
+            torch.cuda._sleep(int(5e6))  # start the GEMMs once the copies run
+            for e0, e1 in ev:
+                e0.record()
+                a @ b
+                e1.record()
+            torch.cuda.synchronize()
+            copy_ms = c0.elapsed_time(c1)
+            inside = sorted(e0.elapsed_time(e1) for e0, e1 in ev
+                            if c0.elapsed_time(e0) >= 0 and c0.elapsed_time(e1) <= copy_ms)
+            rounds.append({"alone_ms": alone, "with_ms": inside[len(inside) // 2] if inside else float("nan"),
+                           "overlapped": len(inside), "h2d_gbps_during": gbps(nbytes * n_copy, copy_ms)})
+        alone = sorted(r["alone_ms"] for r in rounds)[1]
+        with_ = sorted(r["with_ms"] for r in rounds)[1]
+        out[meth] = {"gemm_alone_ms": round(alone, 4), "gemm_with_h2d_ms": round(with_, 4),
+                     "slowdown_pct": round(100 * (with_ / alone - 1), 2), "rounds": rounds}
+        print("gemm", meth, {k: v for k, v in out[meth].items() if k != "rounds"},
+              [r["h2d_gbps_during"] for r in rounds], flush=True)
+    out["gemm_alone_ms"] = sorted(alone_all)[len(alone_all) // 2]
+    res["gemm"] = out
+
+
+def run_overhead(res: dict, host_bytes: torch.Tensor, gen) -> None:
+    """Host time to issue one call (the GPU kept busy): what a scheduler thread pays per transfer."""
+    s = Setup("qwen3_8b", 36, 16, 100_000, 1024, host_bytes)
+    host = s.host("page_first")
+    slots = random_slots(1, 16, s.num_slots, generator=gen)
+    slots_cpu, blocks_cpu = slots.cpu(), torch.tensor([5])
+    blocks = blocks_cpu.cuda()
+    out = {
+        "store_pages_check_false_us": host_us_per_call(lambda: store_pages(s.kv, host, slots, blocks, check=False)),
+        "store_pages_cpu_indices_check_true_us": host_us_per_call(
+            lambda: store_pages(s.kv, host, slots_cpu, blocks_cpu)),
+        "store_pages_one_layer_us": host_us_per_call(
+            lambda: store_pages(s.kv, host, slots, blocks, layers=3, check=False)),
+        "torch_index_select_us": host_us_per_call(lambda: torch.index_select(s.kv.buffers[0], 0, slots)),
+    }
+    res["overhead"] = out
+    print("overhead", out, flush=True)
+
+
+def run_bidir(res: dict, host_bytes: torch.Tensor, gen) -> None:
+    out = {}
+    s = Setup("qwen3_8b", 36, 16, 200_000, 2048, host_bytes)
+    tokens = 1024
+    pages = tokens // 16
+    slots = random_slots(2 * pages, 16, s.num_slots, generator=gen)
+    src, dst = slots[:tokens], slots[tokens:]
+    host = s.host("page_first")
+    st_blocks, ld_blocks = torch.arange(pages), torch.arange(pages, 2 * pages)
+    nbytes = tokens * s.geo.token_bytes
+    store_pages(s.kv, host, src, ld_blocks)  # give the load side real bytes
+    torch.cuda.synchronize()
+    s_store, s_load = torch.cuda.Stream(), torch.cuda.Stream()
+    for mode in ("staged", "direct"):
+        if mode == "staged":
+            stager = StagedTransfer(s.kv, host)
+            st = lambda: stager.store(src, st_blocks, stream=s_store, check=False)  # noqa: E731
+            ld = lambda: stager.load(dst, ld_blocks, stream=s_load, check=False)  # noqa: E731
+        else:
+            bd = st_blocks.cuda(), ld_blocks.cuda()
+            st = lambda: store_pages(s.kv, host, src, bd[0], stream=s_store, check=False)  # noqa: E731
+            ld = lambda: load_pages(s.kv, host, dst, bd[1], stream=s_load, check=False)  # noqa: E731
+
+        def on(stream, fn):
+            def run():
+                cur = torch.cuda.current_stream()
+                stream.wait_stream(cur)
+                ev = fn()
+                if ev is None:
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                return ev
+            return run
+
+        def both():
+            e1, e2 = on(s_store, st)(), on(s_load, ld)()
+            torch.cuda.current_stream().wait_event(e1)
+            return e2
+        t_st = time_gpu_ms(on(s_store, st), reps=10)["median_ms"]
+        t_ld = time_gpu_ms(on(s_load, ld), reps=10)["median_ms"]
+        t_both = time_gpu_ms(both, reps=10)["median_ms"]
+        out[mode] = {"store_gbps": gbps(nbytes, t_st), "load_gbps": gbps(nbytes, t_ld),
+                     "combined_gbps": gbps(2 * nbytes, t_both), "bytes_each_way": nbytes}
+        torch.cuda.synchronize()
+        ok = all(torch.equal(b[dst].view(torch.uint8), b[src].view(torch.uint8)) for b in s.kv.buffers)
+        out[mode]["load_exact"] = ok
+        print("bidir", mode, out[mode], flush=True)
+    res["bidir"] = out
+
+
+def run_latency(res: dict, host_bytes: torch.Tensor, gen) -> None:
+    out = {}
+    for name in ("qwen3_8b", "tp_1x128"):
+        s = Setup(name, 36, 16, 100_000, 1024, host_bytes)
+        host = s.host("page_first")
+        slots = random_slots(1, 16, s.num_slots, generator=gen)
+        blocks = torch.tensor([5], device="cuda")
+        nbytes = 16 * s.geo.token_bytes
+        entry = {"bytes": nbytes, "pcie_floor_us": round(nbytes / 55e9 * 1e6, 2)}
+        for p in (None, 2, 4, 8, 16, 36):
+            for d, op in (("d2h", store_pages), ("h2d", load_pages)):
+                t = time_gpu_ms(lambda: op(s.kv, host, slots, blocks, num_programs=p, check=False), reps=50,
+                                hide_host_us=500)
+                entry[f"{d}_p{p or 'default'}_us"] = round(t["median_ms"] * 1e3, 2)
+        entry["default_programs"] = direct_mod.default_programs(nbytes)
+        out[name] = entry
+        print("latency", name, entry, flush=True)
+    res["latency"] = out
+
+
+def summarize(res: dict) -> dict:
+    summ = {"direct_programs": direct_mod.DEFAULT_PROGRAMS}
+    sizes = res.get("sizes", [])
+    default = f"kvtier_direct_p{direct_mod.DEFAULT_PROGRAMS}"
+
+    def pick(method, direction, page=None, layout=None, geometry="qwen3_8b"):
+        rows = [r for r in sizes if r["method"] == method and r["direction"] == direction and
+                r["geometry"] == geometry and r["bytes"] == 64 * MiB and (page is None or r["page"] == page)
+                and (layout is None or r["layout"] == layout)]
+        return rows
+
+    if sizes:
+        for d in ("d2h", "h2d"):
+            rows = pick(default, d)
+            summ[f"direct_{d}_gbps_min"] = min(r["gbps"] for r in rows)
+            summ[f"direct_{d}_gbps_by_page"] = {p: min(r["gbps"] for r in rows if r["page"] == p) for p in PAGES}
+        ratios = []
+        for d in ("d2h", "h2d"):
+            for p in PAGES:
+                hc = pick("sglang_hicache", d, p, "layer_first")
+                kt = pick(default, d, p)
+                if hc and kt:
+                    ratios.append(min(r["gbps"] for r in kt) / hc[0]["gbps"])
+        summ["hicache_ratio_min"] = round(min(ratios), 3) if ratios else None
+        summ["roundtrips_exact"] = all(r["roundtrip_exact"] for r in sizes)
+        for d in ("d2h", "h2d"):
+            rows = pick("kvtier_staged", d, layout="layer_first")
+            summ[f"staged_{d}_gbps_per_layer_min"] = min(r["gbps"] for r in rows) if rows else None
+    if "bidir" in res:
+        summ["staged_d2h_gbps"] = res["bidir"]["staged"]["store_gbps"]
+        summ["staged_h2d_gbps"] = res["bidir"]["staged"]["load_gbps"]
+        summ["bidirectional_gbps"] = res["bidir"]["staged"]["combined_gbps"]
+    if "gemm" in res:
+        summ["gemm_slowdown_pct"] = res["gemm"].get(default, {}).get("slowdown_pct")
+        summ["gemm_slowdown_hicache_pct"] = res["gemm"].get("sglang_hicache", {}).get("slowdown_pct")
+    if "latency" in res:
+        lat = res["latency"]["qwen3_8b"]
+        summ["one_page_all_layers_us"] = max(lat["h2d_pdefault_us"], lat["d2h_pdefault_us"])
+        summ["one_page_all_layers_us_detail"] = res["latency"]
+    return summ
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in res.get("sizes", []) if r["geometry"] == "qwen3_8b" and r["page"] == 16
+            and r["layout"] == "layer_first"]
+    if not rows:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, d in zip(axes, ("d2h", "h2d")):
+        for meth in sorted({r["method"] for r in rows}):
+            pts = sorted((r["bytes"], r["gbps"]) for r in rows if r["method"] == meth and r["direction"] == d)
+            ax.plot([p[0] / MiB for p in pts], [p[1] for p in pts], marker="o", label=meth)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("MiB per layer (K+V)")
+        ax.set_title(f"{d.upper()} one layer, Qwen3-8B (8x128 bf16), page 16, H200")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results/transfer_h200.json")
+    ap.add_argument("--sections", default="sizes,gemm,bidir,latency,overhead")
+    args = ap.parse_args()
+    sections = args.sections.split(",")
+    torch.manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    res = {"env": env_info(), "defaults": {"programs": direct_mod.DEFAULT_PROGRAMS, "tile_bytes": direct_mod.TILE_BYTES,
+                                           "num_warps": direct_mod.NUM_WARPS}}
+    hicache, why = load_hicache()
+    res["hicache"] = {"loaded": hicache is not None, "error": why,
+                      "tma_env": os.environ.get("SGLANG_HICACHE_TMA_TRANSFER")}
+    print("hicache loaded:", hicache is not None, why or "", flush=True)
+    host_bytes = torch.empty(2700 * MiB, dtype=torch.uint8, pin_memory=True)
+    host_bytes.fill_(0x5A)
+    for name, fn in (("sweep", lambda: run_sweep(res, host_bytes, gen)),
+                     ("sizes", lambda: run_sizes(res, host_bytes, hicache, gen)),
+                     ("gemm", lambda: run_gemm(res, host_bytes, hicache, gen)),
+                     ("bidir", lambda: run_bidir(res, host_bytes, gen)),
+                     ("latency", lambda: run_latency(res, host_bytes, gen)),
+                     ("overhead", lambda: run_overhead(res, host_bytes, gen))):
+        if name in sections:
+            try:
+                fn()
+            except Exception:
+                res[f"{name}_error"] = traceback.format_exc()[-3000:]
+                print(res[f"{name}_error"], flush=True)
+            write_json(args.out, res)
+    res["summary"] = summarize(res) if "sizes" in sections or "bidir" in sections else {}
+    write_json(args.out, res)
+    plot(res, os.path.splitext(args.out)[0] + ".png")
+    print("SUMMARY", res["summary"], flush=True)
+
+
+if __name__ == "__main__":
+    main()

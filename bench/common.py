@@ -1,0 +1,110 @@
+"""Shared helpers for the GPU benchmarks: CUDA-event timing, setup of paged KV pools and host blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+from kvtier.geometry import KVGeometry
+from kvtier.kernels import PagedKV
+
+
+def time_gpu_ms(fn: Callable[[], Optional[object]], reps: int = 20, warmup: int = 3,
+                hide_host_us: float = 200.0) -> dict:
+    """Median (and spread) of ``fn``'s GPU time in ms, each rep bracketed by CUDA events on the current stream.
+
+    ``fn`` may return a CUDA event that marks its end on another stream; the current stream waits on it.
+    Before each rep the GPU spins for ``hide_host_us`` so that the host has queued the rep's launches before the
+    start event fires: the time is the device's, not the Python launcher's (measured apart as host overhead).
+    """
+    spin_cycles = int(hide_host_us * 1e-6 * _sm_clock_hz())
+    def run_once() -> None:
+        ev = fn()
+        if isinstance(ev, torch.cuda.Event):
+            torch.cuda.current_stream().wait_event(ev)
+
+    for _ in range(warmup):
+        run_once()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        if spin_cycles:
+            torch.cuda._sleep(spin_cycles)
+        s.record()
+        run_once()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return {"median_ms": statistics.median(times), "p20_ms": q(0.2), "p80_ms": q(0.8)}
+
+
+def _sm_clock_hz() -> float:
+    return torch.cuda.get_device_properties(0).clock_rate * 1e3 if hasattr(
+        torch.cuda.get_device_properties(0), "clock_rate") else 1.98e9
+
+
+def host_us_per_call(fn: Callable[[], object], reps: int = 200) -> float:
+    """Median host (Python) time of issuing ``fn``, the GPU kept busy so queuing never blocks."""
+    import time as _time
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(int(2e5))  # keep the GPU busy: issue cost only
+        t = _time.perf_counter()
+        fn()
+        times.append(_time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return round(statistics.median(times) * 1e6, 2)
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return round(nbytes / (ms * 1e-3) / 1e9, 2)
+
+
+def make_pool(geo: KVGeometry, num_slots: int, device: str = "cuda") -> PagedKV:
+    """A paged KV pool of random bytes (never zeros: they hide unwritten bytes). Compare bytes, not floats."""
+    bufs = []
+    for _ in range(geo.num_layers * geo.kv_count):
+        b = torch.empty(geo.device_shape(num_slots), dtype=geo.dtype, device=device)
+        b.view(torch.uint8).random_(0, 256)
+        bufs.append(b)
+    return PagedKV(bufs, page_size=geo.page_size, is_mla=geo.is_mla)
+
+
+def random_slots(num_pages: int, page_size: int, num_slots: int, device: str = "cuda",
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Token slots of ``num_pages`` distinct random device pages (slots of a page are consecutive, as in SGLang)."""
+    pages = torch.randperm(num_slots // page_size, device=device, generator=generator)[:num_pages]
+    return (pages[:, None] * page_size + torch.arange(page_size, device=device)[None]).reshape(-1).contiguous()
+
+
+def env_info() -> dict:
+    import triton
+    info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        import cupy
+        info["cupy"] = cupy.__version__
+    except Exception:
+        info["cupy"] = None
+    return info
+
+
+def write_json(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=False)

@@ -1,0 +1,26 @@
+"""kvtier transfer kernels: move paged KV between an engine's device buffers and host blocks.
+
+Torch and Triton only; no engine is imported here, so any engine can call these with plain tensors::
+
+    kv = PagedKV.mha(k_buffers, v_buffers, page_size=16)       # once per KV pool
+    store_pages(kv, host_blocks, slots, block_ids)             # D2H, all layers, one launch
+    load_pages(kv, host_blocks, slots, block_ids, layers=3)    # H2D, one layer
+    StagedTransfer(kv, host_blocks).store(slots, block_ids)    # gather + copy engine
+
+On a machine without CUDA the kernels run on CPU tensors through the Triton interpreter: importing this package
+sets ``TRITON_INTERPRET=1`` there unless the variable is already set.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvtier.kernels.paged_kv import PagedKV  # noqa: E402
+from kvtier.kernels.reference import copy_pages_ref  # noqa: E402
+from kvtier.kernels.staged import StagedTransfer  # noqa: E402
+from kvtier.kernels.transfer import DEFAULT_PROGRAMS, load_pages, store_pages  # noqa: E402
+
+__all__ = ["PagedKV", "store_pages", "load_pages", "copy_pages_ref", "StagedTransfer", "DEFAULT_PROGRAMS"]

@@ -1,0 +1,111 @@
+"""Input validation for the transfer kernels: every check runs before any launch and raises a clear error.
+
+Kernels do no bounds checking: an index out of range writes someone else's KV or faults the GPU. So the launchers
+check shapes, dtypes, devices, pinning, lengths and (unless ``check=False``) index ranges and distinct destinations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import torch
+
+from kvtier.geometry import check_layout
+from kvtier.kernels.paged_kv import PagedKV
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpan:
+    """Consecutive layers ``[start, start + count)``."""
+
+    start: int
+    count: int
+
+
+def layer_span(layers: Union[None, int, range], num_layers: int) -> LayerSpan:
+    """Normalise ``layers`` (None = all, an int, or a step-1 range) and check it lies within the model."""
+    if layers is None:
+        return LayerSpan(0, num_layers)
+    if isinstance(layers, bool):
+        raise TypeError("layers must be None, an int or a range, not a bool")
+    if isinstance(layers, int):
+        layers = range(layers, layers + 1)
+    if not isinstance(layers, range) or layers.step != 1:
+        raise TypeError(f"layers must be None, an int or a range with step 1, got {layers!r}")
+    if len(layers) == 0 or layers.start < 0 or layers.stop > num_layers:
+        raise ValueError(f"layers {layers} out of range for a model of {num_layers} layers")
+    return LayerSpan(layers.start, len(layers))
+
+
+def _as_index_tensor(name: str, idx, device: torch.device) -> torch.Tensor:
+    if not isinstance(idx, torch.Tensor):
+        try:
+            idx = torch.as_tensor(idx, dtype=torch.int64)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name} must be a 1-D int64 tensor (or a sequence of ints): {e}") from None
+    if idx.dtype != torch.int64:
+        raise TypeError(f"{name} must be int64, got {idx.dtype}")
+    if idx.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
+    if idx.device.type not in ("cpu", device.type) or (idx.device.type == device.type == "cuda"
+                                                         and idx.device != device):
+        raise ValueError(f"{name} is on {idx.device}; it must be on the CPU or on the KV device {device}")
+    if not idx.is_contiguous():
+        idx = idx.contiguous()
+    return idx
+
+
+def _check_range(name: str, idx: torch.Tensor, bound: int, what: str, distinct: bool) -> None:
+    if idx.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.stack([idx.min(), idx.max()]).tolist())
+    if lo < 0 or hi >= bound:
+        bad = lo if lo < 0 else hi
+        raise IndexError(f"{name} holds {bad}, out of range for {bound} {what}")
+    if distinct and torch.unique(idx).numel() != idx.numel():
+        raise ValueError(f"{name} holds repeated entries: each destination {what[:-1]} may be written once")
+
+
+def check_blocks_tensor(kv: PagedKV, blocks: torch.Tensor, layout: str, *, host_side: bool) -> int:
+    """Check a host-blocks (or staging) tensor against the KV geometry; return its block count."""
+    check_layout(layout)
+    if not isinstance(blocks, torch.Tensor):
+        raise TypeError(f"host blocks must be a torch.Tensor, got {type(blocks).__name__}")
+    num_blocks = kv.geometry.num_blocks_in(blocks, layout)
+    if not blocks.is_contiguous():
+        raise ValueError("host blocks must be contiguous")
+    if host_side:
+        if blocks.device.type != "cpu":
+            raise ValueError(f"host blocks must be in host memory, got a tensor on {blocks.device}")
+        if kv.is_cuda and not blocks.is_pinned():
+            raise ValueError("host blocks must be pinned (page-locked) memory for GPU transfers: allocate with "
+                             "pin_memory=True or use kvtier's host pool")
+    elif blocks.device != kv.device:
+        raise ValueError(f"staging buffer is on {blocks.device}, the KV buffers on {kv.device}")
+    if blocks.data_ptr() % kv.word_bytes:
+        raise ValueError(f"host blocks address is not {kv.word_bytes}-byte aligned")
+    return num_blocks
+
+
+def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layout: str, host_side: bool,
+                   writes_blocks: bool, check_indices: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate one transfer; return the slot and block indices as contiguous int64 tensors on the KV device."""
+    if not isinstance(kv, PagedKV):
+        raise TypeError(f"kv must be a kvtier PagedKV (build one with PagedKV.mha / PagedKV.mla), "
+                        f"got {type(kv).__name__}")
+    num_blocks = check_blocks_tensor(kv, blocks, layout, host_side=host_side)
+    slots = _as_index_tensor("slots", slots, kv.device)
+    block_ids = _as_index_tensor("block_ids", block_ids, kv.device)
+    page = kv.geometry.page_size
+    if slots.numel() != block_ids.numel() * page:
+        raise ValueError(f"{slots.numel()} slots for {block_ids.numel()} blocks: need page_size ({page}) slots "
+                         f"per block")
+    if check_indices:
+        _check_range("slots", slots, kv.num_slots, "device slots", distinct=not writes_blocks)
+        _check_range("block_ids", block_ids, num_blocks, "host blocks", distinct=writes_blocks)
+    if slots.device != kv.device:
+        slots = slots.to(kv.device, non_blocking=True)
+    if block_ids.device != kv.device:
+        block_ids = block_ids.to(kv.device, non_blocking=True)
+    return slots, block_ids

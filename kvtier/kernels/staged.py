@@ -1,0 +1,210 @@
+"""Staged page transfers: Triton gather/scatter against a device staging buffer + copy-engine copies.
+
+Store (D2H): the copy kernel gathers a chunk of pages from the device slots into a staging buffer laid out like
+the host blocks, then the copy engine copies each run of consecutive host blocks in one ``cudaMemcpyAsync``.
+Load (H2D) is the reverse. Chunks alternate between ``num_buffers`` staging buffers, so the gather of chunk c+1
+overlaps the copy of chunk c. The SMs only do device-to-device work (microseconds per chunk); PCIe is driven by
+the copy engines, one per direction, so a store and a load can run at the same time at close to twice the
+bandwidth of either (~101 GB/s on an H200 against ~55 one way).
+
+Copies are issued per run of consecutive block ids: a host pool that hands out contiguous blocks for a prefix (as
+kvtier's does) makes a run per request; random block ids degrade to one copy per block (and per layer and K/V for
+``layer_first``), where the per-copy cost (~2-5 us issue) shows for small blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from kvtier.geometry import KVGeometry
+from kvtier.kernels.checks import LayerSpan, check_blocks_tensor, check_transfer, layer_span
+from kvtier.kernels.paged_kv import PagedKV
+from kvtier.kernels.transfer import launch_copy_pages, on_stream
+
+# Tuned on one H200 (2026-11-29, bench/bench_transfer.py). Two 8 MiB buffers per direction keep the copy engine
+# busy (a chunk's copy takes ~150 us, its gather ~15 us). The gather/scatter is device-to-device and brief, so it
+# may use more programs than the direct kernel without costing the forward pass much.
+STAGING_BYTES = 8 * 1024 * 1024
+NUM_BUFFERS = 2
+GATHER_PROGRAMS = 8
+GATHER_TILE_BYTES = 64 * 1024
+GATHER_WARPS = 16
+
+try:  # cupy's raw memcpy issues a copy in ~1-2 us of host time, against ~5-8 us for torch's copy_ on views
+    import cupy as _cupy
+except Exception:  # pragma: no cover - cupy is an optional extra
+    _cupy = None
+
+
+def _runs(block_ids: np.ndarray) -> list[tuple[int, int]]:
+    """Split positions ``0..n`` of ``block_ids`` into runs of consecutive ids: ``[(start, length), ...]``."""
+    if block_ids.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(block_ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [block_ids.size]))
+    return list(zip(starts.tolist(), (ends - starts).tolist()))
+
+
+class _Direction:
+    """Staging buffers, a copy-engine stream and reuse events for one direction."""
+
+    def __init__(self, kv: PagedKV, elems: int, num_buffers: int) -> None:
+        self.buffers = [torch.empty(elems, dtype=kv.geometry.dtype, device=kv.device) for _ in range(num_buffers)]
+        self.free_events: list[Optional[torch.cuda.Event]] = [None] * num_buffers
+        self.copy_stream = torch.cuda.Stream(device=kv.device) if kv.is_cuda else None
+        self.next_buffer = 0
+
+
+class StagedTransfer:
+    """Page transfers through device staging buffers and the copy engines, for one KV pool and one host tensor.
+
+    Args:
+        kv: the device KV buffers.
+        host: host blocks (pinned when ``kv`` is on CUDA), shaped for ``layout``.
+        layout: ``"page_first"`` or ``"layer_first"``.
+        staging_bytes: bytes of each staging buffer (at least one page of all layers is always allowed).
+        num_buffers: staging buffers per direction (>= 2 to overlap gather and copy).
+        gather_programs: programs of the gather/scatter kernel.
+
+    ``store`` and ``load`` are asynchronous and return a CUDA event (None on CPU) that completes with the transfer:
+    for a store, when the host blocks hold the bytes; for a load, when the slots do (the load is also ordered on
+    ``stream``). A store and a load may run at once; two stores (or two loads) run one after the other.
+    """
+
+    def __init__(self, kv: PagedKV, host: torch.Tensor, *, layout: str = "page_first",
+                 staging_bytes: int = STAGING_BYTES, num_buffers: int = NUM_BUFFERS,
+                 gather_programs: int = GATHER_PROGRAMS) -> None:
+        if num_buffers < 1:
+            raise ValueError(f"num_buffers must be >= 1, got {num_buffers}")
+        if gather_programs < 1:
+            raise ValueError(f"gather_programs must be >= 1, got {gather_programs}")
+        self.num_blocks = check_blocks_tensor(kv, host, layout, host_side=True)
+        self.kv, self.host, self.layout = kv, host, layout
+        geo = kv.geometry
+        self.staging_bytes = max(staging_bytes, geo.block_bytes)
+        self.gather_programs = gather_programs
+        elems = self.staging_bytes // geo.itemsize
+        self._store = _Direction(kv, elems, num_buffers)
+        self._load = _Direction(kv, elems, num_buffers)
+        self._local_ids = torch.arange(self.staging_bytes // (geo.page_bytes), dtype=torch.int64, device=kv.device)
+
+    def store(self, slots, block_ids, *, layers: Union[None, int, range] = None, stream=None,
+              check: bool = True) -> Optional[torch.cuda.Event]:
+        """D2H: copy pages from device slots to host blocks; see :func:`kvtier.kernels.store_pages`."""
+        return self._run(slots, block_ids, layers, stream, check, to_host=True)
+
+    def load(self, slots, block_ids, *, layers: Union[None, int, range] = None, stream=None,
+             check: bool = True) -> Optional[torch.cuda.Event]:
+        """H2D: copy pages from host blocks to device slots; see :func:`kvtier.kernels.load_pages`."""
+        return self._run(slots, block_ids, layers, stream, check, to_host=False)
+
+    # --- pipeline ---
+
+    def _run(self, slots, block_ids, layers, stream, check: bool, to_host: bool) -> Optional[torch.cuda.Event]:
+        kv = self.kv
+        span = layer_span(layers, kv.geometry.num_layers)
+        host_ids = block_ids.cpu().numpy() if isinstance(block_ids, torch.Tensor) else np.asarray(block_ids)
+        with on_stream(kv, stream):
+            slots, block_ids = check_transfer(kv, self.host, slots, block_ids, layout=self.layout, host_side=True,
+                                              writes_blocks=to_host, check_indices=check)
+            work = torch.cuda.current_stream() if kv.is_cuda else None
+            direction = self._store if to_host else self._load
+            if work is not None and not to_host:
+                # Host-to-staging copies start on the copy stream: order them after the caller's work so far
+                # (e.g. the previous reader of the staging buffers or of the host blocks).
+                direction.copy_stream.wait_stream(work)
+            page = kv.geometry.page_size
+            span_geo = dataclasses.replace(kv.geometry, num_layers=span.count)
+            pages_per_chunk = self.staging_bytes // span_geo.block_bytes
+            done = None
+            for first in range(0, host_ids.size, pages_per_chunk):
+                n = min(pages_per_chunk, host_ids.size - first)
+                chunk_slots = slots[first * page:(first + n) * page]
+                done = self._chunk(direction, work, chunk_slots, host_ids[first:first + n], span, span_geo, to_host)
+        return done
+
+    def _chunk(self, d: _Direction, work, chunk_slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
+               span_geo: KVGeometry, to_host: bool) -> Optional[torch.cuda.Event]:
+        b = d.next_buffer
+        d.next_buffer = (b + 1) % len(d.buffers)
+        n = host_ids.size
+        # The staging buffer holds the chunk's n pages of the span's layers, laid out like the host blocks.
+        shape = span_geo.host_shape(n, self.layout)
+        staging = d.buffers[b][:math.prod(shape)].view(shape)
+        local_ids = self._local_ids[:n]
+        strides = span_geo.host_row_strides(n, self.layout)
+        cuda = work is not None
+        if to_host:  # gather on the work stream, then copy on the copy stream
+            if cuda and d.free_events[b] is not None:
+                work.wait_event(d.free_events[b])
+            self._gather(staging, chunk_slots, local_ids, span, strides, to_staging=True)
+            if cuda:
+                ready = torch.cuda.Event()
+                ready.record(work)
+                d.copy_stream.wait_event(ready)
+            self._copy_runs(staging, host_ids, span, to_host=True, stream=d.copy_stream)
+            return self._mark_free(d, b, d.copy_stream)
+        # load: copy on the copy stream, then scatter on the work stream
+        if cuda and d.free_events[b] is not None:
+            d.copy_stream.wait_event(d.free_events[b])
+        self._copy_runs(staging, host_ids, span, to_host=False, stream=d.copy_stream)
+        if cuda:
+            copied = torch.cuda.Event()
+            copied.record(d.copy_stream)
+            work.wait_event(copied)
+        self._gather(staging, chunk_slots, local_ids, span, strides, to_staging=False)
+        return self._mark_free(d, b, work)
+
+    @staticmethod
+    def _mark_free(d: _Direction, b: int, stream) -> Optional[torch.cuda.Event]:
+        if stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        d.free_events[b] = ev
+        return ev
+
+    def _gather(self, staging: torch.Tensor, slots: torch.Tensor, local_ids: torch.Tensor, span: LayerSpan,
+                strides: tuple[int, int, int], *, to_staging: bool) -> None:
+        launch_copy_pages(self.kv, staging, slots, local_ids, span, strides, to_blocks=to_staging,
+                          num_programs=self.gather_programs, tile_bytes=GATHER_TILE_BYTES, num_warps=GATHER_WARPS,
+                          blocks_layer0=span.start)
+
+    def _copy_runs(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool,
+                   stream) -> None:
+        """Copy-engine copies between the staging buffer and the host blocks, one per contiguous region."""
+        all_layers = span.count == self.kv.geometry.num_layers
+        l0, l1 = span.start, span.start + span.count
+        for start, length in _runs(host_ids):
+            h0 = int(host_ids[start])
+            if self.layout == "page_first":
+                if all_layers:  # a run of whole blocks is one contiguous region
+                    pairs = [(self.host[h0:h0 + length], staging[start:start + length])]
+                else:  # within a block, a span of layers is contiguous
+                    pairs = [(self.host[h0 + j, l0:l1], staging[start + j]) for j in range(length)]
+            else:  # layer_first: a run of blocks is contiguous within each (layer, kv)
+                pairs = [(self.host[layer, k, h0:h0 + length], staging[layer - l0, k, start:start + length])
+                         for layer in range(l0, l1) for k in range(self.kv.geometry.kv_count)]
+            for host_view, staging_view in pairs:
+                if to_host:
+                    _copy(host_view, staging_view, stream)
+                else:
+                    _copy(staging_view, host_view, stream)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+    """Asynchronous copy between two contiguous views of equal size (a copy-engine copy on CUDA)."""
+    if stream is None:
+        dst.copy_(src)
+    elif _cupy is not None:
+        _cupy.cuda.runtime.memcpyAsync(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(),
+                                       _cupy.cuda.runtime.memcpyDefault, stream.cuda_stream)
+    else:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)

@@ -1,0 +1,223 @@
+"""Direct page transfers: a persistent Triton kernel copies KV rows between device slots and host blocks.
+
+The kernel reads one side and writes the other; pinned host memory is addressed in place through UVA, so no copy
+engine and no staging buffer are involved. It moves raw words (8 B, or narrower when a row or an address is not
+8-byte aligned) in 16-byte vectors where alignment allows, so it does not care whether the KV is bf16, fp16, fp8 or
+fp32. One launch moves any number of pages of one layer or of a range of layers (offset table in
+:class:`~kvtier.kernels.paged_kv.PagedKV`). The same kernel, pointed at a device staging buffer instead of host
+blocks, is the gather/scatter half of the staged mode (:mod:`kvtier.kernels.staged`).
+
+Work is split into tiles of whole 2^k-word chunks of rows (a row is one token of one layer, K or V), K and V of
+the same tokens loaded together; a persistent grid of ``num_programs`` programs strides over (layer, tile) items,
+layer-major. Host reads (loads) are latency bound over PCIe: throughput is bytes in flight / round-trip time, so
+the tile size sets the bandwidth a program can reach, and the program count sets how many SMs the transfer takes
+from the forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
+from kvtier.kernels.paged_kv import PagedKV, as_words
+
+# Tuned on one H200 (PCIe Gen5 x16, 2026-11-29, bench/bench_transfer.py --sections sweep; results in
+# bench/results/transfer_h200.json). The SM path tops out at ~52.4 GB/s D2H and ~51.1 GB/s H2D there (the copy
+# engine reaches ~55); per-layer 64 MiB, page 16:
+#   programs x warps x tile   D2H    H2D
+#   2 x 8 x 64 KiB            50.9   50.7
+#   3 x 8 x 64 KiB            52.4   51.1
+#   4 x 8 x 64 KiB            52.3   51.1
+#   4 x 8 x 16 KiB            51.2   33.8   (host reads need bytes in flight: ~192 KiB in total)
+# DEFAULT_PROGRAMS: persistent programs (one SM each) for bulk transfers; each costs the forward pass an SM.
+# TILE_BYTES: bytes one program loads before it stores (K and V together): the bytes it keeps in flight.
+# NUM_WARPS: 8 warps hold a 64 KiB tile in 256 B per thread (16 x 16-byte vectors).
+# BURST_*: a transfer this small holds its SMs for microseconds, so it may take more of them to cut latency
+#   (one 16-token page of 36 layers is 36 tiles: one round trip each with 36 programs instead of 9 with 4).
+DEFAULT_PROGRAMS = 4
+TILE_BYTES = 64 * 1024
+NUM_WARPS = 8
+BURST_BYTES = 4 * 1024 * 1024
+BURST_PROGRAMS = 32
+# Longest contiguous run one lane group copies; longer rows are split into chunks of this many bytes.
+MAX_CHUNK_BYTES = 2048
+
+
+# Integer arguments are not specialised on their values (Triton would otherwise compile a variant for n_layers == 1,
+# for multiples of 16, ...): one compiled kernel per geometry and direction, no compile stalls mid-serving.
+@triton.jit(do_not_specialize=["n_rows", "layer_start", "n_layers", "stride_block", "stride_layer", "stride_kv",
+                               "blocks_layer0"])
+def _copy_pages_kernel(
+    dev_base,  # word*: the lowest-addressed device KV buffer; every buffer is addressed from it
+    dev_offsets,  # int64 [layers * KV]: (buffer address - dev_base) in ALIGN-word units, layer-major, K before V
+    blocks,  # word*: host blocks (direct mode) or a device staging buffer (staged mode)
+    slots,  # int64 [n_rows]: device slot of each token, page by page
+    block_ids,  # int64 [n_rows // PAGE]: block of each page
+    n_rows,  # tokens to move (a multiple of PAGE)
+    layer_start,  # first layer to move
+    n_layers,  # layers to move
+    stride_block,  # blocks: rows between consecutive blocks
+    stride_layer,  # blocks: rows between consecutive layers
+    stride_kv,  # blocks: rows between K and V
+    blocks_layer0,  # the layer held at layer index 0 of blocks (0 for host blocks; a staging chunk's first layer)
+    TO_BLOCKS: tl.constexpr,  # True: device slots -> blocks (store, D2H); False: blocks -> device slots (load, H2D)
+    KV: tl.constexpr,  # buffers per layer: 2 (K, V) or 1 (MLA)
+    PAGE: tl.constexpr,  # tokens per page
+    ROW_WORDS: tl.constexpr,  # words per row (one token, one layer, K or V)
+    CHUNK: tl.constexpr,  # words per contiguous chunk: a power of two dividing ROW_WORDS
+    SEGS: tl.constexpr,  # chunks per tile and buffer (power of two)
+    ALIGN: tl.constexpr,  # dev_offsets unit, in words
+):
+    CHUNKS_PER_ROW: tl.constexpr = ROW_WORDS // CHUNK
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_segs = n_rows * CHUNKS_PER_ROW
+    n_tiles = tl.cdiv(n_segs, SEGS)
+    kv = tl.arange(0, KV)
+    lane_seg = tl.arange(0, SEGS)
+    word = tl.arange(0, CHUNK)
+    for item in range(pid, n_layers * n_tiles, nprog):
+        layer = (layer_start + item // n_tiles).to(tl.int64)
+        seg = (item % n_tiles).to(tl.int64) * SEGS + lane_seg  # [SEGS] chunk index over all rows
+        seg_ok = seg < n_segs
+        row = seg // CHUNKS_PER_ROW
+        col = (seg % CHUNKS_PER_ROW) * CHUNK  # first word of the chunk within its row
+        slot = tl.load(slots + row, mask=seg_ok, other=0)
+        block = tl.load(block_ids + row // PAGE, mask=seg_ok, other=0)
+        dev_off = tl.load(dev_offsets + layer * KV + kv) * ALIGN  # [KV]
+        dev_word = dev_off[:, None] + (slot * ROW_WORDS + col)[None, :]  # [KV, SEGS]
+        blk_row = block * stride_block + (layer - blocks_layer0) * stride_layer + row % PAGE
+        blk_row = blk_row[None, :] + (kv * stride_kv)[:, None]  # [KV, SEGS]
+        blk_word = blk_row * ROW_WORDS + col[None, :]  # [KV, SEGS]
+        dev_ptrs = dev_base + dev_word[:, :, None] + word[None, None, :]
+        blk_ptrs = blocks + blk_word[:, :, None] + word[None, None, :]
+        mask = seg_ok[None, :, None]  # broadcast over K/V and the chunk's words
+        if TO_BLOCKS:
+            tl.store(blk_ptrs, tl.load(dev_ptrs, mask=mask), mask=mask)
+        else:
+            tl.store(dev_ptrs, tl.load(blk_ptrs, mask=mask), mask=mask)
+
+
+def default_programs(nbytes: int) -> int:
+    """Programs for a transfer of ``nbytes`` when the caller names none: few for bulk, more for short bursts."""
+    return BURST_PROGRAMS if nbytes <= BURST_BYTES else DEFAULT_PROGRAMS
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+def launch_copy_pages(
+    kv: PagedKV,
+    blocks: torch.Tensor,
+    slots: torch.Tensor,
+    block_ids: torch.Tensor,
+    span: LayerSpan,
+    strides: tuple[int, int, int],
+    *,
+    to_blocks: bool,
+    num_programs: Optional[int],
+    tile_bytes: int,
+    num_warps: int,
+    blocks_layer0: int = 0,
+) -> None:
+    """Launch the copy kernel on the current stream; arguments must already be checked (no validation here)."""
+    geo = kv.geometry
+    n_rows = slots.numel()
+    if n_rows == 0 or span.count == 0:
+        return
+    word_bytes = kv.word_bytes
+    row_words = geo.row_bytes // word_bytes
+    chunk = _pow2_floor(row_words & -row_words)  # largest power of two dividing row_words
+    chunk = min(chunk, max(MAX_CHUNK_BYTES // word_bytes, 1))
+    segs = _pow2_floor(max(tile_bytes // (chunk * word_bytes * geo.kv_count), 1))
+    chunks_per_row = row_words // chunk
+    n_items = span.count * triton.cdiv(n_rows * chunks_per_row, segs)
+    if num_programs is None:
+        num_programs = default_programs(n_rows * span.count * geo.kv_count * geo.row_bytes)
+    grid = (max(1, min(num_programs, n_items)),)
+    _copy_pages_kernel[grid](
+        kv.base, kv.offsets, as_words(blocks, word_bytes), slots, block_ids,
+        n_rows, span.start, span.count, *strides, blocks_layer0,
+        TO_BLOCKS=to_blocks, KV=geo.kv_count, PAGE=geo.page_size, ROW_WORDS=row_words, CHUNK=chunk, SEGS=segs,
+        ALIGN=kv.align_words, num_warps=num_warps,
+    )
+
+
+def _transfer(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *, to_host: bool,
+              layout: str, layers: Union[None, int, range], num_programs: Optional[int], stream,
+              tile_bytes: int, num_warps: int, check: bool) -> None:
+    if num_programs is not None and (not isinstance(num_programs, int) or num_programs < 1):
+        raise ValueError(f"num_programs must be an int >= 1, got {num_programs!r}")
+    span = layer_span(layers, kv.geometry.num_layers)
+    with on_stream(kv, stream):  # index copies to the device must be ordered before the launch, on its stream
+        slots, block_ids = check_transfer(kv, host, slots, block_ids, layout=layout, host_side=True,
+                                          writes_blocks=to_host, check_indices=check)
+        strides = kv.geometry.host_row_strides(kv.geometry.num_blocks_in(host, layout), layout)
+        launch_copy_pages(kv, host, slots, block_ids, span, strides, to_blocks=to_host, num_programs=num_programs,
+                          tile_bytes=tile_bytes, num_warps=num_warps)
+
+
+class on_stream:
+    """Context: the kernel's device and, when given, a torch stream (or anything with ``cuda_stream``)."""
+
+    def __init__(self, kv: PagedKV, stream) -> None:
+        self._ctx = []
+        if kv.is_cuda:
+            self._ctx.append(torch.cuda.device(kv.device))
+            if stream is not None:
+                if not isinstance(stream, torch.cuda.Stream):
+                    stream = torch.cuda.ExternalStream(int(stream.cuda_stream if hasattr(stream, "cuda_stream")
+                                                           else stream.ptr), device=kv.device)
+                self._ctx.append(torch.cuda.stream(stream))
+
+    def __enter__(self):
+        for c in self._ctx:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self._ctx):
+            c.__exit__(*exc)
+
+
+def store_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *,
+                layout: str = "page_first", layers: Union[None, int, range] = None,
+                num_programs: Optional[int] = None, stream=None, tile_bytes: int = TILE_BYTES,
+                num_warps: int = NUM_WARPS, check: bool = True) -> None:
+    """Copy pages from device slots into host blocks (D2H), asynchronously on ``stream``.
+
+    Args:
+        kv: the device KV buffers (:class:`PagedKV`).
+        host: host blocks in ``layout`` (see :class:`~kvtier.geometry.KVGeometry`), same dtype as the device
+            buffers; pinned when the device buffers are on CUDA.
+        slots: int64 device slot of every token moved, ``len(block_ids) * page_size`` of them, page by page.
+        block_ids: int64 host block of every page moved; distinct.
+        layout: ``"page_first"`` or ``"layer_first"``.
+        layers: ``None`` for all layers in one launch, an ``int`` for one layer, or a ``range`` of layers.
+        num_programs: persistent programs (SMs) to use; default :data:`DEFAULT_PROGRAMS`, or up to
+            :data:`BURST_PROGRAMS` for transfers of at most :data:`BURST_BYTES` (see :func:`default_programs`).
+        stream: torch (or CuPy) stream to launch on; default the current stream.
+        tile_bytes: bytes each program keeps in flight; num_warps: warps per program.
+        check: validate indices (range, distinct destinations) before launching; costs a device sync when the
+            indices live on the GPU. Shapes, dtypes, devices and pinning are always checked.
+
+    The copy is asynchronous: the caller must keep the slots' KV unchanged until the stream reaches this point.
+    """
+    _transfer(kv, host, slots, block_ids, to_host=True, layout=layout, layers=layers, num_programs=num_programs,
+              stream=stream, tile_bytes=tile_bytes, num_warps=num_warps, check=check)
+
+
+def load_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *,
+               layout: str = "page_first", layers: Union[None, int, range] = None,
+               num_programs: Optional[int] = None, stream=None, tile_bytes: int = TILE_BYTES,
+               num_warps: int = NUM_WARPS, check: bool = True) -> None:
+    """Copy pages from host blocks into device slots (H2D), asynchronously on ``stream``.
+
+    Arguments as :func:`store_pages`; here the slots must be distinct and the blocks may repeat.
+    """
+    _transfer(kv, host, slots, block_ids, to_host=False, layout=layout, layers=layers, num_programs=num_programs,
+              stream=stream, tile_bytes=tile_bytes, num_warps=num_warps, check=check)

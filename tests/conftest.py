@@ -1,0 +1,23 @@
+"""Test configuration: the ``gpu`` marker, and the Triton interpreter on machines without CUDA."""
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # kernels run on CPU tensors through the interpreter (kvtier.kernels sets this too)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

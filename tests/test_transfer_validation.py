@@ -1,0 +1,149 @@
+"""Bad input raises a clear error before any launch, and nothing is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.geometry import KVGeometry
+from kvtier.kernels import PagedKV, StagedTransfer, load_pages, store_pages
+from tests.kv_helpers import as_bytes, make_host, make_kv, snapshot
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+GEO = KVGeometry(2, 2, 64, torch.bfloat16, page_size=4)
+NUM_SLOTS, NUM_BLOCKS = 40, 6
+
+
+@pytest.fixture(params=DEVICES)
+def setup(request):
+    device = request.param
+    gen = torch.Generator().manual_seed(1)
+    kv = make_kv(GEO, NUM_SLOTS, device, gen)
+    host = make_host(GEO, NUM_BLOCKS, "page_first", device, gen)
+    return kv, host, device
+
+
+def _ops(kv, host):
+    stager = StagedTransfer(kv, host)
+    return [
+        ("store_pages", lambda s, b, **kw: store_pages(kv, kw.pop("host", host), s, b, **kw)),
+        ("load_pages", lambda s, b, **kw: load_pages(kv, kw.pop("host", host), s, b, **kw)),
+        ("staged.store", lambda s, b, **kw: stager.store(s, b, **kw)),
+        ("staged.load", lambda s, b, **kw: stager.load(s, b, **kw)),
+    ]
+
+
+SLOTS = torch.arange(8)  # two pages
+BLOCKS = torch.tensor([1, 4])
+
+BAD_INDICES = [
+    ("slot out of range", torch.tensor([0, 1, 2, NUM_SLOTS, 4, 5, 6, 7]), BLOCKS, IndexError, "out of range"),
+    ("negative slot", torch.tensor([0, 1, 2, -1, 4, 5, 6, 7]), BLOCKS, IndexError, "out of range"),
+    ("block out of range", SLOTS, torch.tensor([1, NUM_BLOCKS]), IndexError, "out of range"),
+    ("lengths differ", SLOTS[:7], BLOCKS, ValueError, "page_size"),
+    ("int32 slots", SLOTS.to(torch.int32), BLOCKS, TypeError, "int64"),
+    ("float blocks", SLOTS, BLOCKS.to(torch.float32), TypeError, "int64"),
+    ("2-D slots", SLOTS.view(2, 4), BLOCKS, ValueError, "1-D"),
+]
+
+
+@pytest.mark.parametrize("what,slots,blocks,exc,match", BAD_INDICES, ids=[b[0] for b in BAD_INDICES])
+def test_bad_indices_raise_and_write_nothing(setup, what, slots, blocks, exc, match):
+    kv, host, _ = setup
+    for name, op in _ops(kv, host):
+        dev_before, host_before = snapshot(kv), as_bytes(host).clone()
+        with pytest.raises(exc, match=match):
+            op(slots, blocks)
+        assert torch.equal(as_bytes(host), host_before), f"{name} wrote host blocks before failing"
+        assert all(torch.equal(a, as_bytes(b)) for a, b in zip(dev_before, kv.buffers)), f"{name} wrote KV"
+
+
+def test_repeated_destinations_are_rejected(setup):
+    kv, host, _ = setup
+    with pytest.raises(ValueError, match="repeated"):
+        store_pages(kv, host, SLOTS, torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="repeated"):
+        load_pages(kv, host, torch.tensor([0, 1, 2, 3, 0, 5, 6, 7]), BLOCKS)
+    # repeated sources are fine: one block loaded into two places, one slot stored into two blocks
+    load_pages(kv, host, SLOTS, torch.tensor([2, 2]))
+    store_pages(kv, host, torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]), BLOCKS)
+
+
+def test_host_shape_dtype_and_layout_mismatch(setup):
+    kv, host, device = setup
+    wrong_dtype = host.view(torch.float16)
+    with pytest.raises(TypeError, match="dtype"):
+        store_pages(kv, wrong_dtype, SLOTS, BLOCKS)
+    with pytest.raises(ValueError, match="shape"):
+        store_pages(kv, host[:, :1], SLOTS, BLOCKS)  # one layer missing
+    with pytest.raises(ValueError, match="does not match layer_first"):
+        store_pages(kv, host, SLOTS, BLOCKS, layout="layer_first")
+    with pytest.raises(ValueError, match="layout"):
+        store_pages(kv, host, SLOTS, BLOCKS, layout="head_first")
+    with pytest.raises(ValueError, match="6-D"):
+        store_pages(kv, host.view(NUM_BLOCKS, -1), SLOTS, BLOCKS)
+    with pytest.raises(ValueError, match="contiguous"):
+        store_pages(kv, host.transpose(0, 1).contiguous().transpose(0, 1), SLOTS, BLOCKS)
+
+
+def test_host_tensor_must_be_host_memory(setup):
+    kv, host, _ = setup
+    on_meta = torch.empty(host.shape, dtype=host.dtype, device="meta")
+    with pytest.raises(ValueError, match="host memory"):
+        store_pages(kv, on_meta, SLOTS, BLOCKS)
+
+
+def test_layers_and_programs_are_checked(setup):
+    kv, host, _ = setup
+    with pytest.raises(ValueError, match="out of range"):
+        store_pages(kv, host, SLOTS, BLOCKS, layers=2)
+    with pytest.raises(ValueError, match="out of range"):
+        store_pages(kv, host, SLOTS, BLOCKS, layers=range(1, 3))
+    with pytest.raises(TypeError, match="step 1"):
+        store_pages(kv, host, SLOTS, BLOCKS, layers=range(0, 2, 2))
+    with pytest.raises(ValueError, match="num_programs"):
+        store_pages(kv, host, SLOTS, BLOCKS, num_programs=0)
+
+
+def test_paged_kv_rejects_inconsistent_buffers():
+    k = [torch.zeros(8, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
+    v = [torch.zeros(8, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(ValueError, match="K buffers"):
+        PagedKV.mha(k, v[:1])
+    with pytest.raises(ValueError, match="must match"):
+        PagedKV.mha(k, [v[0], torch.zeros(8, 2, 64, dtype=torch.float16)])
+    with pytest.raises(ValueError, match="must match"):
+        PagedKV.mha(k, [v[0], torch.zeros(9, 2, 64, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="contiguous"):
+        PagedKV.mha(k, [v[0], torch.zeros(2, 8, 64, dtype=torch.bfloat16).transpose(0, 1)])
+    with pytest.raises(ValueError, match="3-D"):
+        PagedKV.mla([torch.zeros(8, 576)])
+    with pytest.raises(ValueError, match="non-empty"):
+        PagedKV.mla([])
+
+
+def test_geometry_rejects_bad_config():
+    with pytest.raises(ValueError, match="page_size"):
+        KVGeometry(2, 2, 64, torch.bfloat16, page_size=0)
+    with pytest.raises(ValueError, match="num_layers"):
+        KVGeometry(0, 2, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="latent head"):
+        KVGeometry(2, 2, 576, torch.bfloat16, is_mla=True)
+    with pytest.raises(TypeError, match="torch.dtype"):
+        KVGeometry(2, 2, 64, "bf16")
+
+
+@pytest.mark.gpu
+def test_unpinned_host_and_wrong_device_are_rejected():
+    gen = torch.Generator().manual_seed(2)
+    kv = make_kv(GEO, NUM_SLOTS, "cuda", gen)
+    pageable = torch.zeros(GEO.host_shape(NUM_BLOCKS, "page_first"), dtype=GEO.dtype)
+    with pytest.raises(ValueError, match="pinned"):
+        store_pages(kv, pageable, SLOTS, BLOCKS)
+    with pytest.raises(ValueError, match="pinned"):
+        StagedTransfer(kv, pageable)
+    on_gpu = pageable.cuda()
+    with pytest.raises(ValueError, match="host memory"):
+        load_pages(kv, on_gpu, SLOTS, BLOCKS)
+    with pytest.raises(ValueError, match="must all share a device|all must share a device"):
+        PagedKV.mha([kv.buffers[0]], [kv.buffers[1].cpu()])
