@@ -43,6 +43,8 @@ GEOMETRIES = {  # name -> (heads, head_dim, dtype, is_mla)
 PAGES = (1, 16, 64)
 PROGRAMS = (1, 2, 4, 8, 16)
 REPS = 20
+GEMM_METHODS = ["kvtier_direct_default", "kvtier_staged_contig", "sglang_hicache"]
+GEMM_EXTRA: list = []  # (programs, warps, tile KiB) to put beside the GEMM too; set by --gemm-configs
 
 
 # --- peers ---
@@ -183,27 +185,34 @@ def check_direct(s: Setup, layout: str, gen: torch.Generator) -> bool:
 
 # --- sections ---
 
+SWEEP_CONFIGS = [(p, w, t) for p, w, t in ((2, 16, 128), (3, 8, 64), (3, 16, 128), (4, 8, 64), (4, 8, 128),
+                                             (4, 16, 128), (4, 32, 128), (4, 16, 256), (6, 8, 64), (8, 8, 64),
+                                             (8, 16, 128))]
+
+
 def run_sweep(res: dict, host_bytes: torch.Tensor, gen) -> None:
-    s = Setup("qwen3_8b", 2, 16, 200_000, 16384, host_bytes)
-    tokens = 16384
-    slots = random_slots(tokens // 16, 16, s.num_slots, generator=gen)
-    blocks = torch.randperm(s.num_blocks)[:tokens // 16].cuda()
-    host = s.host("page_first")
-    nbytes = tokens * s.geo.row_bytes * 2
+    """Programs x warps x tile KiB on the realistic host layouts: 36 layers, per-layer 64 MiB, pages 1/16/64."""
     rows = []
-    for warps in (4, 8, 16, 32):
-        for tile_kib in (16, 32, 64, 128):
-            for p in (1, 2, 3, 4, 8, 16):
-                row = {"warps": warps, "tile_kib": tile_kib, "programs": p}
+    tokens = 16384
+    for page in PAGES:
+        s = Setup("qwen3_8b", 36, page, 200_000, tokens, host_bytes)
+        slots = random_slots(tokens // page, page, s.num_slots, generator=gen)
+        blocks = torch.randperm(s.num_blocks)[:tokens // page].cuda()
+        nbytes = tokens * s.geo.row_bytes * 2
+        for layout in ("page_first", "layer_first"):
+            host = s.host(layout)
+            for p, warps, tile_kib in SWEEP_CONFIGS:
+                row = {"page": page, "layout": layout, "programs": p, "warps": warps, "tile_kib": tile_kib}
                 for name, op in (("d2h", store_pages), ("h2d", load_pages)):
-                    t = time_gpu_ms(lambda: op(s.kv, host, slots, blocks, layers=0, num_programs=p,
+                    t = time_gpu_ms(lambda: op(s.kv, host, slots, blocks, layout=layout, layers=0, num_programs=p,
                                                tile_bytes=tile_kib * 1024, num_warps=warps, check=False), reps=10)
                     row[f"{name}_gbps"] = gbps(nbytes, t["median_ms"])
                 rows.append(row)
-        print("sweep warps", warps, "done", flush=True)
     res["sweep"] = rows
-    best = sorted(rows, key=lambda r: (-min(r["h2d_gbps"], r["d2h_gbps"]), r["programs"]))[:10]
-    print("sweep best:", *best, sep="\n  ", flush=True)
+    for p, w, t in SWEEP_CONFIGS:
+        sel = [r for r in rows if (r["programs"], r["warps"], r["tile_kib"]) == (p, w, t)]
+        print(f"sweep p{p} w{w} t{t}: d2h min {min(r['d2h_gbps'] for r in sel)} h2d min "
+              f"{min(r['h2d_gbps'] for r in sel)}", flush=True)
 
 
 def run_sizes(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
@@ -244,8 +253,17 @@ def run_gemm(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
     fns = method_fns(s, 16384, "layer_first", False, hicache, gen)
     out = {}
     side = torch.cuda.Stream()
-    methods = ["kvtier_direct_p1", "kvtier_direct_p2", "kvtier_direct_p4", "kvtier_direct_p8",
-               "kvtier_staged_contig", "sglang_hicache"]
+    s36 = Setup("qwen3_8b", 36, 16, 200_000, 16384, host_bytes)
+    slots36 = random_slots(1024, 16, s36.num_slots, generator=gen)
+    blocks36 = torch.randperm(1024)[:1024].cuda()
+    for p, w, t in SWEEP_CONFIGS + [(1, 8, 64), (2, 8, 64)]:
+        fns[f"kvtier_p{p}_w{w}_t{t}"] = (lambda p=p, w=w, t=t: load_pages(
+            s36.kv, s36.host("layer_first"), slots36, blocks36, layout="layer_first", layers=0, num_programs=p,
+            num_warps=w, tile_bytes=t * 1024, check=False), 16384 * s36.geo.row_bytes * 2)
+    fns["kvtier_direct_default"] = (lambda: load_pages(s36.kv, s36.host("layer_first"), slots36, blocks36,
+                                                       layout="layer_first", layers=0, check=False),
+                                    16384 * s36.geo.row_bytes * 2)
+    methods = GEMM_METHODS + [f"kvtier_p{p}_w{w}_t{t}" for p, w, t in GEMM_EXTRA]
     alone_all = []
     for meth in methods:
         if meth not in fns:
@@ -412,7 +430,7 @@ def summarize(res: dict) -> dict:
         summ["staged_h2d_gbps"] = res["bidir"]["staged"]["load_gbps"]
         summ["bidirectional_gbps"] = res["bidir"]["staged"]["combined_gbps"]
     if "gemm" in res:
-        summ["gemm_slowdown_pct"] = res["gemm"].get(default, {}).get("slowdown_pct")
+        summ["gemm_slowdown_pct"] = res["gemm"].get("kvtier_direct_default", {}).get("slowdown_pct")
         summ["gemm_slowdown_hicache_pct"] = res["gemm"].get("sglang_hicache", {}).get("slowdown_pct")
     if "latency" in res:
         lat = res["latency"]["qwen3_8b"]
@@ -422,6 +440,9 @@ def summarize(res: dict) -> dict:
 
 
 def plot(res: dict, path: str) -> None:
+    for name in [m for m in sys.modules if m.split(".")[0] in _STUB]:
+        del sys.modules[name]  # stubs from load_hicache confuse matplotlib's IPython hook
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _StubFinder)]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -448,7 +469,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/transfer_h200.json")
     ap.add_argument("--sections", default="sizes,gemm,bidir,latency,overhead")
+    ap.add_argument("--gemm-configs", default="", help="extra direct configs beside the GEMM: p:w:t,p:w:t")
     args = ap.parse_args()
+    GEMM_EXTRA.extend(tuple(int(x) for x in c.split(":")) for c in args.gemm_configs.split(",") if c)
     sections = args.sections.split(",")
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)

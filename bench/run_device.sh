@@ -12,4 +12,4 @@ fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
-python3 bench/bench_transfer.py --out "$OUT/transfer_h200.json" --sections "${1:-sizes,gemm,bidir,latency}" 2>&1 | tee "$OUT/bench.log"
+python3 bench/bench_transfer.py --out "$OUT/transfer_h200.json" --sections "${1:-sizes,gemm,bidir,latency,overhead,sweep}" ${2:-} 2>&1 | tee "$OUT/bench.log"

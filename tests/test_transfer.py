@@ -18,7 +18,9 @@ from kvtier.geometry import KVGeometry
 from kvtier.kernels import StagedTransfer, copy_pages_ref, load_pages, store_pages
 from tests.kv_helpers import as_bytes, make_host, make_kv, snapshot
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# CPU tensors run through the Triton interpreter, which is on only where CUDA is absent (tests/conftest.py).
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter off")),
+           pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]  # uint8 stands for fp8
 BUDGET_BYTES = 1 << 20  # bytes moved per example on CPU: the interpreter is slow
 

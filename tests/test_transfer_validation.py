@@ -9,7 +9,9 @@ from kvtier.geometry import KVGeometry
 from kvtier.kernels import PagedKV, StagedTransfer, load_pages, store_pages
 from tests.kv_helpers import as_bytes, make_host, make_kv, snapshot
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# CPU tensors run through the Triton interpreter, which is on only where CUDA is absent (tests/conftest.py).
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter off")),
+           pytest.param("cuda", marks=pytest.mark.gpu)]
 GEO = KVGeometry(2, 2, 64, torch.bfloat16, page_size=4)
 NUM_SLOTS, NUM_BLOCKS = 40, 6
 

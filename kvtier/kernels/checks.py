@@ -10,6 +10,7 @@ import dataclasses
 from typing import Union
 
 import torch
+from triton import knobs
 
 from kvtier.geometry import check_layout
 from kvtier.kernels.paged_kv import PagedKV
@@ -94,6 +95,9 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
     if not isinstance(kv, PagedKV):
         raise TypeError(f"kv must be a kvtier PagedKV (build one with PagedKV.mha / PagedKV.mla), "
                         f"got {type(kv).__name__}")
+    if not kv.is_cuda and not knobs.runtime.interpret:
+        raise ValueError(f"KV buffers on {kv.device} can only be moved through the Triton interpreter: set "
+                         "TRITON_INTERPRET=1 before importing kvtier (it is set by default where CUDA is absent)")
     num_blocks = check_blocks_tensor(kv, blocks, layout, host_side=host_side)
     slots = _as_index_tensor("slots", slots, kv.device)
     block_ids = _as_index_tensor("block_ids", block_ids, kv.device)

@@ -26,10 +26,12 @@ from kvtier.kernels.checks import LayerSpan, check_blocks_tensor, check_transfer
 from kvtier.kernels.paged_kv import PagedKV
 from kvtier.kernels.transfer import launch_copy_pages, on_stream
 
-# Tuned on one H200 (2026-11-29, bench/bench_transfer.py). Two 8 MiB buffers per direction keep the copy engine
-# busy (a chunk's copy takes ~150 us, its gather ~15 us). The gather/scatter is device-to-device and brief, so it
-# may use more programs than the direct kernel without costing the forward pass much.
-STAGING_BYTES = 8 * 1024 * 1024
+# Tuned on one H200 (2026-11-29, bench/bench_transfer.py). Two 16 MiB buffers per direction keep the copy engine
+# busy: a chunk's copy takes ~300 us, its gather ~30 us, and issuing a chunk costs ~60 us of host time, so a
+# store and a load issued from one thread stay ahead of both copy engines (8 MiB chunks left them host-bound at
+# 68 GB/s combined). The gather/scatter is device-to-device and brief, so it may use more programs than the
+# direct kernel without costing the forward pass much.
+STAGING_BYTES = 16 * 1024 * 1024
 NUM_BUFFERS = 2
 GATHER_PROGRAMS = 8
 GATHER_TILE_BYTES = 64 * 1024

@@ -21,6 +21,7 @@ from typing import Optional, Union
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
 from kvtier.kernels.paged_kv import PagedKV, as_words
@@ -140,12 +141,31 @@ def launch_copy_pages(
     if num_programs is None:
         num_programs = default_programs(n_rows * span.count * geo.kv_count * geo.row_bytes)
     grid = (max(1, min(num_programs, n_items)),)
-    _copy_pages_kernel[grid](
-        kv.base, kv.offsets, as_words(blocks, word_bytes), slots, block_ids,
-        n_rows, span.start, span.count, *strides, blocks_layer0,
-        TO_BLOCKS=to_blocks, KV=geo.kv_count, PAGE=geo.page_size, ROW_WORDS=row_words, CHUNK=chunk, SEGS=segs,
-        ALIGN=kv.align_words, num_warps=num_warps,
-    )
+    pointers = (kv.base, kv.offsets, as_words(blocks, word_bytes), slots, block_ids)
+    args = (*pointers, n_rows, span.start, span.count, *strides, blocks_layer0)
+    consts = (to_blocks, geo.kv_count, geo.page_size, row_words, chunk, segs, kv.align_words)
+    _launch(grid, args, pointers, consts, num_warps)
+
+
+# Compiled kernels by specialisation: Triton's generic launch path binds and hashes every argument on each call
+# (~20 us of host time); a transfer per layer per request makes that the scheduler's cost, so repeat launches
+# call the compiled kernel directly. Triton specialises pointers on 16-byte alignment (ints are not specialised,
+# see do_not_specialize), so the key is the constexprs, the warps, the device and the pointers' alignment.
+_compiled: dict[tuple, object] = {}
+_CONST_NAMES = ("TO_BLOCKS", "KV", "PAGE", "ROW_WORDS", "CHUNK", "SEGS", "ALIGN")
+
+
+def _launch(grid: tuple, args: tuple, pointers: tuple, consts: tuple, num_warps: int) -> None:
+    if knobs.runtime.interpret or pointers[0].device.type != "cuda":
+        _copy_pages_kernel[grid](*args, **dict(zip(_CONST_NAMES, consts)), num_warps=num_warps)
+        return
+    device = pointers[0].device.index
+    key = (consts, num_warps, device, tuple(p.data_ptr() % 16 == 0 for p in pointers))
+    kernel = _compiled.get(key)
+    if kernel is None:
+        _compiled[key] = _copy_pages_kernel[grid](*args, **dict(zip(_CONST_NAMES, consts)), num_warps=num_warps)
+        return
+    kernel[grid](*args, *consts, stream=torch.cuda.current_stream(device).cuda_stream)
 
 
 def _transfer(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *, to_host: bool,

@@ -1,0 +1,390 @@
+"""Host-index benchmark (CPU): kvtier PageTrie vs SGLang 0.5.23 RadixCache in one process, one run.
+
+Workloads (token ids as Python-side ``array('q')``, the form SGLang's RadixKey holds):
+  multi_turn    probe/radix_bench.py's generator and seed: 2000 sequences, 8 system prompts of 2048
+                tokens, 1-7 turns of 512 (~4.1k tokens per sequence, 8.17M tokens)
+  long_context  2 documents of 96k tokens, each continued by 4 different 32k tails: 8 sequences of 128k
+  random        1000 unrelated random sequences of 512-8192 tokens
+Each library gets the same input: before every timed call the sequence is copied into a fresh
+``array('q')`` (untimed: a caller has just built its request key, so it is in cache), and the timed
+call includes each library's own conversion (RadixKey + params objects for SGLang, the numpy view for
+kvtier). Values (SGLang's kv-index tensor, kvtier's block ids) are built beforehand, untimed.
+"cold loop" figures loop over the prebuilt arrays instead (64 MB of keys: they come from DRAM).
+Per repeat: a fresh cache, insert every sequence, match every sequence, evict everything in chunks.
+Reported: medians over repeats of per-call medians (and means), tokens/s, bytes per page, numba
+compile time apart (fresh process without cache vs with cache), and the memory of 10M pages (page 16).
+
+Run (SGLang must import in the same interpreter; see bench/results/index_notes.md for the venv):
+    /work/venv-sgl/bin/python bench/bench_index.py            # full run, writes bench/results/index_cpu.json
+    /work/venv-sgl/bin/python bench/bench_index.py --quick    # smaller, for a smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from array import array
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kvtier.index import PageTrie  # noqa: E402
+
+pc = time.perf_counter
+
+
+# ---- workloads ------------------------------------------------------------------------------------
+def multi_turn(n_seq=2000, sys_len=2048, n_sys=8, turn=512, max_turns=8, seed=0):
+    """Exactly radix_bench.py's generator."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(150000) for _ in range(sys_len)] for _ in range(n_sys)]
+    convs = []
+    for _ in range(n_seq):
+        s = list(systems[rng.randrange(n_sys)])
+        for _ in range(rng.randrange(1, max_turns)):
+            s += [rng.randrange(150000) for _ in range(turn)]
+        convs.append(s)
+    return convs
+
+
+def long_context(n_docs=2, doc_len=96 * 1024, tails=4, tail_len=32 * 1024, seed=1):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_docs):
+        doc = rng.integers(0, 150000, doc_len).tolist()
+        for _ in range(tails):
+            out.append(doc + rng.integers(0, 150000, tail_len).tolist())
+    return out
+
+
+def random_seqs(n_seq=1000, lo=512, hi=8192, seed=2):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 150000, int(rng.integers(lo, hi + 1))).tolist() for _ in range(n_seq)]
+
+
+# ---- adapters: same calls, each library's own input types -------------------------------------------
+class KvtierLib:
+    name = "kvtier"
+
+    def __init__(self, page):
+        self.page = page
+        self.t = PageTrie(page)
+
+    def values(self, seqs):
+        return [np.arange(len(s) // self.page, dtype=np.int64) for s in seqs]
+
+    def insert(self, key, value):
+        self.t.insert(key, value)
+
+    def match(self, key):
+        return self.t.match(key).num_pages * self.page
+
+    def evict_pages(self, pages):
+        return len(self.t.evict(pages))
+
+    def pages(self):
+        return self.t.total_pages
+
+
+class _NullAllocator:
+    """Stands in for the KV allocator of a simulated SGLang cache: frees are no-ops."""
+
+    device = "cpu"
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+class SglangLib:
+    name = "sglang_radix"
+
+    def __init__(self, page):
+        import torch
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+        self.torch, self.page = torch, page
+        self.RadixKey, self.IP, self.MP, self.EP = RadixKey, InsertParams, MatchPrefixParams, EvictParams
+        self.c = self._make(page)
+
+    def _make(self, page):
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+        return RadixCache.create_simulated(page_size=page, mock_allocator=_NullAllocator())
+
+    def values(self, seqs):
+        return [self.torch.arange(len(s) // self.page * self.page, dtype=self.torch.int64) for s in seqs]
+
+    def insert(self, key, value):
+        self.c.insert(self.IP(key=self.RadixKey(key), value=value))
+
+    def match(self, key):
+        return self.c.match_prefix(self.MP(key=self.RadixKey(key))).device_prefix_len
+
+    def evict_pages(self, pages):
+        return self.c.evict(self.EP(num_tokens=pages * self.page)).num_tokens_evicted // self.page
+
+    def pages(self):
+        return (self.c.evictable_size() + self.c.protected_size()) // self.page
+
+
+class SglangUnifiedLib(SglangLib):
+    name = "sglang_unified_rust"
+
+    def _make(self, page):
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+        p = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_NullAllocator(),
+                            page_size=page, tree_components=(ComponentType.FULL,))
+        c = UnifiedRadixCache(p)
+        self.core = type(c.tree_core).__name__
+        return c
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+def run_library(cls, page, seqs, arrs, reps, evict_chunk_pages):
+    per_rep = []
+    hits = None
+    for _ in range(reps):
+        gc.collect()
+        lib = cls(page)
+        vals = lib.values(seqs)
+        ins = []
+        for a, v in zip(arrs, vals):
+            key = a[:]
+            t0 = pc()
+            lib.insert(key, v)
+            ins.append(pc() - t0)
+        gc.collect()
+        mt, got = [], []
+        for a in arrs:
+            key = a[:]
+            t0 = pc()
+            h = lib.match(key)
+            mt.append(pc() - t0)
+            got.append(h)
+        t0 = pc()
+        for a in arrs:
+            lib.match(a)
+        cold = (pc() - t0) / len(arrs)
+        total_pages = lib.pages()
+        gc.collect()
+        ev_t, ev_n = 0.0, 0
+        while True:
+            t0 = pc()
+            k = lib.evict_pages(evict_chunk_pages)
+            ev_t += pc() - t0
+            if k == 0:
+                break
+            ev_n += k
+        hits = got
+        per_rep.append(dict(insert=ins, match=mt, cold=cold, evict_s=ev_t, evicted=ev_n, pages=total_pages))
+        del lib, vals
+    ntok = sum(len(s) for s in seqs)
+    med = statistics.median
+    res = {
+        "insert_us_median": med(med(r["insert"]) for r in per_rep) * 1e6,
+        "insert_us_mean": med(statistics.fmean(r["insert"]) for r in per_rep) * 1e6,
+        "match_us_median": med(med(r["match"]) for r in per_rep) * 1e6,
+        "match_us_mean": med(statistics.fmean(r["match"]) for r in per_rep) * 1e6,
+        "match_us_cold_loop": med(r["cold"] for r in per_rep) * 1e6,
+        "evict_us_per_page": med(r["evict_s"] / max(r["evicted"], 1) for r in per_rep) * 1e6,
+        "pages_held": per_rep[-1]["pages"],
+        "pages_evicted": per_rep[-1]["evicted"],
+        "insert_mtok_s": ntok / med(sum(r["insert"]) for r in per_rep) / 1e6,
+        "match_mtok_s": ntok / med(sum(r["match"]) for r in per_rep) / 1e6,
+        "reps": reps,
+    }
+    return res, hits
+
+
+def compile_times():
+    """First insert+match+lock+evict in a fresh process: without the numba cache, then with it (twice)."""
+    code = ("import time; t=time.perf_counter(); import numpy as np; from kvtier.index import PageTrie; "
+            "t1=time.perf_counter(); p=PageTrie(16); r=p.insert(np.arange(64), np.arange(4)); m=p.match(np.arange(64)); "
+            "p.match(np.arange(64), method='gallop'); p.lock(m); p.unlock(m); p.remove(np.arange(64)); p.evict(1); "
+            "print(t1-t, time.perf_counter()-t1)")
+    out = {}
+    for label, env in (("no_cache", {"KVTIER_NUMBA_CACHE": "0"}), ("cache_fill", {}), ("cached", {})):
+        e = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, cwd=ROOT)
+        imp, first = (float(x) for x in r.stdout.split())
+        out[label] = {"import_s": imp, "first_calls_s": first}
+    return out
+
+
+def memory_10m(pages=10_000_000, page=16, seq_pages=4096, seed=3):
+    """Index ``pages`` pages of random tokens (capacity preset) and measure the arrays' bytes."""
+    rng = np.random.default_rng(seed)
+    t = PageTrie(page, capacity=pages, initial_nodes=pages)
+    gc.collect()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = pc()
+    done, probes = 0, []
+    while done < pages:
+        n = min(seq_pages, pages - done)
+        toks = rng.integers(0, 150000, n * page, dtype=np.uint32)
+        t.insert(toks, np.arange(done, done + n, dtype=np.int64))
+        if len(probes) < 64:
+            probes.append((toks, done))
+        done += n
+    build = pc() - t0
+    ok = all(t.match(q, touch=False).block_ids[0] == first for q, first in probes)
+    full = all(t.match(q, touch=False).num_pages == len(q) // page for q, _ in probes)
+    nbytes = t.nbytes
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # what plain doubling from 4096 slots would have allocated for the same pages (no capacity given)
+    slots = 4096
+    while slots < pages:
+        slots *= 2
+    from kvtier.index._state import new_state, state_nbytes
+    doubling = state_nbytes(new_state(page, slots))  # np.zeros/np.full of untouched pages: nbytes, not RSS
+    return {"pages": t.total_pages, "page_size": page, "nbytes": nbytes, "gib": nbytes / 2**30,
+            "bytes_per_page": nbytes / pages, "tokens_bytes_per_page": 4 * page, "build_s": build,
+            "insert_us_per_page": build / pages * 1e6, "maxrss_delta_gib": (rss1 - rss0) / 2**20,
+            "sample_matches_ok": bool(ok and full), "doubling_without_capacity_gib": doubling / 2**30}
+
+
+# ---- main -----------------------------------------------------------------------------------------
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/index_cpu.json"))
+    ap.add_argument("--mem-pages", type=int, default=10_000_000)
+    ap.add_argument("--no-sglang", action="store_true")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+
+    libs = [KvtierLib]
+    versions = {"python": platform.python_version(), "numpy": np.__version__}
+    import numba
+    versions["numba"] = numba.__version__
+    notes = {}
+    if not args.no_sglang:
+        import sglang
+        versions["sglang"] = sglang.__version__
+        libs.append(SglangLib)
+        try:
+            SglangUnifiedLib(16)
+            libs.append(SglangUnifiedLib)
+        except Exception as e:  # recorded, not fatal
+            notes["sglang_unified"] = f"not built: {type(e).__name__}: {e}"
+
+    print("compile times ...", flush=True)
+    comp = compile_times()
+    scale = 0.25 if args.quick else 1.0
+    workloads = {
+        "multi_turn": (multi_turn(n_seq=int(2000 * scale)), [16, 1], 1 if args.quick else 3),
+        "long_context": (long_context(), [16, 1], 1 if args.quick else 5),
+        "random": (random_seqs(n_seq=int(1000 * scale)), [16, 1], 1 if args.quick else 3),
+    }
+    results = {}
+    for wname, (seqs, pages, reps) in workloads.items():
+        arrs = [array("q", s) for s in seqs]
+        ntok = sum(len(s) for s in seqs)
+        for page in pages:
+            key = f"{wname}/page{page}"
+            results[key] = {"seqs": len(seqs), "tokens": ntok}
+            hits = {}
+            for cls in libs:
+                print(f"{key}: {cls.name} ...", flush=True)
+                res, hits[cls.name] = run_library(cls, page, seqs, arrs, reps, evict_chunk_pages=max(4096 // page, 1))
+                results[key][cls.name] = res
+                print(f"   insert {res['insert_us_median']:.1f} us, match {res['match_us_median']:.1f} us "
+                      f"(cold loop {res['match_us_cold_loop']:.1f}), evict {res['evict_us_per_page']:.3f} us/page",
+                      flush=True)
+            base = hits["kvtier"]
+            results[key]["same_hits"] = {n: h == base for n, h in hits.items()}
+            k = results[key]["kvtier"]
+            for n in hits:
+                if n != "kvtier":
+                    o = results[key][n]
+                    results[key][f"speedup_vs_{n}"] = {
+                        "match": o["match_us_median"] / k["match_us_median"],
+                        "insert": o["insert_us_median"] / k["insert_us_median"],
+                        "match_cold_loop": o["match_us_cold_loop"] / k["match_us_cold_loop"],
+                        "evict_per_page": o["evict_us_per_page"] / k["evict_us_per_page"]}
+        del arrs
+        gc.collect()
+
+    print("memory at %d pages ..." % args.mem_pages, flush=True)
+    mem = memory_10m(args.mem_pages)
+    mt = results["multi_turn/page16"]
+    sp = mt.get("speedup_vs_sglang_radix", {})
+    summary = {
+        "match_speedup_vs_sglang": sp.get("match"),
+        "insert_speedup_vs_sglang": sp.get("insert"),
+        "match_speedup_vs_sglang_cold_loop": sp.get("match_cold_loop"),
+        "evict_speedup_vs_sglang": sp.get("evict_per_page"),
+        "bytes_per_page": mem["bytes_per_page"],
+        "mem_10M_pages_gib": mem["gib"] if args.mem_pages == 10_000_000 else None,
+        "workload": "multi_turn/page16",
+        "kvtier_match_us": mt["kvtier"]["match_us_median"],
+        "kvtier_insert_us": mt["kvtier"]["insert_us_median"],
+        "sglang_match_us": mt.get("sglang_radix", {}).get("match_us_median"),
+        "sglang_insert_us": mt.get("sglang_radix", {}).get("insert_us_median"),
+    }
+    out = {"summary": summary, "compile": comp, "memory": mem, "results": results, "versions": versions,
+           "notes": notes, "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+           "command": " ".join([Path(sys.executable).as_posix()] + sys.argv)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps(summary, indent=1))
+    print(table(results))
+    if not args.no_plot:
+        try:
+            plot(results, Path(args.out).with_suffix(".png").with_name("index_cpu.png"))
+        except Exception as e:  # matplotlib missing: the JSON is the result
+            print("plot skipped:", e)
+
+
+def table(results):
+    rows = ["| workload | library | insert µs/seq | match µs/seq | match µs (cold loop) | evict µs/page | match speedup |",
+            "|---|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        for lib in ("kvtier", "sglang_radix", "sglang_unified_rust"):
+            if lib not in r:
+                continue
+            x = r[lib]
+            sp = "" if lib == "kvtier" else f"{r[f'speedup_vs_{lib}']['match']:.1f}x"
+            rows.append(f"| {key} | {lib} | {x['insert_us_median']:.1f} | {x['match_us_median']:.1f} | "
+                        f"{x['match_us_cold_loop']:.1f} | {x['evict_us_per_page']:.3f} | {sp} |")
+    return "\n".join(rows)
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = list(results)
+    libs = [lib for lib in ("kvtier", "sglang_radix", "sglang_unified_rust") if lib in results[keys[0]]]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    w = 0.8 / len(libs)
+    for ax, metric, title in ((axes[0], "match_us_median", "match µs per sequence"),
+                              (axes[1], "insert_us_median", "insert µs per sequence")):
+        for i, lib in enumerate(libs):
+            ax.bar(np.arange(len(keys)) + i * w, [results[k][lib][metric] for k in keys], w, label=lib)
+        ax.set_xticks(np.arange(len(keys)) + w * (len(libs) - 1) / 2, keys, rotation=30, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(title + " (median, log scale)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

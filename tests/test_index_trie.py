@@ -1,0 +1,240 @@
+"""PageTrie and chained page hashes: semantics, namespaces, bad input, forced collisions, growth."""
+from __future__ import annotations
+
+import random
+from array import array
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.index import DEFAULT_NAMESPACE_SEED, Namespace, PageTrie, namespace_seed, page_hashes
+
+
+def ref_chain(tokens, page_size, seed):
+    out, h = [], seed
+    for i in range(len(tokens) // page_size):
+        page = np.asarray(tokens[i * page_size:(i + 1) * page_size], dtype="<u4").tobytes()
+        h = xxhash.xxh64_intdigest(page, h)
+        out.append(h)
+    return out
+
+
+# ---- page hashes and namespaces -------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=300), page_size=st.integers(1, 40),
+       extra=st.none() | st.text(max_size=5), lora=st.none() | st.integers(-5, 5) | st.text(max_size=3))
+def test_page_hashes_are_the_chain(tokens, page_size, extra, lora):
+    ns = Namespace(extra_key=extra, lora_id=lora)
+    got = page_hashes(tokens, page_size, ns).tolist()
+    assert got == ref_chain(tokens, page_size, ns.seed)
+
+
+def test_default_namespace_seed_is_fixed():
+    assert DEFAULT_NAMESPACE_SEED == 0xF4F062749E8B0862
+    assert namespace_seed() == DEFAULT_NAMESPACE_SEED == Namespace().seed
+    assert page_hashes([1, 2], 2).tolist() == ref_chain([1, 2], 2, DEFAULT_NAMESPACE_SEED)
+
+
+def test_namespace_encoding_is_injective():
+    seeds = [namespace_seed("a", None, "bc"), namespace_seed("ab", None, "c"), namespace_seed(None, "a", "bc"),
+             namespace_seed(lora_id=1), namespace_seed(lora_id="1"), namespace_seed(extra_key=""),
+             namespace_seed(cache_salt=""), namespace_seed(), namespace_seed("a"), namespace_seed(cache_salt="a")]
+    assert len(set(seeds)) == len(seeds)
+
+
+@pytest.mark.parametrize("kw", [dict(extra_key=1), dict(cache_salt=2.0), dict(lora_id=1.5), dict(lora_id=True)])
+def test_namespace_field_types(kw):
+    with pytest.raises(TypeError):
+        Namespace(**kw)
+
+
+def test_namespaces_never_share_pages():
+    t = PageTrie(4)
+    toks = list(range(16))
+    a, b = Namespace(extra_key="a"), Namespace(lora_id=7)
+    assert t.insert(toks, [0, 1, 2, 3], a).num_new == 4
+    assert t.match(toks).num_pages == 0
+    assert t.match(toks, b).num_pages == 0
+    assert t.insert(toks, [4, 5, 6, 7], b).num_new == 4  # same tokens, new pages
+    assert t.match(toks, a).block_ids.tolist() == [0, 1, 2, 3]
+    assert t.match(toks, b).block_ids.tolist() == [4, 5, 6, 7]
+    assert t.match(toks, Namespace(extra_key="a")).num_pages == 4  # equal value, same namespace
+
+
+# ---- semantics ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["walk", "gallop"])
+def test_insert_match_partial_pages(method):
+    t = PageTrie(3)
+    r = t.insert(list(range(10)), [7, 8, 9])  # 3 full pages, 1 token ignored
+    assert r.new_mask.tolist() == [True, True, True] and r.num_held == 0
+    assert t.match(list(range(11)), method=method).block_ids.tolist() == [7, 8, 9]
+    assert t.match([0, 1, 2, 3, 4, 9], method=method).block_ids.tolist() == [7]
+    assert t.match([0, 1], method=method).num_pages == 0
+    r = t.insert([0, 1, 2, 3, 4, 5, 6, 6, 6], [1, 2, 3])
+    assert r.new_mask.tolist() == [False, False, True] and r.num_held == 2  # caller frees blocks 1 and 2
+    assert t.match([0, 1, 2, 3, 4, 5, 6, 6, 6], method=method).block_ids.tolist() == [7, 8, 3]
+    assert t.total_pages == 4
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 16, 33])
+def test_token_containers(page_size):
+    toks = list(range(100, 100 + 4 * page_size))
+    t = PageTrie(page_size)
+    t.insert(array("q", toks), np.arange(4))
+    for q in (toks, array("q", toks), np.array(toks, np.int32), np.array(toks, np.uint32), np.array(toks, np.uint16),
+              tuple(toks)):
+        assert t.match(q).num_pages == 4
+
+
+def test_lru_eviction_order_and_locks():
+    t = PageTrie(1)
+    t.insert([1, 2, 3], [10, 11, 12])  # tick 1
+    t.insert([1, 5], [10, 15])         # tick 2: page [1] touched again
+    t.match([1, 2])                    # tick 3: [1], [1,2]
+    assert t.evictable_leaves == 2     # [1,2,3] (tick 1) and [1,5] (tick 2)
+    m = t.match([1, 5])                # tick 4
+    t.lock(m)
+    assert (t.protected_pages, t.evictable_pages) == (2, 2)
+    assert t.evict(10).tolist() == [12, 11]  # [1,5] and [1] locked
+    t.unlock(m)
+    assert t.evict(1).tolist() == [15]
+    assert t.evict(5).tolist() == [10] and t.total_pages == 0
+    with pytest.raises(ValueError, match="stale"):
+        t.unlock(m)
+
+
+def test_remove_stops_at_shared_or_locked_pages():
+    t = PageTrie(2)
+    t.insert([0, 0, 1, 1, 2, 2], [0, 1, 2])
+    t.insert([0, 0, 1, 1, 3, 3], [0, 1, 3])
+    assert t.remove([0, 0, 1, 1, 2, 2]).tolist() == [2]  # [0 0 1 1] is still shared
+    m = t.match([0, 0, 1, 1, 3, 3])
+    t.lock(m)
+    assert t.remove([0, 0, 1, 1, 3, 3]).tolist() == []
+    t.unlock(m)
+    assert t.remove([0, 0, 1, 1, 3, 3, 9]).tolist() == [3, 1, 0]
+    assert t.total_pages == 0
+
+
+def test_capacity_stores_what_fits():
+    t = PageTrie(1, capacity=3)
+    r = t.insert([1, 2, 3, 4, 5], [1, 2, 3, 4, 5])
+    assert r.new_mask.tolist() == [True, True, True, False, False] and t.total_pages == 3
+    assert t.insert([9], [9]).num_new == 0
+    assert t.evict(1).tolist() == [3]
+    assert t.insert([9], [9]).num_new == 1
+    assert t.capacity == 3
+
+
+def test_match_without_touch_keeps_lru_order():
+    t = PageTrie(1)
+    t.insert([1], [1])
+    t.insert([2], [2])
+    t.match([1], touch=False)
+    assert t.evict(1).tolist() == [1]
+
+
+def test_reset():
+    t = PageTrie(2, initial_nodes=2)
+    for i in range(50):
+        t.insert([i, i, i, i], [2 * i, 2 * i + 1])
+    m = t.match([1, 1])
+    t.lock(m)
+    t.reset()
+    assert (t.total_pages, t.protected_pages, t.match([1, 1]).num_pages) == (0, 0, 0)
+    with pytest.raises(ValueError, match="stale"):
+        t.unlock(m)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", ["match", "insert", "remove"])
+@pytest.mark.parametrize("toks, err", [([0, -1], ValueError), ([2**32, 0], ValueError),
+                                       (np.zeros(2, np.float64), TypeError), (np.zeros((1, 2), np.int64), ValueError),
+                                       ([0, 2**64], ValueError)])
+def test_bad_tokens(op, toks, err):
+    t = PageTrie(2)
+    with pytest.raises(err):
+        if op == "insert":
+            t.insert(toks, [0])
+        else:
+            getattr(t, op)(toks)
+    assert t.total_pages == 0
+
+
+@pytest.mark.parametrize("blocks, err, msg", [([0], ValueError, "got 1 block ids for 2 full pages"),
+                                              ([0, 1, 2], ValueError, "got 3 block ids for 2"),
+                                              ([-1, 0], ValueError, ">= 0"), ([0.0, 1.0], TypeError, "integers"),
+                                              ([[0, 1]], ValueError, "1-D")])
+def test_bad_blocks(blocks, err, msg):
+    t = PageTrie(2)
+    with pytest.raises(err, match=msg):
+        t.insert([1, 2, 3, 4, 5], blocks)
+    assert t.total_pages == 0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        PageTrie(0)
+    with pytest.raises(ValueError):
+        PageTrie(2, capacity=-1)
+    t = PageTrie(2)
+    with pytest.raises(ValueError):
+        t.evict(-1)
+    with pytest.raises(ValueError, match="method"):
+        t.match([1, 2], method="bfs")
+    with pytest.raises(TypeError):
+        t.match([1, 2], ns="a")
+    r = t.insert([1, 2], [0])
+    with pytest.raises(ValueError, match="not locked"):
+        t.unlock(r)
+
+
+# ---- forced collisions ----------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_narrow_hash_never_returns_a_wrong_page(bits):
+    """With 1-4 bit hashes almost every lookup collides; answers must equal a plain dict's."""
+    rng = random.Random(bits)
+    t = PageTrie(2, _hash_bits=bits, initial_nodes=8)
+    held, nxt = {}, 0
+    seqs = [[rng.randrange(3) for _ in range(rng.randrange(0, 16))] for _ in range(300)]
+    for s in seqs:
+        n = len(s) // 2
+        blocks = list(range(nxt, nxt + n))
+        nxt += n
+        r = t.insert(s, blocks)
+        for k in range(n):
+            held.setdefault(tuple(s[: 2 * k + 2]), blocks[k])
+        assert r.new_mask.sum() == r.num_new
+    assert t.total_pages == len(held)
+    for s in seqs + [[rng.randrange(3) for _ in range(14)] for _ in range(300)]:
+        want = []
+        for k in range(len(s) // 2):
+            b = held.get(tuple(s[: 2 * k + 2]))
+            if b is None:
+                break
+            want.append(b)
+        for method in ("walk", "gallop"):
+            assert t.match(s, method=method, touch=False).block_ids.tolist() == want
+    assert t.collision_fallbacks > 0  # the gallop predicate was fooled and the verification caught it
+
+
+# ---- growth and memory ----------------------------------------------------------------------------
+def test_growth_keeps_everything():
+    rng = np.random.default_rng(0)
+    t = PageTrie(16, initial_nodes=1)
+    seqs = [rng.integers(0, 150_000, rng.integers(16, 600)) for _ in range(300)]
+    for i, s in enumerate(seqs):
+        t.insert(s, np.arange(len(s) // 16) + 1000 * i)
+    for i, s in enumerate(seqs):
+        r = t.match(s)
+        assert r.num_pages == len(s) // 16 and r.block_ids[0] == 1000 * i
+
+
+def test_bytes_per_page_budget():
+    """10M pages at page 16 must fit 1.5 GiB: the per-page footprint with a preset capacity."""
+    cap = 100_000
+    t = PageTrie(16, capacity=cap, initial_nodes=cap)
+    assert t.nbytes / cap <= 1.5 * 2**30 / 10_000_000
