@@ -165,7 +165,7 @@ def _launch(grid: tuple, args: tuple, pointers: tuple, consts: tuple, num_warps:
     if kernel is None:
         _compiled[key] = _copy_pages_kernel[grid](*args, **dict(zip(_CONST_NAMES, consts)), num_warps=num_warps)
         return
-    kernel[grid](*args, *consts, stream=torch.cuda.current_stream(device).cuda_stream)
+    kernel[(grid[0], 1, 1)](*args, *consts, stream=torch.cuda.current_stream(device).cuda_stream)
 
 
 def _transfer(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *, to_host: bool,
