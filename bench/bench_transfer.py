@@ -410,14 +410,20 @@ def summarize(res: dict) -> dict:
 
     if sizes:
         for d in ("d2h", "h2d"):
-            rows = pick(default, d)
-            summ[f"direct_{d}_gbps_min"] = min(r["gbps"] for r in rows)
-            summ[f"direct_{d}_gbps_by_page"] = {p: min(r["gbps"] for r in rows if r["page"] == p) for p in PAGES}
+            # layer_first is the host layout for per-layer traffic; page_first reported beside it
+            for suffix, layout in (("", "layer_first"), ("_page_first", "page_first")):
+                rows = pick(default, d, layout=layout)
+                summ[f"direct_{d}_gbps_min{suffix}"] = min(r["gbps"] for r in rows)
+                summ[f"direct_{d}_gbps_by_page{suffix}"] = {p: min(r["gbps"] for r in rows if r["page"] == p)
+                                                            for p in PAGES}
+            rows = [r for p in (1, 2, 4) for r in pick(f"kvtier_direct_p{p}", d, layout="layer_first")]
+            summ[f"direct_{d}_gbps_min_le4_programs"] = min(
+                max(r["gbps"] for r in rows if r["page"] == page) for page in PAGES) if rows else None
         ratios = []
         for d in ("d2h", "h2d"):
             for p in PAGES:
                 hc = pick("sglang_hicache", d, p, "layer_first")
-                kt = pick(default, d, p)
+                kt = pick(default, d, p, "layer_first")
                 if hc and kt:
                     ratios.append(min(r["gbps"] for r in kt) / hc[0]["gbps"])
         summ["hicache_ratio_min"] = round(min(ratios), 3) if ratios else None

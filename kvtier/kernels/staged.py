@@ -30,10 +30,11 @@ from kvtier.kernels.transfer import launch_copy_pages, on_stream
 # busy: a chunk's copy takes ~300 us, its gather ~30 us, and issuing a chunk costs ~60 us of host time, so a
 # store and a load issued from one thread stay ahead of both copy engines (8 MiB chunks left them host-bound at
 # 68 GB/s combined). The gather/scatter is device-to-device and brief, so it may use more programs than the
-# direct kernel without costing the forward pass much.
+# direct kernel without costing the forward pass much. The first chunk is a quarter size: the pipeline fills
+# (gather before any copy can start) sooner.
 STAGING_BYTES = 16 * 1024 * 1024
 NUM_BUFFERS = 2
-GATHER_PROGRAMS = 8
+GATHER_PROGRAMS = 16
 GATHER_TILE_BYTES = 64 * 1024
 GATHER_WARPS = 16
 
@@ -125,10 +126,14 @@ class StagedTransfer:
             span_geo = dataclasses.replace(kv.geometry, num_layers=span.count)
             pages_per_chunk = self.staging_bytes // span_geo.block_bytes
             done = None
-            for first in range(0, host_ids.size, pages_per_chunk):
-                n = min(pages_per_chunk, host_ids.size - first)
+            first = 0
+            n = max(1, pages_per_chunk // 4)
+            while first < host_ids.size:
+                n = min(n, host_ids.size - first)
                 chunk_slots = slots[first * page:(first + n) * page]
                 done = self._chunk(direction, work, chunk_slots, host_ids[first:first + n], span, span_geo, to_host)
+                first += n
+                n = pages_per_chunk
         return done
 
     def _chunk(self, d: _Direction, work, chunk_slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,

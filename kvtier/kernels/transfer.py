@@ -26,20 +26,23 @@ from triton import knobs
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
 from kvtier.kernels.paged_kv import PagedKV, as_words
 
-# Tuned on one H200 (PCIe Gen5 x16, 2026-11-29, bench/bench_transfer.py --sections sweep; results in
+# Tuned on one H200 (PCIe Gen5 x16, 2026-11-29): bench/bench_transfer.py --sections sweep,gemm (results in
 # bench/results/transfer_h200.json). The SM path tops out at ~52.4 GB/s D2H and ~51.1 GB/s H2D there (the copy
-# engine reaches ~55); per-layer 64 MiB, page 16:
-#   programs x warps x tile   D2H    H2D
-#   2 x 8 x 64 KiB            50.9   50.7
-#   3 x 8 x 64 KiB            52.4   51.1
-#   4 x 8 x 64 KiB            52.3   51.1
-#   4 x 8 x 16 KiB            51.2   33.8   (host reads need bytes in flight: ~192 KiB in total)
-# DEFAULT_PROGRAMS: persistent programs (one SM each) for bulk transfers; each costs the forward pass an SM.
+# engine reaches ~55). Per-layer 64 MiB, Qwen3-8B, 36-layer host layouts, min over pages 1/16/64 (layer_first /
+# page_first), and an 8192^3 bf16 GEMM's slowdown with back-to-back H2D beside it (H2D GB/s meanwhile):
+#   programs x warps x tile   D2H min      H2D min      GEMM slowdown
+#   4 x 8 x 64 KiB            52.2 / 32.1  46.5 / 35.1  +2.8% (37.7 GB/s)
+#   4 x 16 x 128 KiB          51.8 / 36.5  51.0 / 46.1  +4.6% (47.0 GB/s)
+#   8 x 8 x 64 KiB            51.9 / 51.0  51.0 / 50.5  +3.7% (47.0 GB/s)
+#   SGLang HiCache default                              +7.0% (46.7 GB/s)
+# Host reads are latency bound (IOMMU misses on scattered blocks make it worse: page 1, page_first), so bulk
+# transfers want ~512 KiB in flight; 8 programs of 64 KiB tiles get it at the smallest cost to a GEMM.
+# DEFAULT_PROGRAMS: persistent programs (one SM each) for bulk transfers.
 # TILE_BYTES: bytes one program loads before it stores (K and V together): the bytes it keeps in flight.
 # NUM_WARPS: 8 warps hold a 64 KiB tile in 256 B per thread (16 x 16-byte vectors).
 # BURST_*: a transfer this small holds its SMs for microseconds, so it may take more of them to cut latency
-#   (one 16-token page of 36 layers is 36 tiles: one round trip each with 36 programs instead of 9 with 4).
-DEFAULT_PROGRAMS = 4
+#   (one 16-token page of 36 layers is 36 tiles: one round trip each with 36 programs instead of 5 with 8).
+DEFAULT_PROGRAMS = 8
 TILE_BYTES = 64 * 1024
 NUM_WARPS = 8
 BURST_BYTES = 4 * 1024 * 1024
