@@ -114,7 +114,7 @@ class SglangLib:
     def __init__(self, page):
         import torch
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
-        from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+        from sglang.srt.mem_cache.radix_cache import RadixKey
         self.torch, self.page = torch, page
         self.RadixKey, self.IP, self.MP, self.EP = RadixKey, InsertParams, MatchPrefixParams, EvictParams
         self.c = self._make(page)

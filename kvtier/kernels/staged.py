@@ -31,7 +31,7 @@ from kvtier.kernels.transfer import launch_copy_pages, on_stream
 # store and a load issued from one thread stay ahead of both copy engines (8 MiB chunks left them host-bound at
 # 68 GB/s combined). The gather/scatter is device-to-device and brief, so it may use more programs than the
 # direct kernel without costing the forward pass much. The first chunk is a quarter size: the pipeline fills
-# (gather before any copy can start) sooner.
+# (gather before any copy can start) sooner; for loads it would not help (the pipeline ends on a scatter).
 STAGING_BYTES = 16 * 1024 * 1024
 NUM_BUFFERS = 2
 GATHER_PROGRAMS = 16
@@ -127,7 +127,9 @@ class StagedTransfer:
             pages_per_chunk = self.staging_bytes // span_geo.block_bytes
             done = None
             first = 0
-            n = max(1, pages_per_chunk // 4)
+            # stores start with a small chunk: the first copy waits on the first gather; loads end on a scatter,
+            # which a small first chunk does not shorten
+            n = max(1, pages_per_chunk // 4) if to_host else pages_per_chunk
             while first < host_ids.size:
                 n = min(n, host_ids.size - first)
                 chunk_slots = slots[first * page:(first + n) * page]
