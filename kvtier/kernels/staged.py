@@ -95,6 +95,7 @@ class StagedTransfer:
         elems = self.staging_bytes // geo.itemsize
         self._store = _Direction(kv, elems, num_buffers)
         self._load = _Direction(kv, elems, num_buffers)
+        self._span_geos: dict[int, KVGeometry] = {}
         self._local_ids = torch.arange(self.staging_bytes // (geo.page_bytes), dtype=torch.int64, device=kv.device)
 
     def store(self, slots, block_ids, *, layers: Union[None, int, range] = None, stream=None,
@@ -123,7 +124,7 @@ class StagedTransfer:
                 # (e.g. the previous reader of the staging buffers or of the host blocks).
                 direction.copy_stream.wait_stream(work)
             page = kv.geometry.page_size
-            span_geo = dataclasses.replace(kv.geometry, num_layers=span.count)
+            span_geo = self._span_geometry(span.count)
             pages_per_chunk = self.staging_bytes // span_geo.block_bytes
             done = None
             first = 0
@@ -137,6 +138,13 @@ class StagedTransfer:
                 first += n
                 n = pages_per_chunk
         return done
+
+    def _span_geometry(self, num_layers: int) -> KVGeometry:
+        """The geometry of a staging chunk holding ``num_layers`` layers (cached: built on every call otherwise)."""
+        geo = self._span_geos.get(num_layers)
+        if geo is None:
+            geo = self._span_geos[num_layers] = dataclasses.replace(self.kv.geometry, num_layers=num_layers)
+        return geo
 
     def _chunk(self, d: _Direction, work, chunk_slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
                span_geo: KVGeometry, to_host: bool) -> Optional[torch.cuda.Event]:

@@ -1,0 +1,72 @@
+"""Token arrays at the index boundary.
+
+Accepted: a 1-D numpy integer array, a ``list``/``tuple`` of ints, or an ``array.array`` of integer
+typecode (SGLang's ``RadixKey`` holds ``array('q')``). They become a C-contiguous 1-D numpy array of
+dtype int64, int32 or uint32 without copying where the input already is one (``array('q')`` is viewed
+with ``np.frombuffer``). Token ids must lie in ``[0, 2**32)``: the jitted code checks the range
+(``tokens_in_range``) and the callers turn a failure into ``ValueError``.
+"""
+from __future__ import annotations
+
+from array import array
+
+import numba
+import numpy as np
+
+from ._config import NUMBA_CACHE
+
+__all__ = ["as_token_array", "check_token_range", "tokens_in_range", "TOKEN_MAX"]
+
+TOKEN_MAX = (1 << 32) - 1
+_NATIVE = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint32))
+_ARRAY_CODES = {"b": np.int8, "B": np.uint8, "h": np.int16, "H": np.uint16, "i": np.intc,
+                "I": np.uintc, "l": np.int_, "L": np.uint, "q": np.int64, "Q": np.uint64}
+
+
+def as_token_array(tokens) -> np.ndarray:
+    """Return ``tokens`` as a C-contiguous, writable 1-D int64/int32/uint32 array (range not checked)."""
+    if type(tokens) is array and tokens.typecode == "q" and len(tokens):  # SGLang's RadixKey: no copy
+        return np.frombuffer(tokens, dtype=np.int64)
+    if isinstance(tokens, np.ndarray):
+        a = tokens
+    elif isinstance(tokens, array):
+        dt = _ARRAY_CODES.get(tokens.typecode)
+        if dt is None:
+            raise TypeError(f"token array('{tokens.typecode}') is not an integer array")
+        a = np.frombuffer(tokens, dtype=dt) if len(tokens) else np.empty(0, dtype=dt)
+    else:
+        try:
+            a = np.asarray(tokens)
+        except (OverflowError, ValueError) as e:
+            raise ValueError(f"tokens must be ints in [0, 2**32): {e}") from None
+        if a.size == 0:
+            a = np.empty(0, dtype=np.int64)
+        elif a.dtype == object:
+            raise ValueError("tokens must be ints in [0, 2**32) (got values that do not fit int64)")
+    if a.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"tokens must be integers, got dtype {a.dtype}")
+    if a.dtype not in _NATIVE:
+        if a.dtype == np.uint64 and a.size and int(a.max()) > TOKEN_MAX:
+            raise ValueError(f"token ids must be < 2**32, got {int(a.max())}")
+        a = a.astype(np.int64)
+    if not (a.flags.c_contiguous and a.flags.writeable):
+        a = a.copy()
+    return a
+
+
+@numba.njit(cache=NUMBA_CACHE)
+def tokens_in_range(t):
+    """True when every token id is in [0, 2**32)."""
+    bad = np.uint64(0)
+    for i in range(t.shape[0]):  # no early exit: vectorizes
+        bad |= np.uint64(t[i]) >> np.uint64(32)  # a negative id becomes >= 2**63
+    return bad == 0
+
+
+def check_token_range(t: np.ndarray) -> None:
+    """Raise ``ValueError`` if a token id of ``t`` (from ``as_token_array``) is outside [0, 2**32)."""
+    if t.dtype != np.uint32 and t.size and not tokens_in_range(t):
+        bad = t[(t < 0) | (t > TOKEN_MAX)][0]
+        raise ValueError(f"token ids must be in [0, 2**32), got {int(bad)}")

@@ -1,0 +1,285 @@
+"""PageTrie: the thin Python class over the jitted trie (validation, growth, namespaces, errors).
+
+Semantics (pages are ``page_size`` consecutive tokens; a trailing partial page is ignored everywhere):
+
+* ``match(tokens, ns)`` -> the longest cached prefix (whole pages) and its block ids. By default it
+  touches the path (new tick on every matched page, hit count + 1); ``touch=False`` only looks.
+* ``insert(tokens, block_ids, ns)`` offers ``block_ids[k]`` for page k. Pages already held keep their
+  block; ``new_mask[k]`` says which offered blocks the index now owns -- the caller frees the others.
+  With a ``capacity`` insert never evicts: it stores only the first new pages that fit and reports the
+  rest as not new (call ``evict`` first to make room). The whole path gets a new tick.
+* ``lock(h)`` / ``unlock(h)`` with a MatchResult or InsertResult ``h``: +-1 on every page of the
+  root..deepest path. A stale handle (its node was freed since) raises.
+* ``evict(n)`` frees up to n pages, always the unlocked leaf with the oldest tick first (LRU among
+  unlocked leaves; a parent becomes a candidate when its last child goes), O(log n) per page; returns
+  their block ids in eviction order.
+* ``remove(tokens, ns)`` frees the held pages of that sequence from the deepest up, stopping at the
+  first page that is locked or still has children; returns their block ids, deepest first.
+* Pages of different namespaces are never shared.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+from ._state import M_FALLBACK, M_HEAP, M_PROT, M_TOTAL, TrieState, grow_nodes, new_state, state_nbytes, \
+    table_slots_for
+from ._tokens import as_token_array
+from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace
+from .trie import (BAD_BLOCK_COUNT, BAD_BLOCKS, BAD_TOKENS, NEED_NODES, NEED_TABLE, NOT_LOCKED, OK, STALE_HANDLE,
+                   tr_evict, tr_insert, tr_lock, tr_match, tr_rebuild_table, tr_remove)
+
+__all__ = ["PageTrie", "MatchResult", "InsertResult"]
+
+
+class MatchResult(NamedTuple):
+    """Longest cached prefix: ``num_pages`` pages held in ``block_ids``; (node, gen) is the lock handle."""
+
+    num_pages: int
+    block_ids: np.ndarray
+    node: int
+    gen: int
+
+
+class InsertResult(NamedTuple):
+    """``new_mask[k]``: page k's offered block is now owned by the index (else the caller frees it)."""
+
+    new_mask: np.ndarray
+    num_held: int
+    num_new: int
+    node: int
+    gen: int
+
+
+class _FastCall:
+    """Call a jitted function through the entry point compiled for the argument types.
+
+    numba's dispatcher types every argument on every call (about 1 us for the state namedtuple); the
+    types here only depend on a small key (token dtype, writability), so the entry point is looked up
+    once per key. ``Dispatcher.compile`` loads from the on-disk cache like a normal call.
+    """
+
+    def __init__(self, dispatcher) -> None:
+        self._dispatcher = dispatcher
+        self._by_key: dict = {}
+
+    def __call__(self, key, *args):
+        fn = self._by_key.get(key)
+        if fn is None:
+            fn = self._dispatcher.compile(tuple(numba.typeof(a) for a in args))
+            self._by_key[key] = fn
+        return fn(*args)
+
+
+_match = _FastCall(tr_match)
+_insert = _FastCall(tr_insert)
+_remove = _FastCall(tr_remove)
+_lock = _FastCall(tr_lock)
+_evict = _FastCall(tr_evict)
+
+_STATUS_MSG = {
+    BAD_TOKENS: "token ids must be in [0, 2**32)",
+    BAD_BLOCKS: "block ids must be >= 0",
+    STALE_HANDLE: "stale handle: its page was evicted or removed since the match/insert that returned it",
+    NOT_LOCKED: "unlock of a path that is not locked",
+}
+
+
+_tuple_new = tuple.__new__  # builds a NamedTuple from the jitted result tuple without a Python frame
+# _FastCall keys: token arrays reach the jitted code C-contiguous and writable (as_token_array), block
+# ids as C-contiguous writable int64, so the token dtype alone fixes the argument types.
+
+
+class PageTrie:
+    """Host index: which prefix pages are held and in which host blocks (see module docstring)."""
+
+    def __init__(self, page_size: int, capacity: int | None = None, initial_nodes: int = 4096, *,
+                 _hash_bits: int = 64) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer))
+                                     or capacity < 0):
+            raise ValueError(f"capacity must be None or an int >= 0, got {capacity!r}")
+        if not 1 <= _hash_bits <= 64:
+            raise ValueError("_hash_bits must be in [1, 64]")
+        self._page_size = int(page_size)
+        self._capacity = None if capacity is None else int(capacity)
+        self._initial = max(1, int(initial_nodes) if capacity is None else min(int(initial_nodes), max(capacity, 1)))
+        self._mask = np.uint64(FULL_HASH_MASK if _hash_bits == 64 else (1 << _hash_bits) - 1)
+        self._ns_ids: dict[Namespace, int] = {DEFAULT_NAMESPACE: 0}
+        self._ns_seeds: list[np.uint64] = [np.uint64(DEFAULT_NAMESPACE.seed)]
+        self._st: TrieState = new_state(self._page_size, self._initial, self._limit())
+
+    def _limit(self) -> int:
+        return -1 if self._capacity is None else self._capacity
+
+    # ---- boundary helpers -------------------------------------------------------------------------
+    def _ns(self, ns: Namespace | None) -> int:
+        if ns is None:
+            return 0
+        i = self._ns_ids.get(ns)
+        if i is None:
+            if not isinstance(ns, Namespace):
+                raise TypeError(f"ns must be a kvtier.index.Namespace or None, got {type(ns).__name__}")
+            i = len(self._ns_seeds)
+            self._ns_ids[ns] = i
+            self._ns_seeds.append(np.uint64(ns.seed))
+            if i >= self._st.ns_hint.shape[0]:
+                hint = np.full(2 * self._st.ns_hint.shape[0], -1, dtype=np.int32)
+                hint[: self._st.ns_hint.shape[0]] = self._st.ns_hint
+                self._st = self._st._replace(ns_hint=hint)
+        return i
+
+    @staticmethod
+    def _raise(status: int) -> None:
+        raise ValueError(_STATUS_MSG.get(status, f"index error (status {status})"))
+
+    # ---- operations -------------------------------------------------------------------------------
+    def match(self, tokens, ns: Namespace | None = None, *, touch: bool = True, method: str = "walk") -> MatchResult:
+        """Longest cached prefix of ``tokens`` in ``ns``.
+
+        ``method``: "walk" (hint-guided descent, hashes only where a hint misses) or "gallop" (hash
+        the query, gallop + binary search over table probes, verify the path). Both are exact.
+        """
+        q = as_token_array(tokens)
+        i = 0 if ns is None else self._ns(ns)
+        gallop = method != "walk"
+        if gallop and method != "gallop":
+            raise ValueError(f"method must be 'walk' or 'gallop', got {method!r}")
+        r = _match(q.dtype.char, self._st, q, i, self._ns_seeds[i], self._mask, bool(touch), gallop)
+        if r[0] < 0:
+            self._raise(r[0])
+        return _tuple_new(MatchResult, r)
+
+    def insert(self, tokens, block_ids, ns: Namespace | None = None) -> InsertResult:
+        """Offer ``block_ids[k]`` for each full page k of ``tokens``; see the module docstring."""
+        q = as_token_array(tokens)
+        b = block_ids if isinstance(block_ids, np.ndarray) else np.asarray(block_ids)
+        if b.size == 0:
+            b = np.empty(0, dtype=np.int64)
+        if b.ndim != 1:
+            raise ValueError(f"block_ids must be 1-D, got shape {b.shape}")
+        if b.dtype.kind not in "iu":
+            raise TypeError(f"block_ids must be integers, got dtype {b.dtype}")
+        if b.dtype != np.int64 or not (b.flags.c_contiguous and b.flags.writeable):
+            if b.dtype == np.uint64 and b.size and int(b.max()) >= 1 << 63:
+                raise ValueError("block ids must be < 2**63")
+            b = np.array(b, dtype=np.int64)
+        n = q.shape[0] // self._page_size
+        if b.shape[0] != n:
+            raise ValueError(f"got {b.shape[0]} block ids for {n} full pages "
+                             f"({q.shape[0]} tokens, page_size {self._page_size})")
+        i = self._ns(ns)
+        key = q.dtype.char
+        while True:
+            status, held, new, node, gen = _insert(key, self._st, q, i, self._ns_seeds[i], self._mask, b)
+            if status == OK:
+                break
+            if status == NEED_NODES:
+                self._grow_nodes(new)
+            elif status == NEED_TABLE:
+                self._grow_table(new)
+            else:
+                if status == BAD_BLOCK_COUNT:  # pragma: no cover - checked above
+                    raise ValueError("block id count does not match the page count")
+                self._raise(status)
+        new_mask = np.zeros(n, dtype=bool)
+        new_mask[held: held + new] = True
+        return InsertResult(new_mask, held, new, node, gen)
+
+    def lock(self, handle: MatchResult | InsertResult) -> None:
+        """Protect every page on the handle's root..deepest path from eviction and removal."""
+        self._lock(handle, 1)
+
+    def unlock(self, handle: MatchResult | InsertResult) -> None:
+        """Undo one ``lock`` of the same handle."""
+        self._lock(handle, -1)
+
+    def _lock(self, handle, delta: int) -> None:
+        node, gen = int(handle.node), int(handle.gen)
+        if node < 0:
+            return  # empty path: nothing to (un)lock
+        status = _lock(0, self._st, node, gen, delta)
+        if status != OK:
+            self._raise(status)
+
+    def evict(self, n: int) -> np.ndarray:
+        """Free up to ``n`` pages (LRU unlocked leaves first); returns their block ids in order."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        return _evict(0, self._st, int(n))
+
+    def remove(self, tokens, ns: Namespace | None = None) -> np.ndarray:
+        """Free the held pages of ``tokens`` from the deepest up while unlocked leaves; their block ids."""
+        q = as_token_array(tokens)
+        i = self._ns(ns)
+        status, blocks = _remove(q.dtype.char, self._st, q, i, self._ns_seeds[i], self._mask)
+        if status != OK:
+            self._raise(status)
+        return blocks
+
+    def reset(self) -> None:
+        """Drop every page (locks included) and shrink back to the initial size."""
+        self._st = new_state(self._page_size, self._initial, self._limit(), self._st.ns_hint.shape[0])
+
+    # ---- growth -----------------------------------------------------------------------------------
+    def _grow_nodes(self, deficit: int) -> None:
+        cur = self._st.hashes.shape[0]
+        want = max(2 * cur, cur + int(deficit))
+        if self._capacity is not None:
+            want = max(min(want, self._capacity), cur + int(deficit))
+        self._st = grow_nodes(self._st, want)
+
+    def _grow_table(self, extra: int) -> None:
+        slots = max(table_slots_for(self.total_pages + int(extra)), 2 * self._st.table.shape[0])
+        table = np.full(slots, -1, dtype=np.int32)
+        tr_rebuild_table(self._st, table)
+        self._st = self._st._replace(table=table)
+
+    # ---- counts -----------------------------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def capacity(self) -> int | None:
+        """Most pages held at once (None: unbounded)."""
+        return self._capacity
+
+    @property
+    def total_pages(self) -> int:
+        return int(self._st.meta[M_TOTAL])
+
+    @property
+    def protected_pages(self) -> int:
+        """Pages with a lock count > 0."""
+        return int(self._st.meta[M_PROT])
+
+    @property
+    def evictable_pages(self) -> int:
+        """Unlocked pages (all can be evicted, leaves first)."""
+        return self.total_pages - self.protected_pages
+
+    @property
+    def evictable_leaves(self) -> int:
+        """Unlocked leaves: the pages ``evict`` could take right now."""
+        return int(self._st.meta[M_HEAP])
+
+    @property
+    def collision_fallbacks(self) -> int:
+        """Gallop searches whose verification failed (a hash collision) and were redone by the walk."""
+        return int(self._st.meta[M_FALLBACK])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the index arrays (tokens included)."""
+        return state_nbytes(self._st)
+
+    def __len__(self) -> int:
+        return self.total_pages
+
+    def __repr__(self) -> str:
+        return (f"PageTrie(page_size={self._page_size}, capacity={self._capacity}, pages={self.total_pages}, "
+                f"protected={self.protected_pages}, nbytes={self.nbytes})")
