@@ -90,8 +90,9 @@ def check_blocks_tensor(kv: PagedKV, blocks: torch.Tensor, layout: str, *, host_
 
 
 def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layout: str, host_side: bool,
-                   writes_blocks: bool, check_indices: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate one transfer; return the slot and block indices as contiguous int64 tensors on the KV device."""
+                   writes_blocks: bool, check_indices: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Validate one transfer; return the slot and block indices as contiguous int64 tensors on the KV device,
+    and the number of blocks the blocks tensor holds."""
     if not isinstance(kv, PagedKV):
         raise TypeError(f"kv must be a kvtier PagedKV (build one with PagedKV.mha / PagedKV.mla), "
                         f"got {type(kv).__name__}")
@@ -112,4 +113,4 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
         slots = slots.to(kv.device, non_blocking=True)
     if block_ids.device != kv.device:
         block_ids = block_ids.to(kv.device, non_blocking=True)
-    return slots, block_ids
+    return slots, block_ids, num_blocks

@@ -33,8 +33,12 @@ def _largest_pow2_dividing(value: int, cap: int) -> int:
 
 
 def as_words(t: torch.Tensor, word_bytes: int) -> torch.Tensor:
-    """A flat view of a contiguous tensor's bytes as ``word_bytes``-byte integers (no copy)."""
-    return t.reshape(-1).view(torch.uint8).view(_WORD_DTYPES[word_bytes])
+    """A view of a contiguous tensor's bytes as ``word_bytes``-byte integers (no copy; only its address and
+    element type matter to the kernels)."""
+    try:
+        return t.view(torch.uint8).view(_WORD_DTYPES[word_bytes])
+    except RuntimeError:  # the last dimension's bytes are not a multiple of the word: flatten first
+        return t.reshape(-1).view(torch.uint8).view(_WORD_DTYPES[word_bytes])
 
 
 class PagedKV:
@@ -69,6 +73,7 @@ class PagedKV:
         self.geometry = KVGeometry.for_buffers(first, len(buffers) // kv_count, page_size=page_size, is_mla=is_mla)
         self.num_slots: int = first.shape[0]
         self.device: torch.device = first.device
+        self.is_cuda: bool = first.device.type == "cuda"
         ptrs = [b.data_ptr() for b in self.buffers]
         # One word size for every address and row: the widest that divides the row and all buffer addresses.
         self.word_bytes = _largest_pow2_dividing(math.gcd(self.geometry.row_bytes, *ptrs), MAX_WORD_BYTES)
@@ -93,10 +98,6 @@ class PagedKV:
     def mla(cls, kv_buffers: Sequence[torch.Tensor], *, page_size: int = 1) -> PagedKV:
         """Wrap per-layer MLA latent buffers (``MLATokenToKVPool.kv_buffer``)."""
         return cls(list(kv_buffers), page_size=page_size, is_mla=True)
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
 
     def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
         """The buffers of one layer: ``(K, V)`` or ``(latent,)``."""

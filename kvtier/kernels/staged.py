@@ -115,8 +115,8 @@ class StagedTransfer:
         span = layer_span(layers, kv.geometry.num_layers)
         host_ids = block_ids.cpu().numpy() if isinstance(block_ids, torch.Tensor) else np.asarray(block_ids)
         with on_stream(kv, stream):
-            slots, block_ids = check_transfer(kv, self.host, slots, block_ids, layout=self.layout, host_side=True,
-                                              writes_blocks=to_host, check_indices=check)
+            slots, block_ids, _ = check_transfer(kv, self.host, slots, block_ids, layout=self.layout,
+                                                 host_side=True, writes_blocks=to_host, check_indices=check)
             work = torch.cuda.current_stream() if kv.is_cuda else None
             direction = self._store if to_host else self._load
             if work is not None and not to_host:

@@ -140,7 +140,7 @@ def launch_copy_pages(
     chunk = min(chunk, max(MAX_CHUNK_BYTES // word_bytes, 1))
     segs = _pow2_floor(max(tile_bytes // (chunk * word_bytes * geo.kv_count), 1))
     chunks_per_row = row_words // chunk
-    n_items = span.count * triton.cdiv(n_rows * chunks_per_row, segs)
+    n_items = span.count * (-(-n_rows * chunks_per_row // segs))  # layers x tiles
     if num_programs is None:
         num_programs = default_programs(n_rows * span.count * geo.kv_count * geo.row_bytes)
     grid = (max(1, min(num_programs, n_items)),)
@@ -178,9 +178,9 @@ def _transfer(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: t
         raise ValueError(f"num_programs must be an int >= 1, got {num_programs!r}")
     span = layer_span(layers, kv.geometry.num_layers)
     with on_stream(kv, stream):  # index copies to the device must be ordered before the launch, on its stream
-        slots, block_ids = check_transfer(kv, host, slots, block_ids, layout=layout, host_side=True,
-                                          writes_blocks=to_host, check_indices=check)
-        strides = kv.geometry.host_row_strides(kv.geometry.num_blocks_in(host, layout), layout)
+        slots, block_ids, num_blocks = check_transfer(kv, host, slots, block_ids, layout=layout, host_side=True,
+                                                      writes_blocks=to_host, check_indices=check)
+        strides = kv.geometry.host_row_strides(num_blocks, layout)
         launch_copy_pages(kv, host, slots, block_ids, span, strides, to_blocks=to_host, num_programs=num_programs,
                           tile_bytes=tile_bytes, num_warps=num_warps)
 
