@@ -1,0 +1,154 @@
+"""TierConfig: the host tier's settings, from a YAML/JSON file, the ``KVTIER_CONFIG`` environment variable or a dict.
+
+Keys (FlexKV-like; every key is optional, unknown keys are an error that names the allowed ones):
+
+* ``cpu_cache_gb`` (float > 0, default 16): size of the pinned host pool in GiB (2**30 bytes). The pool holds
+  ``floor(cpu_cache_gb * 2**30 / block_bytes)`` blocks of one page of every layer, K and V.
+* ``page_size`` (int >= 1, default 16): tokens per page and per host block. It must equal the engine's page size
+  (SGLang's ``--page-size``): the tier moves whole engine pages and the manager rejects a KV pool whose
+  ``PagedKV`` was built with another page size.
+* ``host_layout`` (``"layer_first"`` | ``"page_first"``, default ``"layer_first"``): ``layer_first`` keeps each
+  (layer, K/V) contiguous over blocks, so a layerwise load's per-layer copy of a run of blocks is one contiguous
+  region (one copy-engine copy, long sequential host reads for the direct kernel); the all-layer kernels run at the
+  same speed in both layouts (bench/results/transfer_h200.json). ``page_first`` keeps a block contiguous, which an
+  SSD tier will want for spilling whole blocks.
+* ``transfer_mode`` (``"auto"`` | ``"direct"`` | ``"staged"``, default ``"auto"``): ``auto`` stores through the
+  staged path (copy engine: leaves the SMs to the forward pass, and a store can overlap a load) and loads through
+  the direct kernel (no staging hop on the critical path, lowest latency; layerwise loads too).
+* ``num_programs`` (int >= 1 or null, default null): persistent programs (SMs) of the direct kernel; null picks the
+  kernel's default (:data:`kvtier.kernels.DEFAULT_PROGRAMS`, more for short bursts).
+* ``layerwise`` (bool, default true): engine adapters load host hits layer by layer (``KVTier.load_layerwise``)
+  instead of whole (``KVTier.load``).
+* ``eviction_policy`` (``"lru"``, default ``"lru"``): the only policy so far (LRU over unlocked leaf pages).
+* ``ssd_cache_gb`` (float >= 0, default 0) and ``ssd_cache_dir`` (str or null): reserved for the SSD tier; validated,
+  not used yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping, Optional
+
+from kvtier.geometry import HOST_LAYOUTS
+
+ENV_VAR = "KVTIER_CONFIG"
+TRANSFER_MODES: tuple[str, ...] = ("auto", "direct", "staged")
+EVICTION_POLICIES: tuple[str, ...] = ("lru",)
+
+
+def _error(msg: str) -> ValueError:
+    return ValueError(f"kvtier config: {msg}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    """Host tier settings; see the module docstring for each key. Build with :meth:`from_dict`, :meth:`from_file`
+    or :meth:`from_env` (all validate); the constructor validates too."""
+
+    cpu_cache_gb: float = 16.0
+    page_size: int = 16
+    host_layout: str = "layer_first"
+    transfer_mode: str = "auto"
+    num_programs: Optional[int] = None
+    layerwise: bool = True
+    eviction_policy: str = "lru"
+    # reserved for the SSD tier (validated, unused)
+    ssd_cache_gb: float = 0.0
+    ssd_cache_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.cpu_cache_gb) or self.cpu_cache_gb <= 0:
+            raise _error(f"cpu_cache_gb must be a number > 0 (GiB), got {self.cpu_cache_gb!r}")
+        if not _is_int(self.page_size) or self.page_size < 1:
+            raise _error(f"page_size must be an int >= 1, got {self.page_size!r}")
+        if self.host_layout not in HOST_LAYOUTS:
+            raise _error(f"host_layout must be one of {sorted(HOST_LAYOUTS)}, got {self.host_layout!r}")
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise _error(f"transfer_mode must be one of {list(TRANSFER_MODES)}, got {self.transfer_mode!r}")
+        if self.num_programs is not None and (not _is_int(self.num_programs) or self.num_programs < 1):
+            raise _error(f"num_programs must be an int >= 1 or null, got {self.num_programs!r}")
+        if not isinstance(self.layerwise, bool):
+            raise _error(f"layerwise must be true or false, got {self.layerwise!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise _error(f"eviction_policy must be one of {list(EVICTION_POLICIES)}, got {self.eviction_policy!r}")
+        if not _is_number(self.ssd_cache_gb) or self.ssd_cache_gb < 0:
+            raise _error(f"ssd_cache_gb must be a number >= 0 (GiB), got {self.ssd_cache_gb!r}")
+        if self.ssd_cache_dir is not None and (not isinstance(self.ssd_cache_dir, str) or not self.ssd_cache_dir):
+            raise _error(f"ssd_cache_dir must be a non-empty string or null, got {self.ssd_cache_dir!r}")
+        object.__setattr__(self, "cpu_cache_gb", float(self.cpu_cache_gb))
+        object.__setattr__(self, "ssd_cache_gb", float(self.ssd_cache_gb))
+
+    @property
+    def cpu_cache_bytes(self) -> int:
+        return int(self.cpu_cache_gb * (1 << 30))
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TierConfig:
+        """Build from a mapping of the keys above.
+
+        Raises:
+            ValueError: a key is unknown (the message lists the allowed keys) or a value is out of range.
+        """
+        if not isinstance(d, Mapping):
+            raise _error(f"expected a mapping of settings, got {type(d).__name__}")
+        allowed = cls.keys()
+        for key in d:
+            if key not in allowed:
+                raise _error(f"unknown key {key!r} (allowed: {', '.join(allowed)})")
+        return cls(**dict(d))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> TierConfig:
+        """Read a ``.yaml``/``.yml`` or ``.json`` file holding one mapping of the keys above (empty file: defaults)."""
+        path = os.fspath(path)
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in (".yaml", ".yml", ".json"):
+            raise _error(f"{path}: the file must end in .yaml, .yml or .json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise _error(f"cannot read {path}: {e}") from None
+        if ext == ".json":
+            try:
+                data = json.loads(text) if text.strip() else {}
+            except json.JSONDecodeError as e:
+                raise _error(f"{path}: invalid JSON: {e}") from None
+        else:
+            try:
+                import yaml
+            except ImportError:  # pragma: no cover - pyyaml is a dependency
+                raise ImportError("reading a YAML kvtier config needs PyYAML: pip install pyyaml") from None
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise _error(f"{path}: invalid YAML: {e}") from None
+            data = {} if data is None else data
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{e} (in {path})") from None
+
+    @classmethod
+    def from_env(cls, var: str = ENV_VAR) -> TierConfig:
+        """Read the file named by ``$KVTIER_CONFIG``; defaults when the variable is unset or empty."""
+        path = os.environ.get(var, "").strip()
+        return cls.from_file(path) if path else cls()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,336 @@
+"""HostBlockPool: the host tier's block store, one (pinned) host tensor cut into blocks, and its block allocator.
+
+A block is one page (``page_size`` tokens) of every layer, K and V (:class:`~kvtier.geometry.KVGeometry`); the
+pool's tensor is ``geometry.host_shape(num_blocks, layout)``. Block ids are handed out by :meth:`alloc` and
+returned by :meth:`free`; the pool does not know what a block holds (the manager and the index do).
+
+Pinning: on CUDA machines the tensor is page-locked so the transfer kernels can address it through UVA and the copy
+engines can DMA it. Pools up to :data:`PIN_MEMORY_MAX_BYTES` use ``torch.empty(pin_memory=True)``; bigger ones are
+allocated as plain memory and registered with ``cudaHostRegister`` in chunks of at most :data:`REGISTER_CHUNK_BYTES`
+(one registration of hundreds of GiB fails, vllm#51081; torch's pinned allocator would round a 48 GiB request up to
+64 GiB). Chunk boundaries are page aligned and, where the geometry allows, fall between blocks (``page_first``) or
+between (layer, K/V) planes (``layer_first``), and a contiguous run handed out by :meth:`alloc` stays within one
+``page_first`` chunk. Ids from the no-run fallback may still be consecutive across a boundary, and a layer_first plane
+over the chunk limit is split mid-plane; a copy-engine copy may then span two registrations (pools over 64 GiB
+only; see bench/results/tier_notes.md). Without CUDA nothing can be pinned and the pool is plain memory (the kernels
+only require pinning when the device side is CUDA).
+
+All public methods hold the pool's RLock (``synchronized``); :meth:`destroy` is idempotent.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from kvtier.geometry import KVGeometry, check_layout
+
+GiB = 1 << 30
+# torch's pinned allocator rounds requests up to a power of two: fine for small pools, wasteful for big ones.
+PIN_MEMORY_MAX_BYTES = 1 * GiB
+# Largest single cudaHostRegister: vllm#51081 registers in 64 GiB chunks (one >= 512 GiB registration fails with
+# code 2 on an H200 host); registration costs ~0.1 s/GiB either way.
+REGISTER_CHUNK_BYTES = 64 * GiB
+PAGE_ALIGN = 4096  # chunk boundaries fall on OS page boundaries: two registrations never share a page
+DEFAULT_RESERVE_GB = 2.0  # host memory left free when sizing the pool against what is available
+
+
+def synchronized(method):
+    """Run ``method`` holding ``self._lock`` (an RLock)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def available_memory_bytes() -> Optional[int]:
+    """Host memory available for new allocations (psutil, else /proc/meminfo MemAvailable); None if unknown."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def plan_chunks(nbytes: int, *, unit: int, limit: int = REGISTER_CHUNK_BYTES,
+                align: int = PAGE_ALIGN) -> list[tuple[int, int]]:
+    """Split ``[0, nbytes)`` into ``(offset, length)`` registration chunks of at most ``limit`` bytes.
+
+    Boundaries are multiples of ``lcm(unit, align)`` (so they fall between units and on page boundaries) when that
+    fits in ``limit``, else multiples of ``align`` alone.
+    """
+    if nbytes <= 0:
+        return []
+    step = unit * align // math.gcd(unit, align)
+    if step > limit:
+        step = align
+    chunk = max(limit // step, 1) * step
+    return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+
+
+class HostBlockPool:
+    """A host tensor of ``num_blocks`` blocks and an allocator over their ids.
+
+    Args:
+        geometry: the KV geometry (block = one page of all layers, K and V).
+        num_blocks: blocks to hold; or give ``cpu_cache_gb`` (GiB) and the pool holds as many as fit.
+        cpu_cache_gb: pool size in GiB when ``num_blocks`` is not given.
+        layout: ``"layer_first"`` or ``"page_first"`` (see :mod:`kvtier.geometry`).
+        pin: True: page-lock (error without CUDA); False: plain memory; None: pin when CUDA is available.
+        register_chunk_bytes: largest single ``cudaHostRegister`` (tests use small values to force several).
+        pin_memory_max_bytes: pools up to this size are pinned by torch's allocator, bigger ones registered.
+        reserve_gb: host memory to leave free; the pool is refused if it would not.
+
+    Raises:
+        ValueError: the pool is empty, or bigger than the available host memory minus ``reserve_gb``.
+        RuntimeError: the memory cannot be pinned (the message gives the CUDA error and the usual causes).
+    """
+
+    def __init__(self, geometry: KVGeometry, num_blocks: Optional[int] = None, *,
+                 cpu_cache_gb: Optional[float] = None, layout: str = "layer_first", pin: Optional[bool] = None,
+                 register_chunk_bytes: int = REGISTER_CHUNK_BYTES, pin_memory_max_bytes: int = PIN_MEMORY_MAX_BYTES,
+                 reserve_gb: float = DEFAULT_RESERVE_GB) -> None:
+        check_layout(layout)
+        self._lock = threading.RLock()
+        self.geometry, self.layout = geometry, layout
+        if (num_blocks is None) == (cpu_cache_gb is None):
+            raise ValueError("give exactly one of num_blocks and cpu_cache_gb")
+        if num_blocks is None:
+            if not cpu_cache_gb > 0:
+                raise ValueError(f"cpu_cache_gb must be > 0, got {cpu_cache_gb!r}")
+            num_blocks = int(cpu_cache_gb * GiB) // geometry.block_bytes
+            if num_blocks < 1:
+                raise ValueError(f"cpu_cache_gb={cpu_cache_gb} holds no block of {geometry.block_bytes} bytes")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        self.num_blocks = int(num_blocks)
+        self.block_bytes = geometry.block_bytes
+        self.nbytes = self.num_blocks * self.block_bytes
+        cuda = torch.cuda.is_available()
+        if pin is None:
+            pin = cuda
+        if pin and not cuda:
+            raise RuntimeError("cannot pin host memory: CUDA is not available (use pin=False or pin=None)")
+        self._check_memory(reserve_gb)
+
+        self._registered: list[int] = []  # data pointers of cudaHostRegister'ed chunks, unregistered by destroy()
+        self.pinned_bytes = 0
+        self.pin_seconds = 0.0
+        self.chunks: list[tuple[int, int]] = [(0, self.nbytes)]
+        t0 = time.perf_counter()
+        if pin and self.nbytes <= pin_memory_max_bytes:
+            try:
+                raw = torch.empty(self.nbytes + PAGE_ALIGN, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as e:
+                raise RuntimeError(f"cannot pin a {self.nbytes / GiB:.2f} GiB host pool: {e} (check the locked-"
+                                   f"memory limit, ulimit -l, and the container's memlock limit)") from None
+            self.pinned_bytes = self.nbytes
+        else:
+            raw = torch.empty(self.nbytes + PAGE_ALIGN, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % PAGE_ALIGN
+        self._raw = raw
+        self._flat = raw[start:start + self.nbytes]
+        self.host: torch.Tensor = self._flat.view(geometry.dtype).view(geometry.host_shape(self.num_blocks, layout))
+        if self.pinned_bytes == 0:  # plain memory: registered in chunks when pinning (planned either way)
+            self.chunks = plan_chunks(self.nbytes, unit=self._register_unit(), limit=register_chunk_bytes)
+            if pin:
+                self._register_chunks()
+        self.pin_seconds = time.perf_counter() - t0
+
+        # Allocation runs never cross a page_first chunk boundary that falls between blocks.
+        seg = self.num_blocks
+        if layout == "page_first" and len(self.chunks) > 1 and self.chunks[0][1] % self.block_bytes == 0:
+            # (a chunk that is not a whole number of blocks cannot be respected: runs may span, still correct)
+            seg = self.chunks[0][1] // self.block_bytes
+        self._segment_blocks = seg
+        self._free = np.ones(self.num_blocks, dtype=bool)  # block id -> free?
+        self._num_free = self.num_blocks
+        self._cursor = 0  # where the next contiguous run is tried first
+        self._destroyed = False
+
+    # --- sizing and pinning ---
+
+    def _check_memory(self, reserve_gb: float) -> None:
+        avail = available_memory_bytes()
+        if avail is None:
+            return
+        usable = avail - int(reserve_gb * GiB)
+        if self.nbytes > usable:
+            raise ValueError(f"host pool of {self.nbytes / GiB:.2f} GiB does not fit: {avail / GiB:.2f} GiB "
+                             f"available, {reserve_gb:.2f} GiB kept in reserve; lower cpu_cache_gb")
+
+    def _register_unit(self) -> int:
+        """Bytes between natural boundaries of the host tensor: a block, or a (layer, K/V) plane."""
+        geo = self.geometry
+        if self.layout == "page_first":
+            return self.block_bytes
+        return self.num_blocks * geo.page_size * geo.row_bytes
+
+    def _register_chunks(self) -> None:
+        cudart = torch.cuda.cudart()
+        base = self._flat.data_ptr()
+        for off, length in self.chunks:
+            ptr = base + off
+            err = cudart.cudaHostRegister(ptr, length, 0)
+            code = int(getattr(err, "value", err))
+            if code != 0:
+                self._unregister()
+                raise RuntimeError(
+                    f"cannot pin the host pool: cudaHostRegister of {length / GiB:.2f} GiB at offset "
+                    f"{off / GiB:.2f} GiB (pool {self.nbytes / GiB:.2f} GiB) failed with CUDA error {code} "
+                    f"({err}); check the locked-memory limit (ulimit -l, container memlock) and free host memory")
+            self._registered.append(ptr)
+            self.pinned_bytes += length
+
+    def _unregister(self) -> None:
+        if self._registered:
+            cudart = torch.cuda.cudart()
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+        self._registered = []
+        self.pinned_bytes = 0
+
+    @synchronized
+    def destroy(self) -> None:
+        """Unregister pinned chunks and drop the memory; idempotent. No transfer may use the pool afterwards."""
+        if getattr(self, "_destroyed", True):
+            return
+        self._destroyed = True
+        self._unregister()
+        self.pinned_bytes = 0
+        self.host = self._flat = self._raw = None  # type: ignore[assignment]
+
+    def __del__(self) -> None:
+        try:
+            self.destroy()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    # --- block allocator ---
+
+    @synchronized
+    def alloc(self, n: int) -> Optional[np.ndarray]:
+        """Take ``n`` free block ids, preferring one run of consecutive ids.
+
+        Returns:
+            int64 ids (ascending), or None when fewer than ``n`` blocks are free (nothing taken then).
+        """
+        self._check_alive()
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        n = int(n)
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        if n > self._num_free:
+            return None
+        start = self._find_run(n)
+        if start is not None:
+            ids = np.arange(start, start + n, dtype=np.int64)
+        else:  # no run long enough: the lowest free ids (ascending, so they still form a few runs)
+            ids = np.flatnonzero(self._free)[:n].astype(np.int64)
+        self._free[ids] = False
+        self._num_free -= n
+        self._cursor = int(ids[-1]) + 1
+        if self._cursor >= self.num_blocks:
+            self._cursor = 0
+        return ids
+
+    def _find_run(self, n: int) -> Optional[int]:
+        seg = self._segment_blocks
+        c = self._cursor
+        if c + n <= self.num_blocks and c // seg == (c + n - 1) // seg and self._free[c:c + n].all():
+            return c
+        if n > seg:
+            return None
+        for s0 in range(0, self.num_blocks, seg):  # first fit, segment by segment
+            free = self._free[s0:s0 + seg]
+            edges = np.diff(np.concatenate(([0], free.view(np.int8), [0])))
+            starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+            fit = np.flatnonzero(ends - starts >= n)
+            if fit.size:
+                return s0 + int(starts[fit[0]])
+        return None
+
+    @synchronized
+    def free(self, ids: Sequence[int] | np.ndarray) -> None:
+        """Return block ids to the pool.
+
+        Raises:
+            ValueError: an id is out of range, repeated, or already free (a double free); nothing is freed then.
+        """
+        self._check_alive()
+        a = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if a.size == 0:
+            return
+        if a.min() < 0 or a.max() >= self.num_blocks:
+            raise ValueError(f"block ids out of range [0, {self.num_blocks}): {a[(a < 0) | (a >= self.num_blocks)]}")
+        if np.unique(a).size != a.size:
+            raise ValueError(f"block ids repeated in one free: {a}")
+        already = a[self._free[a]]
+        if already.size:
+            raise ValueError(f"double free of host blocks {already.tolist()}")
+        self._free[a] = True
+        self._num_free += a.size
+
+    @synchronized
+    def reset(self) -> None:
+        """Mark every block free (the caller guarantees no transfer uses any)."""
+        self._check_alive()
+        self._free[:] = True
+        self._num_free = self.num_blocks
+        self._cursor = 0
+
+    @synchronized
+    def is_free(self, block_id: int) -> bool:
+        return bool(self._free[block_id])
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("the host pool was destroyed")
+
+    # --- accounting ---
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self._num_free
+
+    @property
+    def occupancy(self) -> float:
+        """Fraction of blocks in use (held by the index or by in-flight stores)."""
+        return self.num_used / self.num_blocks
+
+    @property
+    def is_pinned(self) -> bool:
+        return self.pinned_bytes == self.nbytes
+
+    def stats(self) -> dict:
+        return {"num_blocks": self.num_blocks, "block_bytes": self.block_bytes, "nbytes": self.nbytes,
+                "pinned_bytes": self.pinned_bytes, "num_used": self.num_used, "num_free": self.num_free,
+                "occupancy": self.occupancy, "register_chunks": len(self._registered),
+                "pin_seconds": self.pin_seconds}
+
+    def __repr__(self) -> str:
+        return (f"HostBlockPool(blocks={self.num_blocks}, block_bytes={self.block_bytes}, layout={self.layout!r}, "
+                f"used={self.num_used}, pinned={self.pinned_bytes / GiB:.2f} GiB)")

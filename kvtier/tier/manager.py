@@ -1,0 +1,477 @@
+"""KVTier: the host tier of a prefix KV cache: lookup, asynchronous store and load, layerwise load, completion.
+
+Protocol (see :mod:`kvtier.tier.abstract` for the engine-facing contract):
+
+* ``lookup(tokens, ns) -> pages``: how many leading full pages of ``tokens`` the host holds. Completed stores are
+  drained first, so a store is visible from the first call after its copy finished, never before.
+* ``store(tokens, ns, slots) -> TierTask``: D2H of the pages not already held. The held prefix is locked for the
+  copy's duration (so the finished pages can be attached to it); blocks for the new pages are allocated, evicting
+  LRU unlocked pages from the index when the pool is full (when too few can be evicted, only the first new pages
+  that fit are stored). The new pages enter the index only when the copy has completed (``poll``/``wait``/any
+  call that drains). The engine must keep ``slots``' KV unchanged until then.
+* ``load(tokens, ns, slots) -> TierTask``: H2D of the longest held prefix into the first ``pages * page_size``
+  slots; the path is locked until the copy completes. Make the forward wait with :meth:`KVTier.wait_on_current_stream`.
+* ``load_layerwise(tokens, ns, slots)``: the same, one launch per layer on the load stream, each followed by the
+  :class:`~kvtier.tier.signal.LayerDoneCounter` event of that layer; ``task.producer_index`` is the slot the engine
+  sets as consumer (-1 when nothing was loaded).
+* ``poll() -> [task ids]``: drain completions; every task id is reported by exactly one poll (unless ``reset``).
+  ``wait(task)``: block until it completes and finalize it. ``cancel(task)``: wait for its copy, then discard it
+  (a store frees its blocks and inserts nothing). ``reset()``: wait for every copy, then drop everything.
+
+Invariants: pages read by an in-flight load or under an in-flight store are locked in the index, so never evicted;
+blocks written by an in-flight store belong to the task (not free, not in the index); nothing is freed before the
+copy that uses it has completed. Every pool block is free, held by the index, or owned by one in-flight store.
+
+Two in-flight stores of the same new pages both copy them; the first to complete inserts them, the second's blocks
+for those pages go back to the pool (correct, and rare: an engine stores a request's pages once).
+
+Transfer modes (``TierConfig.transfer_mode``): ``direct`` and ``staged`` use that path for everything; ``auto``
+stores through the staged path (copy engine: leaves the SMs to the forward pass, and a D2H on the copy engine can
+overlap an H2D) and loads, whole or layerwise, through the direct kernel (no staging hop on the critical path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from kvtier.config import TierConfig
+from kvtier.index import Namespace, PageTrie
+from kvtier.kernels import PagedKV, StagedTransfer, load_pages, store_pages
+from kvtier.tier.abstract import HostTier
+from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
+from kvtier.tier.host_pool import HostBlockPool, synchronized
+from kvtier.tier.signal import LayerDoneCounter
+
+__all__ = ["KVTier", "TierTask", "TierStats"]
+
+
+@dataclasses.dataclass
+class TierTask:
+    """A store or load handed back to the engine.
+
+    Attributes:
+        id: task id (reported once by ``poll``).
+        kind: ``"store"``, ``"load"`` or ``"load_layerwise"``.
+        num_pages: pages this task copies (store: new pages; load: hit pages loaded).
+        num_held: store only: leading pages already held, not copied.
+        producer_index: layerwise loads: the LayerDoneCounter slot to set as consumer (-1: nothing to wait for).
+        status: ``"inflight"``, ``"done"`` or ``"cancelled"``.
+    """
+
+    id: int
+    kind: str
+    num_pages: int
+    num_held: int = 0
+    producer_index: int = -1
+    status: str = "inflight"
+
+    @property
+    def done(self) -> bool:
+        return self.status != "inflight"
+
+
+@dataclasses.dataclass
+class _Inflight:
+    task: TierTask
+    completion: object
+    tokens: np.ndarray  # store: tokens of the held + new pages
+    ns: Optional[Namespace]
+    block_ids: np.ndarray  # store: new blocks, owned by the task; load: blocks read
+    prefix_ids: np.ndarray  # store: blocks of the held prefix
+    handle: object  # locked index path (MatchResult) or None
+    nbytes: int
+
+
+@dataclasses.dataclass
+class TierStats:
+    """Counters since construction (``reset`` keeps them)."""
+
+    lookups: int = 0
+    hit_pages: int = 0  # lookup: pages found
+    miss_pages: int = 0  # lookup: full pages asked for and not found
+    stores: int = 0
+    pages_stored: int = 0  # pages that entered the index from completed stores
+    pages_store_skipped: int = 0  # already held when the store was issued
+    pages_store_dropped: int = 0  # no room (everything else locked or in flight)
+    pages_store_duplicate: int = 0  # copied, but another store inserted them first
+    loads: int = 0
+    pages_loaded: int = 0
+    pages_evicted: int = 0
+    cancelled: int = 0
+    bytes_d2h: int = 0
+    bytes_h2d: int = 0
+    seconds_d2h: float = 0.0  # device time of completed stores (CUDA events; wall time on CPU)
+    seconds_h2d: float = 0.0
+
+    @property
+    def gbps_d2h(self) -> Optional[float]:
+        return self.bytes_d2h / self.seconds_d2h / 1e9 if self.seconds_d2h > 0 else None
+
+    @property
+    def gbps_h2d(self) -> Optional[float]:
+        return self.bytes_h2d / self.seconds_h2d / 1e9 if self.seconds_h2d > 0 else None
+
+
+def _as_tokens(tokens) -> np.ndarray:
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(tokens))
+
+
+def _as_slots(slots) -> torch.Tensor:
+    if not isinstance(slots, torch.Tensor):
+        slots = torch.as_tensor(np.asarray(slots, dtype=np.int64))
+    if slots.dtype != torch.int64:
+        slots = slots.to(torch.int64)
+    if slots.dim() != 1:
+        raise ValueError(f"slot indices must be 1-D, got shape {tuple(slots.shape)}")
+    return slots
+
+
+class KVTier(HostTier):
+    """Host tier for one KV pool: index + pinned block pool + transfers + layer signal (see module docstring).
+
+    Args:
+        kv: the engine's device KV buffers (its page size must equal ``config.page_size``).
+        config: settings (default :meth:`TierConfig.from_env`).
+        pool: a host pool to use instead of one sized from ``config.cpu_cache_gb`` (its geometry and layout must
+            match).
+        executor: how copies are issued (default: :class:`CudaExecutor` on CUDA, :class:`ImmediateExecutor` on
+            CPU; tests pass a :class:`~kvtier.tier.executor.DeferredExecutor`).
+        counter_backend: LayerDoneCounter backend (``"auto"``, ``"cupy"``, ``"torch"``, ``"host"``).
+    """
+
+    def __init__(self, kv: PagedKV, config: Optional[TierConfig] = None, *, pool: Optional[HostBlockPool] = None,
+                 executor=None, counter_backend: str = "auto") -> None:
+        self._lock = threading.RLock()
+        self.config = config if config is not None else TierConfig.from_env()
+        geo = kv.geometry
+        if geo.page_size != self.config.page_size:
+            raise ValueError(f"the KV pool has page_size {geo.page_size}, the kvtier config {self.config.page_size}:"
+                             " they must match (set page_size in the kvtier config to the engine's page size)")
+        self.kv, self.geometry, self.page_size = kv, geo, geo.page_size
+        if pool is None:
+            pool = HostBlockPool(geo, cpu_cache_gb=self.config.cpu_cache_gb, layout=self.config.host_layout)
+        elif pool.geometry != geo or pool.layout != self.config.host_layout:
+            raise ValueError(f"host pool geometry/layout ({pool.geometry}, {pool.layout}) does not match the KV pool "
+                             f"({geo}, {self.config.host_layout})")
+        self.pool = pool
+        self.layout = pool.layout
+        self.index = PageTrie(self.page_size)
+        if executor is None:
+            executor = CudaExecutor(kv.device) if kv.is_cuda else ImmediateExecutor()
+        self.executor = executor
+        self.counter = LayerDoneCounter(geo.num_layers, device=kv.device if kv.is_cuda else "cpu",
+                                        backend=counter_backend)
+        self._staged_transfer: Optional[StagedTransfer] = None
+        self._inflight: dict[int, _Inflight] = {}  # task id -> in-flight copy
+        self._finished: list[int] = []  # task ids finalized since the last poll
+        self._next_id = 0
+        self._stats = TierStats()
+
+    # --- engine API ---
+
+    @synchronized
+    def lookup(self, tokens, ns: Optional[Namespace] = None) -> int:
+        """Number of leading full pages of ``tokens`` held in the host tier (does not touch the LRU order)."""
+        self._drain()
+        toks = _as_tokens(tokens)
+        n = toks.size // self.page_size
+        hit = self.index.match(toks[:n * self.page_size], ns, touch=False).num_pages
+        self._stats.lookups += 1
+        self._stats.hit_pages += hit
+        self._stats.miss_pages += n - hit
+        return hit
+
+    @synchronized
+    def store(self, tokens, ns: Optional[Namespace], slot_indices) -> TierTask:
+        """Copy the full pages of ``tokens`` not yet held from their device slots to the host, asynchronously.
+
+        Args:
+            tokens: token ids (a trailing partial page is ignored).
+            slot_indices: device slot of every token (at least the full pages' tokens), page by page.
+            ns: namespace (requests share pages only within one).
+
+        Returns:
+            The task; its pages become visible to ``lookup``/``load`` once it completes. Keep the slots' KV
+            unchanged until then.
+        """
+        self._drain()
+        P = self.page_size
+        toks = _as_tokens(tokens)
+        slots = _as_slots(slot_indices)
+        n = toks.size // P
+        if slots.numel() < n * P:
+            raise ValueError(f"{slots.numel()} slot indices for {n} full pages of {P} tokens")
+        toks = toks[:n * P]
+        m = self.index.match(toks, ns, touch=True)
+        held = m.num_pages
+        self._stats.stores += 1
+        self._stats.pages_store_skipped += held
+        task = self._new_task("store", 0, num_held=held)
+        if held == n:
+            return self._finish_now(task)
+        if held:
+            self.index.lock(m)  # the prefix the new pages hang from must survive until they are inserted
+        ids = self._alloc(n - held)
+        self._stats.pages_store_dropped += n - held - ids.size
+        if ids.size == 0:
+            if held:
+                self.index.unlock(m)
+            return self._finish_now(task)
+        task.num_pages = int(ids.size)
+        end = held + ids.size
+        new_slots = slots[held * P:end * P]
+        completion = self._launch("store", lambda: self._copy(True, new_slots, ids))
+        self._inflight[task.id] = _Inflight(task, completion, toks[:end * P].copy(), ns, ids,
+                                            np.array(m.block_ids[:held], dtype=np.int64), m if held else None,
+                                            task.num_pages * self.pool.block_bytes)
+        return task
+
+    @synchronized
+    def load(self, tokens, ns: Optional[Namespace], slot_indices) -> TierTask:
+        """Copy the longest held prefix of ``tokens`` into the first ``pages * page_size`` of ``slot_indices``.
+
+        Args:
+            tokens: token ids.
+            slot_indices: device slots to fill, page by page; at most ``len(slot_indices) // page_size`` pages load.
+            ns: namespace.
+
+        Returns:
+            The task (``num_pages`` pages loaded). Before reading the slots the forward pass must wait for it:
+            :meth:`wait_on_current_stream` (GPU-side) or :meth:`wait`.
+        """
+        return self._load(tokens, ns, slot_indices, layerwise=False)
+
+    @synchronized
+    def load_layerwise(self, tokens, ns: Optional[Namespace], slot_indices, *,
+                       on_layer_start=None) -> TierTask:
+        """As :meth:`load`, one layer at a time, signalling each layer through :attr:`counter`.
+
+        The engine then calls ``counter.set_consumer(task.producer_index)`` and the forward pass calls
+        ``counter.wait_until(layer)`` before reading a layer. ``on_layer_start(layer)``, if given, is called on
+        the load stream before each layer's copy is issued (benchmarks and tests use it to slow the load).
+        """
+        return self._load(tokens, ns, slot_indices, layerwise=True, on_layer_start=on_layer_start)
+
+    @synchronized
+    def poll(self) -> list[int]:
+        """Drain completed copies (store pages enter the index, locks drop); the ids finalized since the last poll."""
+        self._drain()
+        out, self._finished = self._finished, []
+        return out
+
+    @synchronized
+    def wait(self, task: Union[TierTask, int]) -> TierTask:
+        """Block the host until ``task``'s copy has completed, and finalize it (also reported by the next poll)."""
+        tid = task.id if isinstance(task, TierTask) else int(task)
+        rec = self._inflight.get(tid)
+        if rec is not None:
+            rec.completion.wait()
+            self._finalize(rec, cancelled=False)
+        return rec.task if rec is not None else task
+
+    @synchronized
+    def wait_all(self) -> None:
+        """Block until every in-flight copy has completed, and finalize them."""
+        for rec in list(self._inflight.values()):
+            rec.completion.wait()
+            self._finalize(rec, cancelled=False)
+
+    @synchronized
+    def wait_on_current_stream(self, task: TierTask) -> None:
+        """Make the engine's current stream wait (GPU-side on CUDA) for ``task``'s copy; the host does not block."""
+        rec = self._inflight.get(task.id)
+        if rec is not None:
+            self.executor.wait_current(rec.completion)
+
+    @synchronized
+    def cancel(self, task: Union[TierTask, int]) -> bool:
+        """Discard an in-flight task after its copy completes (a store inserts nothing and frees its blocks).
+
+        Returns:
+            True if the task was in flight, False if it had already been finalized.
+        """
+        tid = task.id if isinstance(task, TierTask) else int(task)
+        rec = self._inflight.get(tid)
+        if rec is None:
+            return False
+        rec.completion.wait()
+        self._finalize(rec, cancelled=True)
+        return True
+
+    @synchronized
+    def reset(self) -> None:
+        """Wait for every in-flight copy, then drop every page and task (pending poll reports included)."""
+        for rec in list(self._inflight.values()):
+            rec.completion.wait()
+            self._finalize(rec, cancelled=True)
+        self.index.reset()
+        self.pool.reset()
+        self.counter.reset()
+        self._finished = []
+
+    @synchronized
+    def evict(self, num_pages: int) -> int:
+        """Evict up to ``num_pages`` LRU unlocked pages now; returns how many were evicted."""
+        ids = self.index.evict(num_pages)
+        self.pool.free(ids)
+        self._stats.pages_evicted += ids.size
+        return int(ids.size)
+
+    def destroy(self) -> None:
+        """Wait for in-flight copies and release the host pool (unpins it)."""
+        with self._lock:
+            self.reset()
+            self.pool.destroy()
+
+    # --- accounting ---
+
+    @synchronized
+    def stats(self) -> dict:
+        s = self._stats
+        out = dataclasses.asdict(s)
+        out.update(gbps_d2h=s.gbps_d2h, gbps_h2d=s.gbps_h2d, occupancy=self.pool.occupancy,
+                   blocks_used=self.pool.num_used, blocks_total=self.pool.num_blocks,
+                   pages_held=self.index.total_pages, pages_locked=self.index.protected_pages,
+                   inflight_tasks=len(self._inflight),
+                   inflight_store_blocks=sum(r.block_ids.size for r in self._inflight.values()
+                                             if r.task.kind == "store"))
+        return out
+
+    @property
+    def inflight_ids(self) -> list[int]:
+        return list(self._inflight)
+
+    # --- internals ---
+
+    def _new_task(self, kind: str, num_pages: int, num_held: int = 0) -> TierTask:
+        task = TierTask(self._next_id, kind, num_pages, num_held)
+        self._next_id += 1
+        return task
+
+    def _finish_now(self, task: TierTask) -> TierTask:
+        task.status = "done"
+        self._finished.append(task.id)
+        return task
+
+    def _launch(self, stream: str, fn):
+        self.executor.begin(stream)
+        self.executor.run(stream, fn)
+        return self.executor.fence(stream)
+
+    def _load(self, tokens, ns, slot_indices, *, layerwise: bool, on_layer_start=None) -> TierTask:
+        self._drain()
+        P = self.page_size
+        toks = _as_tokens(tokens)
+        slots = _as_slots(slot_indices)
+        n = min(toks.size, slots.numel()) // P
+        m = self.index.match(toks[:n * P], ns, touch=True)
+        hits = m.num_pages
+        self._stats.loads += 1
+        task = self._new_task("load_layerwise" if layerwise else "load", hits)
+        if hits == 0:
+            return self._finish_now(task)
+        self.index.lock(m)
+        ids = np.array(m.block_ids[:hits])
+        dst = slots[:hits * P]
+        if not layerwise:
+            completion = self._launch("load", lambda: self._copy(False, dst, ids))
+        else:
+            ex = self.executor
+            ex.begin("load")
+            stream = ex.stream("load")
+            task.producer_index = self.counter.update_producer(stream)
+            layer_ids = ids
+            if self.kv.is_cuda and self._mode(False) == "direct":  # one index upload for all layers, on the stream
+                with torch.cuda.device(self.kv.device), torch.cuda.stream(stream):
+                    layer_ids = torch.from_numpy(ids).to(self.kv.device, non_blocking=True)
+            for layer in range(self.geometry.num_layers):
+                if on_layer_start is not None:
+                    ex.run("load", functools.partial(on_layer_start, layer))
+                ex.run("load", functools.partial(self._copy, False, dst, layer_ids, layer))
+                # Recorded at issue time, behind the layer's copy in stream order. With the DeferredExecutor
+                # (tests) the host event is set before the deferred copy runs: layerwise bytes are checked there
+                # after wait(task), not through wait_until.
+                self.counter.complete(layer, slot=task.producer_index, stream=stream)
+            completion = ex.fence("load")
+        self._inflight[task.id] = _Inflight(task, completion, toks[:0], ns, ids, np.empty(0, np.int64), m,
+                                            hits * self.pool.block_bytes)
+        return task
+
+    def _mode(self, to_host: bool) -> str:
+        mode = self.config.transfer_mode
+        if mode == "auto":
+            return "staged" if to_host else "direct"
+        return mode
+
+    def _staged(self) -> StagedTransfer:
+        if self._staged_transfer is None:
+            self._staged_transfer = StagedTransfer(self.kv, self.pool.host, layout=self.layout)
+        return self._staged_transfer
+
+    def _copy(self, to_host: bool, slots: torch.Tensor, ids, layers=None) -> None:
+        """Issue one copy on the executor's stream (runs inside ``executor.run``); ``ids``: numpy, or a device
+        tensor for the direct kernel."""
+        stream = self.executor.stream("store" if to_host else "load")
+        block_ids = torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
+        check = slots.device.type == "cpu"  # a range check of device indices would cost a device sync
+        if self._mode(to_host) == "staged":
+            st = self._staged()
+            fn = st.store if to_host else st.load
+            ev = fn(slots, block_ids, layers=layers, stream=stream, check=check)
+            if ev is not None:
+                stream.wait_event(ev)  # the task's completion is fenced on this stream
+        else:
+            fn = store_pages if to_host else load_pages
+            fn(self.kv, self.pool.host, slots, block_ids, layout=self.layout, layers=layers,
+               num_programs=self.config.num_programs, stream=stream, check=check)
+
+    def _alloc(self, n: int) -> np.ndarray:
+        """Up to ``n`` free blocks, evicting LRU unlocked pages for room; fewer when not enough can be evicted."""
+        ids = self.pool.alloc(n)
+        if ids is not None:
+            return ids
+        self.evict(n - self.pool.num_free)
+        ids = self.pool.alloc(min(n, self.pool.num_free))
+        return ids if ids is not None else np.empty(0, np.int64)
+
+    def _drain(self) -> None:
+        for rec in list(self._inflight.values()):
+            if rec.completion.done():
+                self._finalize(rec, cancelled=False)
+
+    def _finalize(self, rec: _Inflight, *, cancelled: bool) -> None:
+        """The copy of ``rec`` has completed: insert / free / unlock, and account."""
+        task = rec.task
+        del self._inflight[task.id]
+        secs = rec.completion.seconds()
+        if task.kind == "store":
+            self._stats.bytes_d2h += rec.nbytes
+            self._stats.seconds_d2h += secs or 0.0
+            if cancelled:
+                self.pool.free(rec.block_ids)
+            else:
+                held = rec.prefix_ids.size
+                r = self.index.insert(rec.tokens, np.concatenate((rec.prefix_ids, rec.block_ids)), rec.ns)
+                owned = r.new_mask[held:]
+                self.pool.free(rec.block_ids[~owned])
+                self._stats.pages_stored += int(owned.sum())
+                self._stats.pages_store_duplicate += int((~owned).sum())
+        else:
+            self._stats.bytes_h2d += rec.nbytes
+            self._stats.seconds_h2d += secs or 0.0
+            if not cancelled:
+                self._stats.pages_loaded += task.num_pages
+        if rec.handle is not None:
+            self.index.unlock(rec.handle)
+        if cancelled:
+            self._stats.cancelled += 1
+        task.status = "cancelled" if cancelled else "done"
+        self._finished.append(task.id)

@@ -1,0 +1,99 @@
+"""TierConfig: defaults, the three sources (dict, YAML/JSON file, KVTIER_CONFIG), and errors naming key and choices."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.config import ENV_VAR, TierConfig
+
+
+def test_defaults():
+    c = TierConfig()
+    assert (c.cpu_cache_gb, c.page_size, c.host_layout, c.transfer_mode, c.num_programs, c.layerwise,
+            c.eviction_policy, c.ssd_cache_gb, c.ssd_cache_dir) == (16.0, 16, "layer_first", "auto", None, True,
+                                                                   "lru", 0.0, None)
+    assert c.cpu_cache_bytes == 16 << 30
+
+
+def test_from_dict_round_trip():
+    d = {"cpu_cache_gb": 2, "page_size": 64, "host_layout": "page_first", "transfer_mode": "staged",
+         "num_programs": 4, "layerwise": False, "ssd_cache_gb": 100, "ssd_cache_dir": "/tmp/x"}
+    c = TierConfig.from_dict(d)
+    assert c.cpu_cache_gb == 2.0 and isinstance(c.cpu_cache_gb, float)
+    assert TierConfig.from_dict(c.to_dict()) == c
+    assert {k: getattr(c, k) for k in d} == {**d, "cpu_cache_gb": 2.0, "ssd_cache_gb": 100.0}
+
+
+def test_unknown_key_names_it_and_the_allowed_keys():
+    with pytest.raises(ValueError, match=r"kvtier config: unknown key 'cpu_cach_gb' \(allowed: cpu_cache_gb, "
+                                         r"page_size, host_layout, transfer_mode"):
+        TierConfig.from_dict({"cpu_cach_gb": 4})
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("cpu_cache_gb", 0, r"cpu_cache_gb must be a number > 0"),
+    ("cpu_cache_gb", -1.5, r"cpu_cache_gb must be a number > 0"),
+    ("cpu_cache_gb", "16", r"cpu_cache_gb must be a number > 0"),
+    ("cpu_cache_gb", float("inf"), r"cpu_cache_gb must be a number > 0"),
+    ("cpu_cache_gb", True, r"cpu_cache_gb must be a number > 0"),
+    ("page_size", 0, r"page_size must be an int >= 1, got 0"),
+    ("page_size", 16.0, r"page_size must be an int >= 1, got 16.0"),
+    ("page_size", True, r"page_size must be an int >= 1, got True"),
+    ("host_layout", "x", r"host_layout must be one of \['layer_first', 'page_first'\], got 'x'"),
+    ("transfer_mode", "fast", r"transfer_mode must be one of \['auto', 'direct', 'staged'\], got 'fast'"),
+    ("num_programs", 0, r"num_programs must be an int >= 1 or null, got 0"),
+    ("num_programs", "8", r"num_programs must be an int >= 1 or null"),
+    ("layerwise", "yes", r"layerwise must be true or false, got 'yes'"),
+    ("eviction_policy", "lfu", r"eviction_policy must be one of \['lru'\], got 'lfu'"),
+    ("ssd_cache_gb", -1, r"ssd_cache_gb must be a number >= 0"),
+    ("ssd_cache_dir", "", r"ssd_cache_dir must be a non-empty string or null"),
+    ("ssd_cache_dir", 3, r"ssd_cache_dir must be a non-empty string or null"),
+])
+def test_bad_values_name_the_key_and_what_is_allowed(key, value, message):
+    with pytest.raises(ValueError, match="kvtier config: " + message):
+        TierConfig.from_dict({key: value})
+
+
+def test_yaml_and_json_files(tmp_path):
+    y = tmp_path / "tier.yaml"
+    y.write_text("cpu_cache_gb: 0.5\npage_size: 32\nnum_programs: null\nlayerwise: false\n")
+    assert TierConfig.from_file(y) == TierConfig(cpu_cache_gb=0.5, page_size=32, layerwise=False)
+    j = tmp_path / "tier.json"
+    j.write_text(json.dumps({"transfer_mode": "direct", "host_layout": "page_first"}))
+    assert TierConfig.from_file(str(j)) == TierConfig(transfer_mode="direct", host_layout="page_first")
+    empty = tmp_path / "empty.yml"
+    empty.write_text("")
+    assert TierConfig.from_file(empty) == TierConfig()
+
+
+def test_file_errors(tmp_path):
+    bad = tmp_path / "tier.yaml"
+    bad.write_text("page_size: 3\nhost_layot: page_first\n")
+    with pytest.raises(ValueError, match=r"unknown key 'host_layot'.*tier\.yaml"):
+        TierConfig.from_file(bad)
+    lst = tmp_path / "list.json"
+    lst.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        TierConfig.from_file(lst)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(ValueError, match="invalid JSON"):
+        TierConfig.from_file(broken)
+    with pytest.raises(ValueError, match=r"must end in \.yaml, \.yml or \.json"):
+        TierConfig.from_file(tmp_path / "tier.toml")
+    with pytest.raises(ValueError, match="cannot read"):
+        TierConfig.from_file(tmp_path / "missing.yaml")
+
+
+def test_from_env(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert TierConfig.from_env() == TierConfig()
+    path = tmp_path / "c.yaml"
+    path.write_text("cpu_cache_gb: 3\n")
+    monkeypatch.setenv(ENV_VAR, str(path))
+    assert TierConfig.from_env().cpu_cache_gb == 3.0
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "nope.yaml"))
+    with pytest.raises(ValueError, match="cannot read"):
+        TierConfig.from_env()

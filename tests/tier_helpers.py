@@ -1,0 +1,51 @@
+"""Builders shared by the host-tier tests: a tiny KV pool, a KVTier over it, and byte views of device pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvtier.config import TierConfig
+from kvtier.geometry import KVGeometry
+from kvtier.tier import HostBlockPool, KVTier
+from tests.kv_helpers import as_bytes, make_kv
+
+# Tiny on CPU: the kernels run in the Triton interpreter. 2 layers, 1 head of 8 fp16 = 16-byte rows.
+TINY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float16, page_size=2)
+
+
+def make_tier(geo: KVGeometry = TINY, *, num_slots: int = 128, num_blocks: int = 16, device: str = "cpu",
+              layout: str = "layer_first", mode: str = "auto", executor=None, seed: int = 0) -> KVTier:
+    gen = torch.Generator().manual_seed(seed)
+    kv = make_kv(geo, num_slots, device, gen)
+    cfg = TierConfig(page_size=geo.page_size, host_layout=layout, transfer_mode=mode, cpu_cache_gb=1.0)
+    pool = HostBlockPool(geo, num_blocks, layout=layout)
+    return KVTier(kv, cfg, pool=pool, executor=executor, counter_backend="auto")
+
+
+def slot_bytes(tier: KVTier, slots) -> list[torch.Tensor]:
+    """Bytes of ``slots`` in every device buffer (layer-major, K then V), cloned."""
+    idx = torch.as_tensor(np.asarray(slots), dtype=torch.int64).to(tier.kv.device)
+    return [as_bytes(b[idx]).clone() for b in tier.kv.buffers]
+
+
+def page_slots(first_page: int, num_pages: int, page_size: int) -> torch.Tensor:
+    """Token slots of device pages ``first_page .. first_page + num_pages - 1`` (consecutive, as in SGLang)."""
+    return torch.arange(first_page * page_size, (first_page + num_pages) * page_size, dtype=torch.int64)
+
+
+def fill_random_(tier: KVTier, slots, seed: int) -> None:
+    """Overwrite ``slots`` in every device buffer with random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.as_tensor(np.asarray(slots), dtype=torch.int64).to(tier.kv.device)
+    for b in tier.kv.buffers:
+        rows = b.view(torch.uint8).view(b.shape[0], -1)
+        rows[idx] = torch.randint(0, 256, (idx.numel(), rows.shape[1]), dtype=torch.uint8,
+                                  generator=gen).to(rows.device)
+
+
+def accounted_blocks(tier: KVTier) -> tuple[int, int, int]:
+    """(free, held by the index, owned by in-flight stores): must add up to the pool's blocks."""
+    s = tier.stats()
+    return tier.pool.num_free, s["pages_held"], s["inflight_store_blocks"]
+
