@@ -44,6 +44,7 @@ from bench.common import env_info, write_json  # noqa: E402
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import PagedKV  # noqa: E402
+from kvtier.kernels.pinned import is_pinned  # noqa: E402
 from kvtier.tier import HostBlockPool, KVTier  # noqa: E402
 from kvtier.tier.host_pool import GiB  # noqa: E402
 
@@ -281,7 +282,7 @@ def bench_pin(geo: KVGeometry, gib: float, chunk_gib: float) -> dict:
     secs = time.perf_counter() - t
     res = {"gib": pool.nbytes / GiB, "pinned_gib": pool.pinned_bytes / GiB, "chunks": len(pool.chunks),
            "seconds": secs, "register_seconds": pool.pin_seconds, "pin_seconds_per_gib": secs / (pool.nbytes / GiB),
-           "pinned": pool.is_pinned and (not torch.cuda.is_available() or pool.host.is_pinned())}
+           "pinned": pool.is_pinned and (not torch.cuda.is_available() or is_pinned(pool.host))}
     t = time.perf_counter()
     pool.destroy()
     res["unregister_seconds"] = time.perf_counter() - t

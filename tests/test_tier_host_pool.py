@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvtier.geometry import KVGeometry
+from kvtier.kernels.pinned import is_pinned
 from kvtier.tier import host_pool as hp
 from kvtier.tier.host_pool import GiB, HostBlockPool, plan_chunks
 
@@ -139,7 +140,7 @@ def test_registered_chunks_are_pinned_and_transfer_exactly(layout):
     geo = KVGeometry(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
     # force the cudaHostRegister path with 1 MiB chunks: a (layer, kv) plane of 64 blocks is 2 MiB
     pool = HostBlockPool(geo, 64, layout=layout, pin=True, pin_memory_max_bytes=0, register_chunk_bytes=1 << 20)
-    assert len(pool.chunks) > 4 and pool.pinned_bytes == pool.nbytes and pool.host.is_pinned()
+    assert len(pool.chunks) > 4 and pool.pinned_bytes == pool.nbytes and is_pinned(pool.host)
     assert pool.stats()["register_chunks"] == len(pool.chunks)
     gen = torch.Generator().manual_seed(1)
     kv = make_kv(geo, 64 * 16, "cuda", gen)

@@ -14,6 +14,7 @@ from triton import knobs
 
 from kvtier.geometry import check_layout
 from kvtier.kernels.paged_kv import PagedKV
+from kvtier.kernels.pinned import is_pinned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ def check_blocks_tensor(kv: PagedKV, blocks: torch.Tensor, layout: str, *, host_
     if host_side:
         if blocks.device.type != "cpu":
             raise ValueError(f"host blocks must be in host memory, got a tensor on {blocks.device}")
-        if kv.is_cuda and not blocks.is_pinned():
+        if kv.is_cuda and not is_pinned(blocks):
             raise ValueError("host blocks must be pinned (page-locked) memory for GPU transfers: allocate with "
                              "pin_memory=True or use kvtier's host pool")
     elif blocks.device != kv.device:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kvtier.geometry import KVGeometry, check_layout
+from kvtier.kernels.pinned import register_pinned_range, unregister_pinned_range
 
 GiB = 1 << 30
 # torch's pinned allocator rounds requests up to a power of two: fine for small pools, wasteful for big ones.
@@ -198,12 +199,14 @@ class HostBlockPool:
                     f"{off / GiB:.2f} GiB (pool {self.nbytes / GiB:.2f} GiB) failed with CUDA error {code} "
                     f"({err}); check the locked-memory limit (ulimit -l, container memlock) and free host memory")
             self._registered.append(ptr)
+            register_pinned_range(ptr, length)  # torch's is_pinned() does not know registered memory
             self.pinned_bytes += length
 
     def _unregister(self) -> None:
         if self._registered:
             cudart = torch.cuda.cudart()
             for ptr in self._registered:
+                unregister_pinned_range(ptr)
                 cudart.cudaHostUnregister(ptr)
         self._registered = []
         self.pinned_bytes = 0

@@ -1,0 +1,55 @@
+"""Which host memory the GPU can address: torch's pinned allocations plus ranges registered with cudaHostRegister.
+
+torch's ``Tensor.is_pinned()`` only knows memory from its own pinned allocator, so a big host pool that registers
+plain memory in chunks (kvtier's HostBlockPool does, as vLLM does) reads as "not pinned" there although the GPU
+addresses it fine. Whoever registers memory records the range here; the transfer checks consult both.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_starts: list[int] = []  # sorted start addresses of registered ranges
+_ends: dict[int, int] = {}  # start -> end (exclusive)
+
+
+def register_pinned_range(ptr: int, nbytes: int) -> None:
+    """Record that ``[ptr, ptr + nbytes)`` is registered with CUDA (cudaHostRegister succeeded)."""
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be > 0, got {nbytes}")
+    with _lock:
+        if ptr in _ends:
+            raise ValueError(f"host range at {ptr:#x} is already recorded as pinned")
+        bisect.insort(_starts, ptr)
+        _ends[ptr] = ptr + nbytes
+
+
+def unregister_pinned_range(ptr: int) -> None:
+    """Forget a range recorded by :func:`register_pinned_range` (call before cudaHostUnregister)."""
+    with _lock:
+        if _ends.pop(ptr, None) is not None:
+            _starts.remove(ptr)
+
+
+def _covered(start: int, end: int) -> bool:
+    """Whether registered ranges cover ``[start, end)`` without a gap."""
+    with _lock:
+        pos = start
+        while pos < end:
+            i = bisect.bisect_right(_starts, pos) - 1
+            if i < 0 or _ends[_starts[i]] <= pos:
+                return False
+            pos = _ends[_starts[i]]
+        return True
+
+
+def is_pinned(t: torch.Tensor) -> bool:
+    """Whether the GPU can address all of host tensor ``t``'s bytes (torch-pinned or recorded as registered)."""
+    if t.is_pinned():
+        return True
+    nbytes = t.numel() * t.element_size()
+    return nbytes > 0 and _covered(t.data_ptr(), t.data_ptr() + nbytes)
