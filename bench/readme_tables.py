@@ -96,7 +96,25 @@ def index_table() -> str:
     ])
 
 
-TABLES = {"transfer": transfer_table, "index": index_table}
+def layerwise_table() -> str:
+    res = _load("layerwise_h200.json")
+    if res is None:
+        return "_no results yet_"
+    s = res["summary"]
+    return "\n".join([
+        f"| layerwise load, Qwen3-8B, 8192-token prefix, {s['new_tokens']} new tokens, H200 | value |",
+        "|---|---|",
+        f"| layerwise time / max(load, compute) (target <= 1.1) | {s['layerwise_over_max_ratio']:.3f} |",
+        f"| host-blocking (FlexKV-style) / layerwise (target > 1) | {s['host_blocking_over_layerwise_ratio']:.3f} |",
+        f"| load then compute / layerwise | {s['load_then_compute_over_layerwise_ratio']:.3f} |",
+        f"| host time inside `wait_until` (median) | {s['wait_until_host_us_median']:.1f} µs |",
+        f"| layerwise bytes exact | {s['layerwise_bytes_exact']} |",
+        f"| pinning a {res['pin']['gib']:.0f} GiB pool in {res['pin']['chunks']} registrations | "
+        f"{res['pin']['seconds']:.1f} s ({s['pin_seconds_per_gib']:.3f} s/GiB) |",
+    ])
+
+
+TABLES = {"transfer": transfer_table, "index": index_table, "layerwise": layerwise_table}
 
 
 def render(readme: str) -> str:

@@ -47,6 +47,28 @@ def _covered(start: int, end: int) -> bool:
         return True
 
 
+def split_at_registrations(ptr: int, nbytes: int) -> list[tuple[int, int]]:
+    """Split ``[ptr, ptr + nbytes)`` into ``(offset, length)`` pieces that each lie in one registered range.
+
+    One ``cudaMemcpyAsync`` may not span two separate ``cudaHostRegister`` registrations (it fails with
+    cudaErrorInvalidValue, seen on an H200), so copy-engine copies into a chunk-registered pool are issued per piece.
+    Memory outside every recorded range (torch-pinned or pageable) is one piece.
+    """
+    pieces = []
+    with _lock:
+        pos, end = ptr, ptr + nbytes
+        while pos < end:
+            i = bisect.bisect_right(_starts, pos) - 1
+            stop = end
+            if i >= 0 and _ends[_starts[i]] > pos:  # inside a registered range: stop at its end
+                stop = min(end, _ends[_starts[i]])
+            elif i + 1 < len(_starts):  # before the next range: stop where it starts
+                stop = min(end, _starts[i + 1])
+            pieces.append((pos - ptr, stop - pos))
+            pos = stop
+    return pieces
+
+
 def is_pinned(t: torch.Tensor) -> bool:
     """Whether the GPU can address all of host tensor ``t``'s bytes (torch-pinned or recorded as registered)."""
     if t.is_pinned():

@@ -24,6 +24,7 @@ import torch
 from kvtier.geometry import KVGeometry
 from kvtier.kernels.checks import LayerSpan, check_blocks_tensor, check_transfer, layer_span
 from kvtier.kernels.paged_kv import PagedKV
+from kvtier.kernels.pinned import split_at_registrations
 from kvtier.kernels.transfer import launch_copy_pages, on_stream
 
 # Tuned on one H200 (2026-11-29, bench/bench_transfer.py). Two 16 MiB buffers per direction keep the copy engine
@@ -216,12 +217,22 @@ class StagedTransfer:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
-    """Asynchronous copy between two contiguous views of equal size (a copy-engine copy on CUDA)."""
+    """Asynchronous copy between two contiguous views of equal size (copy-engine copies on CUDA).
+
+    A copy may not span two separate host registrations (a chunk-registered pool), so it is split at their
+    boundaries (one piece in the common case).
+    """
     if stream is None:
         dst.copy_(src)
-    elif _cupy is not None:
-        _cupy.cuda.runtime.memcpyAsync(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(),
-                                       _cupy.cuda.runtime.memcpyDefault, stream.cuda_stream)
-    else:
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+        return
+    host = dst if dst.device.type == "cpu" else src
+    nbytes = dst.numel() * dst.element_size()
+    for off, length in split_at_registrations(host.data_ptr(), nbytes):
+        if _cupy is not None:
+            _cupy.cuda.runtime.memcpyAsync(dst.data_ptr() + off, src.data_ptr() + off, length,
+                                           _cupy.cuda.runtime.memcpyDefault, stream.cuda_stream)
+        else:
+            d = dst.view(-1).view(torch.uint8)[off:off + length]
+            s = src.view(-1).view(torch.uint8)[off:off + length]
+            with torch.cuda.stream(stream):
+                d.copy_(s, non_blocking=True)
