@@ -238,3 +238,32 @@ def test_bytes_per_page_budget():
     cap = 100_000
     t = PageTrie(16, capacity=cap, initial_nodes=cap)
     assert t.nbytes / cap <= 1.5 * 2**30 / 10_000_000
+
+
+def test_lazy_ticks_parent_inherits_newest_child_tick():
+    # Only the deepest page of a touched path gets the tick written; a parent that becomes a leaf
+    # must still be ordered by the newest touch through it (max over its freed children).
+    t = PageTrie(1)
+    t.insert([1, 2, 3], [10, 11, 12])  # tick 1
+    t.insert([7], [70])                # tick 2
+    t.match([1, 2, 3])                 # tick 3 on the whole path [1], [1,2], [1,2,3]
+    t.insert([8], [80])                # tick 4
+    # LRU leaves: [7] (2), then [1,2,3] (3) -> its parent [1,2] inherits tick 3 and [1] as well,
+    # so they go before [8] (4).
+    assert t.evict(5).tolist() == [70, 12, 11, 10, 80]
+
+
+def test_heap_keys_mirror_ticks():
+    rng = random.Random(5)
+    t = PageTrie(2)
+    seqs = [[rng.randrange(3) for _ in range(rng.randrange(2, 12))] for _ in range(200)]
+    for i, s in enumerate(seqs):
+        t.insert(s, np.arange(len(s) // 2) + 1000 * i)
+        if i % 3 == 0:
+            t.match(seqs[rng.randrange(i + 1)])
+        if i % 7 == 0:
+            t.evict(2)
+        st_ = t._st
+        size = int(st_.meta[6])
+        heap = st_.heap[:size]
+        assert np.array_equal(st_.hkey[:size], st_.i64[1, heap])

@@ -11,15 +11,21 @@ Node ``x`` (0 <= x < number of node slots) is described by column ``x`` of every
                              keeps the next free slot here (free list)
     i32[LOCK, x]     int32   lock count; every lock covers a root..node path, so lock[parent] >= lock[x]
     i32[GEN, x]      int32   bumped when the slot is freed: a stale handle (node, gen) is detected
-    i32[HITS, x]     int32   matches whose matched path contained this page (saturates at 2**31-1)
+    i32[HITS, x]     int32   matches whose matched path ended at this page, plus the hits handed up by
+                             freed children (lazy: the logical count "matches through x" is the sum
+                             over x's subtree; saturates at 2**31-1)
     i32[HPOS, x]     int32   position in the eviction heap, -1 when not in it
     i64[BLOCK, x]    int64   host block id holding this page's KV
-    i64[TICK, x]     int64   last-access tick (a global counter bumped by every touching match/insert)
+    i64[TICK, x]     int64   last-access tick (a global counter bumped by every touching match/insert),
+                             lazy: written on the deepest page of a touched path only; the logical
+                             tick of x is the max over its subtree, exact for leaves (the only heap
+                             keys) because a freed page hands max(tick) to its parent
     tier[x]          int8    storage tier of the block (0 = host memory; reserved for the SSD tier)
     tokens[x, :]     uint32  the page's token ids (a hash hit is confirmed against these)
 
 Other arrays: ``heap`` (int32, an indexed binary min-heap of the evictable nodes keyed by
-(tick, node)), ``table`` (int32, open addressing with linear probing from page hash to node, -1 =
+(tick, node)), ``hkey`` (int64, ``hkey[i] == tick[heap[i]]``: the heap's keys stored inline),
+``table`` (int32, open addressing with linear probing from page hash to node, -1 =
 empty, power-of-two size, load <= 3/4), ``ns_hint`` (int32 per namespace: last first-page node) and
 ``meta`` (int64 counters, indices below).
 """
@@ -31,7 +37,8 @@ import numpy as np
 
 __all__ = ["TrieState", "new_state", "grow_nodes", "table_slots_for", "state_nbytes"]
 
-TrieState = namedtuple("TrieState", ["hashes", "i32", "i64", "tier", "tokens", "heap", "table", "ns_hint", "meta"])
+TrieState = namedtuple("TrieState", ["hashes", "i32", "i64", "tier", "tokens", "heap", "hkey", "table", "ns_hint",
+                                     "meta"])
 
 # rows of i32
 PARENT, DEPTH, NCHILD, HINT, LOCK, GEN, HITS, HPOS = range(8)
@@ -80,6 +87,7 @@ def new_state(page_size: int, nodes: int, limit: int = -1, ns_slots: int = 4) ->
         tier=np.zeros(nodes, dtype=np.int8),
         tokens=np.zeros((nodes, page_size), dtype=np.uint32),
         heap=np.empty(nodes, dtype=np.int32),
+        hkey=np.empty(nodes, dtype=np.int64),
         table=np.full(table_slots_for(nodes), -1, dtype=np.int32),
         ns_hint=np.full(ns_slots, -1, dtype=np.int32),
         meta=meta,
@@ -98,6 +106,7 @@ def grow_nodes(st: TrieState, nodes: int) -> TrieState:
     g.tier[:old] = st.tier
     g.tokens[:old] = st.tokens
     g.heap[:old] = st.heap
+    g.hkey[:old] = st.hkey
     g.meta[:] = st.meta
     return g._replace(table=st.table, ns_hint=st.ns_hint)
 

@@ -19,6 +19,7 @@ Semantics (pages are ``page_size`` consecutive tokens; a trailing partial page i
 """
 from __future__ import annotations
 
+from array import array
 from typing import NamedTuple
 
 import numba
@@ -72,8 +73,13 @@ class _FastCall:
             self._by_key[key] = fn
         return fn(*args)
 
+    def get(self, key):
+        """The compiled entry point for ``key`` or None (hot paths call it without ``__call__``)."""
+        return self._by_key.get(key)
+
 
 _match = _FastCall(tr_match)
+_match_get = _match.get
 _insert = _FastCall(tr_insert)
 _remove = _FastCall(tr_remove)
 _lock = _FastCall(tr_lock)
@@ -143,12 +149,23 @@ class PageTrie:
         ``method``: "walk" (hint-guided descent, hashes only where a hint misses) or "gallop" (hash
         the query, gallop + binary search over table probes, verify the path). Both are exact.
         """
-        q = as_token_array(tokens)
+        if type(tokens) is array and tokens.typecode == "q" and len(tokens):  # SGLang's RadixKey: no copy
+            q = np.frombuffer(tokens, dtype=np.int64)
+        else:
+            q = as_token_array(tokens)
         i = 0 if ns is None else self._ns(ns)
-        gallop = method != "walk"
-        if gallop and method != "gallop":
+        if method == "walk":
+            gallop = False
+        elif method == "gallop":
+            gallop = True
+        else:
             raise ValueError(f"method must be 'walk' or 'gallop', got {method!r}")
-        r = _match(q.dtype.char, self._st, q, i, self._ns_seeds[i], self._mask, bool(touch), gallop)
+        touch = touch is True or bool(touch)
+        fn = _match_get(q.dtype.char)
+        if fn is not None:
+            r = fn(self._st, q, i, self._ns_seeds[i], self._mask, touch, gallop)
+        else:
+            r = _match(q.dtype.char, self._st, q, i, self._ns_seeds[i], self._mask, touch, gallop)
         if r[0] < 0:
             self._raise(r[0])
         return _tuple_new(MatchResult, r)

@@ -16,8 +16,11 @@ validates input, grows the arrays and raises):
     node to the namespace root comparing every page's tokens and depth; if anything disagrees (a hash
     collision made the predicate lie) the result is recomputed by ``_walk``. So a collision costs time,
     never a wrong page.
-* Ticks: every touching match/insert takes the next tick and writes it on every page of its path.
-  Evictable = unlocked leaf; the heap holds exactly the evictable nodes, ordered by (tick, node).
+* Ticks: every touching match/insert takes the next tick; logically every page of its path gets it.
+  Lazy ticks: only the deepest page of the path is written (an insert that adds pages writes the new
+  ones); a page's logical tick is the max stored tick in its subtree, kept exact for leaves because
+  a freed page hands max(tick) and the sum of hits to its parent (``_free``). Only leaves are ever
+  keyed in the heap, so the eviction order is the same as writing every page. Evictable = unlocked leaf; the heap holds exactly the evictable nodes, ordered by (tick, node).
   Ticks are unique among leaves (a tick is written on one root path, which holds at most one leaf).
 * Locks cover a root..node path (lock(parent) >= lock(child)); locked pages are never evicted or
   removed.
@@ -86,8 +89,9 @@ def _find_child(table, hashes, parent, tokens, code, q, start, ps, h):
 
 
 @numba.njit(cache=NUMBA_CACHE)
-def _walk(st, q, ps, n, ns_id, seed, mask, tick, blocks_out):
-    """Exact longest cached prefix: (pages, deepest node or -1). Touches the path when tick > 0.
+def _walk(st, q, ps, n, ns_id, seed, mask, blocks_out):
+    """Exact longest cached prefix: (pages, deepest node or -1). Touches nothing (lazy ticks: the
+    caller writes the deepest node only, see _state.py).
 
     Candidates for the child of ``node`` holding page k, cheapest first: ``node + 1`` (an insert
     allocates a chain's pages consecutively, so this guess needs no load and lets the CPU run ahead),
@@ -96,8 +100,6 @@ def _walk(st, q, ps, n, ns_id, seed, mask, tick, blocks_out):
     """
     parent = st.i32[PARENT]
     hint = st.i32[HINT]
-    hits = st.i32[HITS]
-    tick_arr = st.i64[TICK]
     block = st.i64[BLOCK]
     hashes = st.hashes
     tokens = st.tokens
@@ -122,8 +124,6 @@ def _walk(st, q, ps, n, ns_id, seed, mask, tick, blocks_out):
                     hint[node] = c
                 else:
                     ns_hint[ns_id] = c
-        if tick > 0:
-            _touch(tick_arr, hits, c, tick, True)
         blocks_out[k] = block[c]
         node = c
         code = c
@@ -152,7 +152,7 @@ def _probe(table, hashes, parent, depth, tokens, q, ps, k, hb, root_code):
 
 
 @numba.njit(cache=NUMBA_CACHE)
-def _gallop(st, q, ps, n, ns_id, seed, mask, tick, blocks_out):
+def _gallop(st, q, ps, n, ns_id, seed, mask, blocks_out):
     """Gallop + binary search, verified; falls back to ``_walk`` on a failed verification."""
     parent = st.i32[PARENT]
     depth = st.i32[DEPTH]
@@ -197,14 +197,7 @@ def _gallop(st, q, ps, n, ns_id, seed, mask, tick, blocks_out):
         x = parent[x]
     if not ok or (lo > 0 and x != root_code):
         st.meta[M_FALLBACK] += 1
-        return _walk(st, q, ps, n, ns_id, seed, mask, tick, blocks_out)
-    if tick > 0:
-        tick_arr = st.i64[TICK]
-        hits = st.i32[HITS]
-        x = lo_node
-        while x >= 0:
-            _touch(tick_arr, hits, x, tick, True)
-            x = parent[x]
+        return _walk(st, q, ps, n, ns_id, seed, mask, blocks_out)
     return lo, lo_node
 
 
@@ -221,14 +214,17 @@ def tr_match(st, q, ns_id, seed, mask, touch, gallop):
         tick = st.meta[M_TICK] + 1
         st.meta[M_TICK] = tick
     if gallop:
-        m, node = _gallop(st, q, ps, n, ns_id, seed, mask, tick, blocks)
+        m, node = _gallop(st, q, ps, n, ns_id, seed, mask, blocks)
     else:
-        m, node = _walk(st, q, ps, n, ns_id, seed, mask, tick, blocks)
+        m, node = _walk(st, q, ps, n, ns_id, seed, mask, blocks)
     if node < 0:
         return 0, blocks[:0], -1, 0
-    hpos = st.i32[HPOS]
-    if touch and hpos[node] >= 0:
-        hp_fix(st.heap, hpos, st.i64[TICK], st.meta, node)
+    if touch:  # lazy ticks/hits: the deepest node only (see _state.py)
+        tick_arr = st.i64[TICK]
+        _touch(tick_arr, st.i32[HITS], node, tick, True)
+        hpos = st.i32[HPOS]
+        if hpos[node] >= 0:
+            hp_fix(st.heap, st.hkey, hpos, tick_arr, st.meta, node)
     return m, blocks[:m], node, st.i32[GEN, node]
 
 
@@ -245,10 +241,17 @@ def _alloc(meta, hint):
 
 
 @numba.njit(inline="always")
-def _free(i32, hashes, table, ns_hint, meta, x):
-    """Unlink node x (a leaf, not in the heap) from its parent and the table; put its slot on the free list."""
+def _free(i32, i64, hashes, table, ns_hint, meta, x):
+    """Unlink node x (a leaf, not in the heap) from its parent and the table; put its slot on the free list.
+
+    Lazy ticks/hits: the parent inherits max(tick) and the (saturating) sum of hits of x.
+    """
     p = i32[PARENT, x]
     if p >= 0:
+        if i64[TICK, x] > i64[TICK, p]:
+            i64[TICK, p] = i64[TICK, x]
+        hsum = np.int64(i32[HITS, p]) + np.int64(i32[HITS, x])
+        i32[HITS, p] = min(hsum, _HITS_MAX)
         i32[NCHILD, p] -= 1
         if i32[HINT, p] == x:
             i32[HINT, p] = -1
@@ -285,7 +288,7 @@ def tr_insert(st, q, ns_id, seed, mask, blocks):
             return BAD_BLOCKS, 0, 0, -1, 0
     meta = st.meta
     scratch = np.empty(n, dtype=np.int64)
-    m, node = _walk(st, q, ps, n, ns_id, seed, mask, 0, scratch)
+    m, node = _walk(st, q, ps, n, ns_id, seed, mask, scratch)
     want = n - m
     limit = meta[M_LIMIT]
     if limit >= 0:
@@ -306,17 +309,17 @@ def tr_insert(st, q, ns_id, seed, mask, blocks):
     tokens = st.tokens
     table = st.table
     heap = st.heap
+    hkey = st.hkey
     tick = meta[M_TICK] + 1
     meta[M_TICK] = tick
-    x = node
-    while x >= 0:
-        _touch(tick_arr, hits, x, tick, False)
-        x = parent[x]
-    if node >= 0 and hpos[node] >= 0:
-        if want > 0:
-            hp_remove(heap, hpos, tick_arr, meta, node)
-        else:
-            hp_fix(heap, hpos, tick_arr, meta, node)
+    if node >= 0:  # lazy ticks: with want > 0 the new pages below node carry the tick
+        if want == 0:
+            tick_arr[node] = tick
+        if hpos[node] >= 0:
+            if want > 0:
+                hp_remove(heap, hkey, hpos, tick_arr, meta, node)
+            else:
+                hp_fix(heap, hkey, hpos, tick_arr, meta, node)
     code = -1 - ns_id
     h = seed
     if node >= 0:
@@ -348,7 +351,7 @@ def tr_insert(st, q, ns_id, seed, mask, blocks):
         code = x
     meta[M_TOTAL] += want
     if want > 0:
-        hp_push(heap, hpos, tick_arr, meta, code)
+        hp_push(heap, hkey, hpos, tick_arr, meta, code)
         node = code
     if node < 0:
         return OK, m, want, -1, 0
@@ -369,6 +372,7 @@ def tr_lock(st, node, gen, delta):
     nchild = i32[NCHILD]
     tick_arr = st.i64[TICK]
     heap = st.heap
+    hkey = st.hkey
     meta = st.meta
     x = node
     while x >= 0:
@@ -376,14 +380,14 @@ def tr_lock(st, node, gen, delta):
             if lock[x] == 0:
                 meta[M_PROT] += 1
                 if hpos[x] >= 0:
-                    hp_remove(heap, hpos, tick_arr, meta, x)
+                    hp_remove(heap, hkey, hpos, tick_arr, meta, x)
             lock[x] += 1
         else:
             lock[x] -= 1
             if lock[x] == 0:
                 meta[M_PROT] -= 1
                 if nchild[x] == 0:
-                    hp_push(heap, hpos, tick_arr, meta, x)
+                    hp_push(heap, hkey, hpos, tick_arr, meta, x)
         x = parent[x]
     return OK
 
@@ -398,20 +402,21 @@ def tr_evict(st, n):
     tick_arr = st.i64[TICK]
     block = st.i64[BLOCK]
     heap = st.heap
+    hkey = st.hkey
     hashes = st.hashes
     table = st.table
     ns_hint = st.ns_hint
     k = 0
     while k < out.shape[0]:
-        x = hp_pop(heap, hpos, tick_arr, meta)
+        x = hp_pop(heap, hkey, hpos, tick_arr, meta)
         if x < 0:
             break
         out[k] = block[x]
         k += 1
         p = i32[PARENT, x]
-        _free(i32, hashes, table, ns_hint, meta, x)
+        _free(i32, st.i64, hashes, table, ns_hint, meta, x)
         if p >= 0 and i32[NCHILD, p] == 0 and i32[LOCK, p] == 0:
-            hp_push(heap, hpos, tick_arr, meta, p)
+            hp_push(heap, hkey, hpos, tick_arr, meta, p)
     return out[:k]
 
 
@@ -423,7 +428,7 @@ def tr_remove(st, q, ns_id, seed, mask):
     out = np.empty(n, dtype=np.int64)
     if not tokens_in_range(q):
         return BAD_TOKENS, out[:0]
-    m, x = _walk(st, q, ps, n, ns_id, seed, mask, 0, out)
+    m, x = _walk(st, q, ps, n, ns_id, seed, mask, out)
     i32 = st.i32
     hpos = i32[HPOS]
     meta = st.meta
@@ -432,9 +437,9 @@ def tr_remove(st, q, ns_id, seed, mask):
         out[k] = st.i64[BLOCK, x]
         k += 1
         if hpos[x] >= 0:
-            hp_remove(st.heap, hpos, st.i64[TICK], meta, x)
+            hp_remove(st.heap, st.hkey, hpos, st.i64[TICK], meta, x)
         p = i32[PARENT, x]
-        _free(i32, st.hashes, st.table, st.ns_hint, meta, x)
+        _free(i32, st.i64, st.hashes, st.table, st.ns_hint, meta, x)
         x = p
     return OK, out[:k]
 
