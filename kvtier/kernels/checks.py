@@ -91,9 +91,11 @@ def check_blocks_tensor(kv: PagedKV, blocks: torch.Tensor, layout: str, *, host_
 
 
 def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layout: str, host_side: bool,
-                   writes_blocks: bool, check_indices: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Validate one transfer; return the slot and block indices as contiguous int64 tensors on the KV device,
-    and the number of blocks the blocks tensor holds."""
+                   writes_blocks: bool, check_indices: bool,
+                   block_ids_to_device: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Validate one transfer; return the slot and block indices as contiguous int64 tensors (on the KV device;
+    block ids stay where they are when ``block_ids_to_device`` is False), and the number of blocks the blocks
+    tensor holds."""
     if not isinstance(kv, PagedKV):
         raise TypeError(f"kv must be a kvtier PagedKV (build one with PagedKV.mha / PagedKV.mla), "
                         f"got {type(kv).__name__}")
@@ -112,6 +114,6 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
         _check_range("block_ids", block_ids, num_blocks, "host blocks", distinct=writes_blocks)
     if slots.device != kv.device:
         slots = slots.to(kv.device, non_blocking=True)
-    if block_ids.device != kv.device:
+    if block_ids_to_device and block_ids.device != kv.device:
         block_ids = block_ids.to(kv.device, non_blocking=True)
     return slots, block_ids, num_blocks

@@ -114,10 +114,12 @@ class StagedTransfer:
     def _run(self, slots, block_ids, layers, stream, check: bool, to_host: bool) -> Optional[torch.cuda.Event]:
         kv = self.kv
         span = layer_span(layers, kv.geometry.num_layers)
-        host_ids = block_ids.cpu().numpy() if isinstance(block_ids, torch.Tensor) else np.asarray(block_ids)
         with on_stream(kv, stream):
+            # the gather/scatter addresses staging by local ids; host block ids only drive the host-side copies
             slots, block_ids, _ = check_transfer(kv, self.host, slots, block_ids, layout=self.layout,
-                                                 host_side=True, writes_blocks=to_host, check_indices=check)
+                                                 host_side=True, writes_blocks=to_host, check_indices=check,
+                                                 block_ids_to_device=False)
+            host_ids = block_ids.cpu().numpy()
             work = torch.cuda.current_stream() if kv.is_cuda else None
             direction = self._store if to_host else self._load
             if work is not None and not to_host:
