@@ -1,0 +1,144 @@
+"""kvtier for SGLang: the ``kvtier`` radix-cache backend (``--radix-cache-backend kvtier``).
+
+This is the only kvtier package that imports SGLang, and it does so lazily: importing ``kvtier.sglang`` itself needs
+nothing beyond kvtier. Pieces:
+
+* :func:`register`: the ``sglang.srt.plugins`` entry point. Every SGLang process calls it through ``load_plugins()``;
+  it calls ``register_radix_cache_backend("kvtier", factory)``. Idempotent. On an unsupported SGLang version it logs
+  a warning and registers nothing (an engine plugin must not break a server that does not use it); selecting the
+  backend then fails with SGLang's "not registered" error, and :func:`factory` itself raises a clear error.
+* :func:`factory`: ``TreeCacheBuildContext -> KVTierRadixCache``. Reads the kvtier config from ``$KVTIER_CONFIG``
+  (defaults when unset, with ``page_size`` taken from the engine) and rejects setups the backend does not support.
+* :class:`kvtier.sglang.radix_cache.KVTierRadixCache`: the cache (import it from that module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+SUPPORTED_SGLANG_VERSION = "0.5.23"
+BACKEND_NAME = "kvtier"
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SUPPORTED_SGLANG_VERSION", "BACKEND_NAME", "installed_sglang_version", "check_sglang_version",
+           "register", "factory", "unsupported_reasons"]
+
+
+def installed_sglang_version() -> str | None:
+    """The installed ``sglang`` distribution's version, or None when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_sglang_version() -> str:
+    """Return the installed SGLang version; raise a clear error unless it is the supported one.
+
+    Raises:
+        ImportError: SGLang is not installed.
+        RuntimeError: another SGLang version is installed.
+    """
+    version = installed_sglang_version()
+    if version is None:
+        raise ImportError(f"kvtier's SGLang backend needs sglang=={SUPPORTED_SGLANG_VERSION}, which is not installed "
+                          f"(pip install 'kvtier[sglang]')")
+    if version != SUPPORTED_SGLANG_VERSION:
+        raise RuntimeError(f"kvtier's SGLang backend supports sglang=={SUPPORTED_SGLANG_VERSION} only; "
+                           f"sglang {version} is installed (the RadixCache API changes between releases). Install "
+                           f"sglang=={SUPPORTED_SGLANG_VERSION} or drop --radix-cache-backend {BACKEND_NAME}.")
+    return version
+
+
+def register() -> bool:
+    """Register the ``kvtier`` radix-cache backend with SGLang (the ``sglang.srt.plugins`` entry point).
+
+    Returns:
+        True if the backend is registered after the call (now or by an earlier call), False if SGLang's version is
+        unsupported (a warning is logged instead of raising, so servers that do not select kvtier keep working).
+    """
+    try:
+        check_sglang_version()
+    except (ImportError, RuntimeError) as e:
+        logger.warning("kvtier: not registering the %r radix-cache backend: %s", BACKEND_NAME, e)
+        return False
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+
+    try:
+        register_radix_cache_backend(BACKEND_NAME, factory)
+    except ValueError:  # already registered (load_plugins or an import ran twice)
+        if get_radix_cache_factory(BACKEND_NAME) is not factory:
+            logger.warning("kvtier: another factory is already registered as %r; leaving it", BACKEND_NAME)
+    return True
+
+
+def unsupported_reasons(ctx) -> list[str]:
+    """Why the ``TreeCacheBuildContext`` ``ctx`` describes a setup this backend does not support (empty: supported)."""
+    params = ctx.params
+    reasons = []
+    if ctx.disable_radix_cache:
+        reasons.append("--disable-radix-cache is set (drop --radix-cache-backend kvtier, or enable the radix cache)")
+    if ctx.is_hybrid_swa:
+        reasons.append("hybrid sliding-window (SWA) models need UnifiedRadixCache; kvtier caches full attention only")
+    if ctx.is_hybrid_ssm:
+        reasons.append("hybrid SSM/Mamba models need UnifiedRadixCache; kvtier caches full attention only")
+    if getattr(ctx, "is_dsa", False):
+        reasons.append("DSA (sparse-attention) models are not supported")
+    if ctx.enable_hierarchical_cache:
+        reasons.append("--enable-hierarchical-cache (HiCache) cannot be combined with kvtier: kvtier is the host tier")
+    if getattr(params, "is_eagle", False):
+        reasons.append("EAGLE speculative decoding (bigram radix keys) is not supported yet")
+    if getattr(params, "enable_session_radix_cache", False):
+        reasons.append("--enable-session-radix-cache needs UnifiedRadixCache")
+    if getattr(params, "attn_cp_size", 1) > 1:
+        reasons.append("attention context parallelism (attn_cp_size > 1) is not supported yet")
+    if getattr(params, "pp_size", 1) > 1:
+        reasons.append("pipeline parallelism (pp_size > 1) is not supported yet")
+    return reasons
+
+
+def _config_for(params):
+    """The kvtier config: ``$KVTIER_CONFIG`` when set (its page_size must match the engine's), else defaults with
+    the engine's page size."""
+    from kvtier.config import ENV_VAR, TierConfig
+
+    if os.environ.get(ENV_VAR, "").strip():
+        config = TierConfig.from_env()
+        if config.page_size != params.page_size:
+            raise ValueError(f"kvtier config ${ENV_VAR}={os.environ[ENV_VAR]} has page_size {config.page_size} but "
+                             f"SGLang runs with --page-size {params.page_size}: set page_size: {params.page_size} in "
+                             f"the kvtier config")
+        return config
+    return dataclasses.replace(TierConfig(), page_size=params.page_size)
+
+
+def factory(ctx):
+    """Build a :class:`~kvtier.sglang.radix_cache.KVTierRadixCache` from SGLang's ``TreeCacheBuildContext``.
+
+    Raises:
+        RuntimeError / ImportError: the installed SGLang is not the supported version.
+        ValueError: an unsupported setup (the message lists every reason) or a bad kvtier config.
+    """
+    check_sglang_version()
+    reasons = unsupported_reasons(ctx)
+    if reasons:
+        raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: unsupported setup:\n  - " + "\n  - ".join(reasons))
+    from kvtier.sglang.radix_cache import KVTierRadixCache
+
+    params = ctx.params
+    config = _config_for(params)
+    tp_group = params.tp_cache_group
+    if tp_group is None and ctx.tp_size > 1 and ctx.tp_group is not None:
+        tp_group = getattr(ctx.tp_group, "cpu_group", None)
+    forward_stream = None
+    try:
+        forward_stream = ctx.tp_worker.model_runner.forward_stream
+    except AttributeError:
+        pass
+    return KVTierRadixCache(params, config, tp_group=tp_group if ctx.tp_size > 1 else None,
+                            forward_stream=forward_stream)

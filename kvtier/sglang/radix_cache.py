@@ -1,0 +1,316 @@
+"""KVTierRadixCache: SGLang 0.5.23's ``RadixCache`` with kvtier as its host tier.
+
+What the subclass adds to ``RadixCache`` (every override calls ``super()`` first):
+
+* ``match_prefix``: the device match, plus ``host_hit_length`` = tokens past the device match that kvtier holds
+  (full pages, only when ``params.req`` is given, i.e. a scheduler match). With TP > 1 the ranks agree on the hit
+  (all-reduce MIN over the TP CPU group). The hit is remembered per request for ``init_load_back``.
+* ``init_load_back``: allocates slots for the host hit (evicting device pages if needed), loads through
+  ``KVTier.load`` / ``load_layerwise``, grafts a ``TreeNode`` holding the new slots under the device match and
+  returns ``(loaded_len, node)``. SGLang 0.5.23 requires all promised tokens or none: when fewer pages arrive
+  (the host evicted some since the match, or a TP rank got fewer), the pages that did arrive are still grafted as a
+  cached node, the tail slots are freed, and ``(0, last_node)`` is returned (the request recomputes them).
+* ``checkpoint``: after the base insert, stores the tree-owned, page-aligned prefix to kvtier asynchronously and
+  keeps the request's node locked until that store completes.
+* Completions are drained (node locks dropped) in ``match_prefix``, ``checkpoint``, ``evict`` and
+  ``check_hicache_events`` (the scheduler calls the latter only under other backends' flags).
+* ``reset``: waits for every in-flight transfer, then resets the tree and the tier.
+* Layerwise mode (``TierConfig.layerwise``): the tier's ``LayerDoneCounter`` is registered on the KV pool
+  (``register_layer_transfer_counter``) and ``init_load_back`` sets it as consumer; otherwise the forward stream
+  waits for the whole load.
+* Namespaces: ``RadixKey.extra_key`` (SGLang appends the LoRA id to it) and ``cache_salt`` seed the page hashes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from kvtier import sglang as _kvtier_sglang
+from kvtier.config import TierConfig
+from kvtier.index import Namespace
+from kvtier.kernels import PagedKV
+from kvtier.tier import KVTier
+
+_kvtier_sglang.check_sglang_version()
+
+from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
+    EvictParams,
+    EvictResult,
+    InitLoadBackParams,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KVTierRadixCache", "paged_kv_from_pool"]
+
+
+def paged_kv_from_pool(kv_pool, page_size: int) -> PagedKV:
+    """Wrap an SGLang MHA or MLA token-to-KV pool's per-layer buffers (this rank's layers) as a :class:`PagedKV`."""
+    layout = getattr(kv_pool, "kv_cache_layout", "nhd")
+    if getattr(kv_pool, "k_buffer", None) is not None and getattr(kv_pool, "v_buffer", None) is not None:
+        if layout != "nhd":
+            raise ValueError(f"kvtier supports the 'nhd' MHA KV layout only, the pool uses {layout!r} "
+                             "(unset SGLANG_USE_HND_KVCACHE / the AITER layout)")
+        if getattr(kv_pool, "k_scale_buffer", None) is not None:
+            raise ValueError("kvtier does not move per-token KV scale buffers yet (quantized KV with scales)")
+        return PagedKV.mha(list(kv_pool.k_buffer), list(kv_pool.v_buffer), page_size=page_size)
+    if getattr(kv_pool, "kv_buffer", None) is not None:
+        return PagedKV.mla(list(kv_pool.kv_buffer), page_size=page_size)
+    raise ValueError(f"kvtier supports MHATokenToKVPool and MLATokenToKVPool, not {type(kv_pool).__name__}")
+
+
+def _namespace(extra_key, cache_salt) -> Optional[Namespace]:
+    if extra_key is None and cache_salt is None:
+        return None
+    return Namespace(extra_key=extra_key, cache_salt=cache_salt)
+
+
+class _LoadMarker:
+    """What ``match_prefix`` found for a request, for its ``init_load_back``: a snapshot of the matched tokens (the
+    live key aliases the request's growing fill ids), the namespace and the device match length."""
+
+    __slots__ = ("tokens", "ns", "device_len", "host_len")
+
+    def __init__(self, tokens, ns, device_len: int, host_len: int) -> None:
+        self.tokens, self.ns, self.device_len, self.host_len = tokens, ns, device_len, host_len
+
+
+class KVTierRadixCache(RadixCache):
+    """RadixCache whose evicted-from-device prefixes survive in kvtier's host tier (see the module docstring).
+
+    Args:
+        params: SGLang's ``CacheInitParams`` (its allocator's KV pool must be an MHA or MLA pool).
+        config: kvtier settings (default :meth:`TierConfig.from_env`); ``page_size`` must equal ``params.page_size``.
+        tp_group: the TP CPU (gloo) process group when TP > 1, else None.
+        forward_stream: the CUDA stream the forward pass runs on (whole loads make it wait); None: current stream.
+        executor / counter_backend / pool: passed to :class:`KVTier` (tests).
+    """
+
+    def __init__(self, params: CacheInitParams, config: Optional[TierConfig] = None, *, tp_group=None,
+                 forward_stream=None, executor=None, counter_backend: str = "auto", pool=None) -> None:
+        super().__init__(params)
+        self.tier_config = config if config is not None else TierConfig.from_env()
+        self.tp_group = tp_group
+        self.forward_stream = forward_stream
+        self._markers: dict[Any, _LoadMarker] = {}  # cache_request_handle -> host hit found by match_prefix
+        self._inflight: dict[int, TreeNode] = {}  # task id -> node locked for the task
+        self.tier: Optional[KVTier] = None
+        self.layerwise = False
+        if self.disable:
+            return
+        self.kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
+        kv = paged_kv_from_pool(self.kv_pool, self.page_size)
+        self.tier = KVTier(kv, self.tier_config, executor=executor, counter_backend=counter_backend, pool=pool)
+        self.layerwise = self.tier_config.layerwise
+        if self.layerwise:
+            self.kv_pool.register_layer_transfer_counter(self.tier.counter)
+
+    @classmethod
+    def create_for_test(cls, params: CacheInitParams, config: Optional[TierConfig] = None, **kw) -> KVTierRadixCache:
+        """A cache over CPU pools (the kernels run through the Triton interpreter; copies complete at once unless an
+        ``executor`` is given). Equivalent to the constructor; kept as the ``create_simulated`` counterpart."""
+        if config is None:
+            config = TierConfig(cpu_cache_gb=1 / 1024, page_size=params.page_size, layerwise=False)
+        return cls(params, config, **kw)
+
+    # --- lifecycle ---
+
+    def reset(self) -> None:
+        """Fence: wait for every in-flight transfer, then reset the tree and drop everything kvtier holds."""
+        tier = getattr(self, "tier", None)  # reset() runs inside RadixCache.__init__ before our fields exist
+        if tier is not None:
+            tier.wait_all()
+        super().reset()
+        if tier is not None:
+            tier.poll()
+            tier.reset()
+            tier.counter.set_consumer(-1)
+        if hasattr(self, "_inflight"):
+            self._inflight.clear()  # the tree their locks were on is gone
+            self._markers.clear()
+
+    # --- match ---
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        base = super().match_prefix(params)
+        if self.disable or self.tier is None:
+            return base
+        self._drain()
+        req = params.req
+        if req is None or not params.key:
+            return base
+        key = params.key.page_aligned(self.page_size)
+        if key.is_bigram:
+            return base
+        tokens = key.raw_token_ids()[:len(key)]
+        device_len = base.device_prefix_len
+        if device_len >= len(tokens):
+            self._markers.pop(req.cache_request_handle, None)
+            return base
+        ns = _namespace(key.extra_key, key.cache_salt)
+        pages = self.tier.lookup(tokens, ns)
+        pages = self._tp_min(pages)
+        host_len = pages * self.page_size - device_len
+        if host_len <= 0:
+            self._markers.pop(req.cache_request_handle, None)
+            return base
+        snapshot = tokens[:device_len + host_len]  # a copy: the live key aliases the request's fill ids
+        self._markers[req.cache_request_handle] = _LoadMarker(snapshot, ns, device_len, host_len)
+        return base._replace(host_hit_length=host_len)
+
+    # --- load back ---
+
+    def init_load_back(self, params: InitLoadBackParams):
+        last_node: TreeNode = params.best_match_node
+        req = params.req
+        marker = self._markers.pop(req.cache_request_handle, None) if req is not None else None
+        if self.disable or marker is None or params.host_hit_length <= 0:
+            return 0, last_node
+        device_slots = self.path_device_indices(last_node)
+        if len(device_slots) != marker.device_len or (last_node.evicted and last_node is not self.root_node):
+            return 0, last_node  # the device tree changed since the match: recompute
+        need = min(params.host_hit_length, marker.host_len)
+        if params.mem_quota is not None:
+            need = min(need, params.mem_quota // self.page_size * self.page_size)
+        if self._tp_min(need) < marker.host_len:
+            return 0, last_node
+        new_slots = self._alloc_slots(need, last_node)
+        ok = new_slots is not None
+        if self._tp_min(int(ok)) == 0:
+            if ok:
+                self.token_to_kv_pool_allocator.free(new_slots)
+            return 0, last_node
+        new_slots = new_slots.to(torch.int64)
+        slots = torch.cat((device_slots.to(torch.int64).to(new_slots.device), new_slots))
+        tokens = marker.tokens[:marker.device_len + need]
+        # KVTier.load fills the held prefix from token 0: the device-held pages are rewritten with the host copy
+        # (same tokens, same KV); see bench/results/sglang_notes.md (tier change wanted: a start page).
+        if self.layerwise:
+            task = self.tier.load_layerwise(tokens, marker.ns, slots)
+        else:
+            task = self.tier.load(tokens, marker.ns, slots)
+        local = min(need, max(0, task.num_pages * self.page_size - marker.device_len))
+        loaded = self._tp_min(local)  # every rank grafts the same length: device trees stay identical
+        if local > loaded:
+            self.tier.wait(task)  # the slots past `loaded` are being written: free them only after the copy
+        if loaded < need:
+            self.token_to_kv_pool_allocator.free(new_slots[loaded:])
+            new_slots = new_slots[:loaded]
+        if self.layerwise:
+            self.tier.counter.set_consumer(task.producer_index)
+        elif not task.done:
+            self._fence_forward(task)
+        node = last_node
+        if loaded > 0:
+            node = self._graft(last_node, RadixKey(tokens, req.extra_key, cache_salt=req.cache_salt),
+                               marker.device_len, new_slots)
+        if not task.done:
+            self._lock_until_done(task.id, node)
+        if loaded < need:  # SGLang 0.5.23: all promised tokens or none
+            return 0, last_node
+        return loaded, node
+
+    def _alloc_slots(self, need: int, last_node: TreeNode) -> Optional[torch.Tensor]:
+        alloc = self.token_to_kv_pool_allocator
+        if alloc.available_size() < need:
+            self.inc_lock_ref(last_node)  # never evict the prefix we hang the new node from
+            try:
+                self.evict(EvictParams(num_tokens=need - alloc.available_size()))
+            finally:
+                self.dec_lock_ref(last_node)
+        return alloc.alloc(need)
+
+    def _graft(self, parent: TreeNode, key: RadixKey, start: int, slots: torch.Tensor) -> TreeNode:
+        node = TreeNode(priority=parent.priority)
+        node.key = key[start:start + len(slots)]
+        node.value = slots
+        node.parent = parent
+        parent.children[node.key.child_key(self.page_size)] = node
+        self.evictable_size_ += len(slots)
+        self._update_leaf_status(parent)
+        self._update_leaf_status(node)
+        self.kv_events.record_store(node)
+        return node
+
+    def _fence_forward(self, task) -> None:
+        if self.forward_stream is not None and torch.cuda.is_available():
+            with torch.cuda.stream(self.forward_stream):
+                self.tier.wait_on_current_stream(task)
+        else:
+            self.tier.wait_on_current_stream(task)
+
+    # --- store ---
+
+    def checkpoint(self, req, *, up_to: int):
+        super().checkpoint(req, up_to=up_to)
+        if self.disable or self.tier is None:
+            return
+        self._drain()
+        if self.is_eagle:
+            return
+        n = req.kv.cache_protected_len  # tree-owned, page-aligned prefix (the base checkpoint just set it)
+        if n < self.page_size:
+            return
+        tokens = req.full_untruncated_fill_ids[:n]
+        slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64, copy=True)
+        task = self.tier.store(tokens, _namespace(req.extra_key, req.cache_salt), slots)
+        if not task.done:
+            self._lock_until_done(task.id, req.last_node)
+
+    # --- completions / eviction ---
+
+    def _lock_until_done(self, task_id: int, node: TreeNode) -> None:
+        self.inc_lock_ref(node)
+        self._inflight[task_id] = node
+
+    def _drain(self) -> None:
+        if self.tier is None:
+            return
+        for tid in self.tier.poll():
+            node = self._inflight.pop(tid, None)
+            if node is not None:
+                self.dec_lock_ref(node)
+
+    def check_hicache_events(self) -> None:
+        self._drain()
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        self._drain()
+        return super().evict(params)
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        self._markers.pop(req.cache_request_handle, None)
+
+    def release_aborted_request(self, handle) -> None:
+        super().release_aborted_request(handle)
+        self._markers.pop(handle, None)
+
+    def wait_all(self) -> None:
+        """Block until every in-flight transfer completes and drop its locks (tests, shutdown)."""
+        if self.tier is not None:
+            self.tier.wait_all()
+            self._drain()
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    # --- TP ---
+
+    def _tp_min(self, value: int) -> int:
+        if self.tp_group is None:
+            return int(value)
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+        return int(t.item())
+
+
+_kvtier_sglang.register()  # importing the backend registers it too (idempotent), as SGLang's own backends do
