@@ -286,3 +286,29 @@ def test_gpu_layerwise_never_reads_stale_bytes(backend, wait):
         assert statistics.median(host) < 50e-6 and max(host) < 2e-3
     else:  # negative control: the same forward without waiting reads stale bytes
         assert not all(fresh)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_load_from_a_start_page_copies_only_the_pages_after_it(layerwise):
+    """An engine holding the first pages on the device loads only the rest: those slots, nothing else."""
+    tier = make_tier()
+    toks = _tokens(5 * P)
+    src = page_slots(0, 5, P)
+    want = slot_bytes(tier, src)
+    tier.wait(tier.store(toks, None, src))
+    dst = page_slots(10, 4, P)  # room for 4 pages; pages 0-1 are "on the device", 2-4 are held: 3 copy
+    before = slot_bytes(tier, torch.arange(128))
+    load = tier.load_layerwise if layerwise else tier.load
+    task = load(toks, None, dst, start_page=2)
+    assert task.num_pages == 3
+    tier.wait(task)
+    got = slot_bytes(tier, dst[:3 * P])
+    per_slot = lambda t: t.view(-1, TINY.row_bytes)  # noqa: E731  (bytes of one slot per row)
+    assert all(torch.equal(per_slot(g), per_slot(w)[2 * P:]) for g, w in zip(got, want))  # pages 2-4 of the source
+    untouched = torch.ones(128, dtype=torch.bool)
+    untouched[dst[:3 * P]] = False
+    after = slot_bytes(tier, torch.arange(128))
+    assert all(torch.equal(per_slot(a)[untouched], per_slot(b)[untouched]) for a, b in zip(before, after))
+    assert load(toks, None, dst, start_page=5).num_pages == 0  # nothing past the held prefix
+    with pytest.raises(ValueError, match="start_page"):
+        tier.load(toks, None, dst, start_page=-1)

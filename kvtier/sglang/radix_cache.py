@@ -176,6 +176,8 @@ class KVTierRadixCache(RadixCache):
         device_slots = self.path_device_indices(last_node)
         if len(device_slots) != marker.device_len or (last_node.evicted and last_node is not self.root_node):
             return 0, last_node  # the device tree changed since the match: recompute
+        if marker.device_len % self.page_size:
+            return 0, last_node  # host pages start on a page boundary (device matches are page aligned)
         need = min(params.host_hit_length, marker.host_len)
         if params.mem_quota is not None:
             need = min(need, params.mem_quota // self.page_size * self.page_size)
@@ -188,15 +190,13 @@ class KVTierRadixCache(RadixCache):
                 self.token_to_kv_pool_allocator.free(new_slots)
             return 0, last_node
         new_slots = new_slots.to(torch.int64)
-        slots = torch.cat((device_slots.to(torch.int64).to(new_slots.device), new_slots))
         tokens = marker.tokens[:marker.device_len + need]
-        # KVTier.load fills the held prefix from token 0: the device-held pages are rewritten with the host copy
-        # (same tokens, same KV); see bench/results/sglang_notes.md (tier change wanted: a start page).
+        start_page = marker.device_len // self.page_size  # the device-held pages are not copied again
         if self.layerwise:
-            task = self.tier.load_layerwise(tokens, marker.ns, slots)
+            task = self.tier.load_layerwise(tokens, marker.ns, new_slots, start_page=start_page)
         else:
-            task = self.tier.load(tokens, marker.ns, slots)
-        local = min(need, max(0, task.num_pages * self.page_size - marker.device_len))
+            task = self.tier.load(tokens, marker.ns, new_slots, start_page=start_page)
+        local = min(need, task.num_pages * self.page_size)
         loaded = self._tp_min(local)  # every rank grafts the same length: device trees stay identical
         if local > loaded:
             self.tier.wait(task)  # the slots past `loaded` are being written: free them only after the copy

@@ -235,22 +235,25 @@ class KVTier(HostTier):
         return task
 
     @synchronized
-    def load(self, tokens, ns: Optional[Namespace], slot_indices) -> TierTask:
-        """Copy the longest held prefix of ``tokens`` into the first ``pages * page_size`` of ``slot_indices``.
+    def load(self, tokens, ns: Optional[Namespace], slot_indices, *, start_page: int = 0) -> TierTask:
+        """Copy the longest held prefix of ``tokens``, from page ``start_page`` on, into ``slot_indices``.
 
         Args:
             tokens: token ids.
-            slot_indices: device slots to fill, page by page; at most ``len(slot_indices) // page_size`` pages load.
+            slot_indices: device slots of pages ``start_page, start_page + 1, ...``, page by page; at most
+                ``len(slot_indices) // page_size`` pages load.
             ns: namespace.
+            start_page: pages before it are already on the device (an engine's device-cached prefix): they must be
+                held for the pages after them to count, but they are not copied.
 
         Returns:
-            The task (``num_pages`` pages loaded). Before reading the slots the forward pass must wait for it:
+            The task (``num_pages`` pages copied). Before reading the slots the forward pass must wait for it:
             :meth:`wait_on_current_stream` (GPU-side) or :meth:`wait`.
         """
-        return self._load(tokens, ns, slot_indices, layerwise=False)
+        return self._load(tokens, ns, slot_indices, layerwise=False, start_page=start_page)
 
     @synchronized
-    def load_layerwise(self, tokens, ns: Optional[Namespace], slot_indices, *,
+    def load_layerwise(self, tokens, ns: Optional[Namespace], slot_indices, *, start_page: int = 0,
                        on_layer_start=None) -> TierTask:
         """As :meth:`load`, one layer at a time, signalling each layer through :attr:`counter`.
 
@@ -258,7 +261,8 @@ class KVTier(HostTier):
         ``counter.wait_until(layer)`` before reading a layer. ``on_layer_start(layer)``, if given, is called on
         the load stream before each layer's copy is issued (benchmarks and tests use it to slow the load).
         """
-        return self._load(tokens, ns, slot_indices, layerwise=True, on_layer_start=on_layer_start)
+        return self._load(tokens, ns, slot_indices, layerwise=True, start_page=start_page,
+                          on_layer_start=on_layer_start)
 
     @synchronized
     def poll(self) -> list[int]:
@@ -366,21 +370,24 @@ class KVTier(HostTier):
         self.executor.run(stream, fn)
         return self.executor.fence(stream)
 
-    def _load(self, tokens, ns, slot_indices, *, layerwise: bool, on_layer_start=None) -> TierTask:
+    def _load(self, tokens, ns, slot_indices, *, layerwise: bool, start_page: int = 0,
+              on_layer_start=None) -> TierTask:
+        if isinstance(start_page, bool) or not isinstance(start_page, int) or start_page < 0:
+            raise ValueError(f"start_page must be an int >= 0, got {start_page!r}")
         self._drain()
         P = self.page_size
         toks = _as_tokens(tokens)
         slots = _as_slots(slot_indices)
-        n = min(toks.size, slots.numel()) // P
+        n = min(toks.size // P, start_page + slots.numel() // P)
         m = self.index.match(toks[:n * P], ns, touch=True)
-        hits = m.num_pages
+        copied = max(0, m.num_pages - start_page)  # pages before start_page are on the device already
         self._stats.loads += 1
-        task = self._new_task("load_layerwise" if layerwise else "load", hits)
-        if hits == 0:
+        task = self._new_task("load_layerwise" if layerwise else "load", copied)
+        if copied == 0:
             return self._finish_now(task)
-        self.index.lock(m)
-        ids = np.array(m.block_ids[:hits])
-        dst = slots[:hits * P]
+        self.index.lock(m)  # the whole matched path: the copied pages hang from the prefix
+        ids = np.array(m.block_ids[start_page:start_page + copied])
+        dst = slots[:copied * P]
         if not layerwise:
             completion = self._launch("load", lambda: self._copy(False, dst, ids))
         else:
@@ -402,7 +409,7 @@ class KVTier(HostTier):
                 self.counter.complete(layer, slot=task.producer_index, stream=stream)
             completion = ex.fence("load")
         self._inflight[task.id] = _Inflight(task, completion, toks[:0], ns, ids, np.empty(0, np.int64), m,
-                                            hits * self.pool.block_bytes)
+                                            copied * self.pool.block_bytes)
         return task
 
     def _mode(self, to_host: bool) -> str:
