@@ -53,6 +53,16 @@ def _merge(acc, v):
 
 
 @numba.njit(inline="always")
+def _converge(v1, v2, v3, v4):
+    """Fold the four stripe accumulators into one hash (inputs of 32 bytes or more)."""
+    h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
+    h = _merge(h, v1)
+    h = _merge(h, v2)
+    h = _merge(h, v3)
+    return _merge(h, v4)
+
+
+@numba.njit(inline="always")
 def _avalanche(h):
     h = h ^ (h >> _U(33))
     h = h * P2
@@ -87,11 +97,7 @@ def xxh64_token_range(t, start, end, seed):
             v3 = _round(v3, _lane2(t, p + 4))
             v4 = _round(v4, _lane2(t, p + 6))
             p += 8
-        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
-        h = _merge(h, v1)
-        h = _merge(h, v2)
-        h = _merge(h, v3)
-        h = _merge(h, v4)
+        h = _converge(v1, v2, v3, v4)
     else:
         h = seed + P5
     h = h + _U(4 * (end - start))
@@ -137,11 +143,7 @@ def xxh64_u8(b, seed):
             v3 = _round(v3, _read64(b, p + 16))
             v4 = _round(v4, _read64(b, p + 24))
             p += 32
-        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
-        h = _merge(h, v1)
-        h = _merge(h, v2)
-        h = _merge(h, v3)
-        h = _merge(h, v4)
+        h = _converge(v1, v2, v3, v4)
     else:
         h = seed + P5
     h = h + _U(n)

@@ -41,7 +41,8 @@ from kvtier.kernels.paged_kv import PagedKV, as_words
 # TILE_BYTES: bytes one program loads before it stores (K and V together): the bytes it keeps in flight.
 # NUM_WARPS: 8 warps hold a 64 KiB tile in 256 B per thread (16 x 16-byte vectors).
 # BURST_*: a transfer this small holds its SMs for microseconds, so it may take more of them to cut latency
-#   (one 16-token page of 36 layers is 36 tiles: one round trip each with 36 programs instead of 5 with 8).
+#   (one 16-token page of 36 layers is 36 tiles: at most two round trips per program with 32 programs,
+#   five with 8).
 DEFAULT_PROGRAMS = 8
 TILE_BYTES = 64 * 1024
 NUM_WARPS = 8
