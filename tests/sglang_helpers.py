@@ -1,5 +1,6 @@
-"""Builders for the SGLang backend tests: real sglang 0.5.23 pools, allocator, Req, on CPU; a driver that runs the
-scheduler's sequence (match_prefix -> init_load_back -> forward writes KV -> checkpoint/release)."""
+"""Builders for the SGLang backend tests: real sglang 0.5.23 pools, allocator, Req (on CPU by default, or on a CUDA
+device: ``build(device="cuda")``); a driver that runs the scheduler's sequence (match_prefix -> init_load_back ->
+forward writes KV -> checkpoint/release)."""
 
 from __future__ import annotations
 
@@ -31,26 +32,34 @@ class Setup:
     kv_pool: object
     page_size: int
     mla: bool
+    device: torch.device
 
 
 def build(*, mla: bool = False, page_size: int = 4, kv_size: int = 64, layers: int = 2, host_blocks_kb: float = 64,
-          layerwise: bool = False, max_reqs: int = 8, max_context: int = 64, **cache_kw) -> Setup:
+          layerwise: bool = False, max_reqs: int = 8, max_context: int = 64, device="cpu",
+          transfer_mode: Optional[str] = None, **cache_kw) -> Setup:
+    """Real sglang pools, allocator and req-to-token pool on ``device`` ("cpu", "cuda", "cuda:1", ...) and a
+    KVTierRadixCache over them (pinned host pool and CUDA streams when the device is CUDA)."""
     set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=page_size))
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     dtype = torch.float16
     if mla:
         kv_pool = MLATokenToKVPool(size=kv_size, page_size=page_size, dtype=dtype, kv_lora_rank=8, qk_rope_head_dim=8,
-                                   layer_num=layers, device="cpu", enable_memory_saver=False)
+                                   layer_num=layers, device=str(dev), enable_memory_saver=False)
     else:
         kv_pool = MHATokenToKVPool(size=kv_size, page_size=page_size, dtype=dtype, head_num=2, head_dim=8,
-                                   layer_num=layers, device="cpu", enable_memory_saver=False)
-    allocator = PagedTokenToKVPoolAllocator(size=kv_size, page_size=page_size, dtype=dtype, device="cpu",
+                                   layer_num=layers, device=str(dev), enable_memory_saver=False)
+    allocator = PagedTokenToKVPoolAllocator(size=kv_size, page_size=page_size, dtype=dtype, device=str(dev),
                                             kvcache=kv_pool, need_sort=False)
-    r2t = ReqToTokenPool(size=max_reqs, max_context_len=max_context, device="cpu", enable_memory_saver=False)
+    r2t = ReqToTokenPool(size=max_reqs, max_context_len=max_context, device=str(dev), enable_memory_saver=False)
     params = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=allocator,
                              page_size=page_size)
-    config = TierConfig(cpu_cache_gb=host_blocks_kb / (1 << 20), page_size=page_size, layerwise=layerwise)
+    extra = {} if transfer_mode is None else {"transfer_mode": transfer_mode}
+    config = TierConfig(cpu_cache_gb=host_blocks_kb / (1 << 20), page_size=page_size, layerwise=layerwise, **extra)
     cache = KVTierRadixCache(params, config, **cache_kw)
-    return Setup(cache, allocator, r2t, kv_pool, page_size, mla)
+    return Setup(cache, allocator, r2t, kv_pool, page_size, mla, dev)
 
 
 def kv_value(token: int, pos: int, layer: int, ns_tag: int, kind: int) -> float:
@@ -59,30 +68,63 @@ def kv_value(token: int, pos: int, layer: int, ns_tag: int, kind: int) -> float:
     return float((token * 31 + pos * 7 + layer * 3 + ns_tag * 11 + kind * 5) % 1021)
 
 
-def layer_buffers(s: Setup) -> list[list[torch.Tensor]]:
+def layer_buffers(s: Setup, *, via_pool: bool = False) -> list[list[torch.Tensor]]:
+    """Per layer, the K and V buffers (MHA) or the latent buffer (MLA). ``via_pool``: read them through the pool's
+    ``get_key_buffer`` / ``get_value_buffer``, as attention does, so a layerwise load's per-layer wait runs."""
+    if via_pool:
+        if s.mla:
+            return [[s.kv_pool.get_key_buffer(layer)] for layer in range(s.kv_pool.layer_num)]
+        return [[s.kv_pool.get_key_buffer(layer), s.kv_pool.get_value_buffer(layer)]
+                for layer in range(s.kv_pool.layer_num)]
     if s.mla:
         return [[b] for b in s.kv_pool.kv_buffer]
     return [[k, v] for k, v in zip(s.kv_pool.k_buffer, s.kv_pool.v_buffer)]
 
 
+def kv_values(tokens, start: int, n: int, layer: int, ns_tag: int, kind: int) -> torch.Tensor:
+    """:func:`kv_value` of ``tokens[start:start+n]`` at positions ``start..``, as a float64 CPU tensor."""
+    tok = torch.tensor([int(t) for t in tokens[start:start + n]], dtype=torch.int64)
+    pos = torch.arange(start, start + n, dtype=torch.int64)
+    return ((tok * 31 + pos * 7 + layer * 3 + ns_tag * 11 + kind * 5) % 1021).to(torch.float64)
+
+
+def _as_rows(vals: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    return vals.to(device=buf.device, dtype=buf.dtype).view(-1, *([1] * (buf.dim() - 1)))
+
+
 def write_kv(s: Setup, slots: torch.Tensor, tokens, start: int, ns_tag: int) -> None:
-    """Fake forward: write the KV of ``tokens[start:start+len(slots)]`` into ``slots``."""
+    """Fake forward: write the KV of ``tokens[start:start+len(slots)]`` into ``slots`` (on the current stream)."""
+    if len(slots) == 0:
+        return
+    idx = slots.to(device=s.device, dtype=torch.int64)
     for layer, bufs in enumerate(layer_buffers(s)):
         for kind, buf in enumerate(bufs):
-            for i, slot in enumerate(slots.tolist()):
-                pos = start + i
-                buf[slot].fill_(kv_value(int(tokens[pos]), pos, layer, ns_tag, kind))
+            buf[idx] = _as_rows(kv_values(tokens, start, len(slots), layer, ns_tag, kind), buf)
 
 
-def check_kv(s: Setup, slots: torch.Tensor, tokens, start: int, ns_tag: int) -> None:
-    for layer, bufs in enumerate(layer_buffers(s)):
+def check_kv(s: Setup, slots: torch.Tensor, tokens, start: int, ns_tag: int, *, via_pool: bool = False) -> None:
+    """Assert every element of every slot's KV (all layers, K and V) equals what the fake forward wrote for its
+    token (read on the current stream; ``via_pool``: through the pool's per-layer getters)."""
+    if len(slots) == 0:
+        return
+    idx = slots.to(device=s.device, dtype=torch.int64)
+    for layer, bufs in enumerate(layer_buffers(s, via_pool=via_pool)):
         for kind, buf in enumerate(bufs):
-            for i, slot in enumerate(slots.tolist()):
-                pos = start + i
-                want = kv_value(int(tokens[pos]), pos, layer, ns_tag, kind)
-                got = buf[slot]
-                assert torch.all(got == want), (f"KV mismatch at token {pos} (slot {slot}) layer {layer} kind {kind}: "
-                                                f"{got.flatten()[:4].tolist()} != {want}")
+            want = _as_rows(kv_values(tokens, start, len(slots), layer, ns_tag, kind), buf)
+            got = buf[idx]
+            bad = (got != want).reshape(len(slots), -1).any(dim=1)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise AssertionError(
+                    f"KV mismatch at token {start + i} (slot {int(idx[i])}) layer {layer} kind {kind}: "
+                    f"{got[i].flatten()[:4].tolist()} != {float(want[i].flatten()[0])} "
+                    f"({int(bad.sum())} of {len(slots)} tokens wrong)")
+
+
+def kv_digest(s: Setup, slots: torch.Tensor) -> list[float]:
+    """Per layer and K/V, the float64 sum of the slots' KV: equal across TP ranks that hold the same pages."""
+    idx = slots.to(device=s.device, dtype=torch.int64)
+    return [float(buf[idx].double().sum()) for bufs in layer_buffers(s) for buf in bufs]
 
 
 _RID = [0]
@@ -142,12 +184,12 @@ def run_forward(s: Setup, req: Req, ns_tag: int = 0) -> Optional[torch.Tensor]:
     aligned = -(-need // P) * P
     if s.allocator.available_size() < aligned:
         cache.evict(EvictParams(num_tokens=aligned))
-    new = s.allocator.alloc(aligned) if aligned else torch.empty(0, dtype=torch.int64)
+    new = s.allocator.alloc(aligned) if aligned else torch.empty(0, dtype=torch.int64, device=s.device)
     if new is None:
         return None
     new = new[:need]  # a partial last page stays owned through its first slots (freed whole by free_segment)
-    s.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, n)), torch.cat((prefix.to(torch.int32),
-                                                                             new.to(torch.int32))))
+    row = torch.cat((prefix.to(device=s.device, dtype=torch.int32), new.to(device=s.device, dtype=torch.int32)))
+    s.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, n)), row)
     req.kv.kv_committed_len = n
     req.kv.kv_allocated_len = n
     req.extend_end = n
@@ -166,36 +208,72 @@ def flush_device(s: Setup) -> None:
     s.cache.evict(EvictParams(num_tokens=10**9))
 
 
-def serve(s: Setup, tokens, *, ns_tag: int = 0, extra_key=None, cache_salt=None, check: bool = True) -> Admitted:
-    """One request end to end: admit, check the prefix KV, forward, release with checkpoint."""
+def serve(s: Setup, tokens, *, ns_tag: int = 0, extra_key=None, cache_salt=None, check: bool = True,
+          host_wait: bool = True) -> Admitted:
+    """One request end to end: admit, check the prefix KV, forward, release with checkpoint.
+
+    ``host_wait=False`` checks the prefix without first blocking the host on the load: the read is ordered after it
+    only through the stream wait (whole loads) or the pool's per-layer counter wait (layerwise loads), as in a real
+    forward pass."""
     req = make_req(s, tokens, extra_key=extra_key, cache_salt=cache_salt)
     a = admit(s, req)
     if check and req.prefix_len:
-        s.cache.wait_all()
-        check_kv(s, s.cache.path_device_indices(req.last_node)[:req.prefix_len], tokens, 0, ns_tag)
+        if host_wait:
+            s.cache.wait_all()
+        check_kv(s, s.cache.path_device_indices(req.last_node)[:req.prefix_len], tokens, 0, ns_tag,
+                 via_pool=not host_wait)
     assert run_forward(s, req, ns_tag) is not None
     release(s, req)
     return a
 
 
-def tp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def tp_worker(rank: int, world: int, init_file: str, out_dir: str, device: str = "cpu", page_size: int = 4) -> None:
     """One TP rank (torch.multiprocessing.spawn target): both ranks store 3 pages, rank 1's host then drops its last
-    page, and both must agree on a 2-page host hit and load it. Writes ``rank<r>.txt`` with what it saw."""
+    page, and both must agree on a 2-page host hit and load it. ``device="cuda"`` puts rank r's pools on cuda:r
+    (the TP CPU group stays gloo, as SGLang's is). Writes ``rank<r>.txt`` (``host_hit loaded no_leak``) and
+    ``rank<r>.json`` (that plus the KV check, the loaded pages' digest, host pages held, the device and the error
+    if any); the parent asserts on them."""
+    import json
+    import traceback
+
     import torch.distributed as dist
 
+    seen = {"rank": rank, "device": device}
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        s = build(kv_size=32, tp_group=dist.group.WORLD)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(rank)
+            device = f"cuda:{rank}"
+            seen.update(device=device, gpu=torch.cuda.get_device_name(rank))
+        s = build(kv_size=8 * page_size, page_size=page_size, device=device, tp_group=dist.group.WORLD)
         free0 = s.allocator.available_size()
-        toks = list(range(3, 15))  # 3 pages
+        toks = list(range(3, 3 + 3 * page_size))  # 3 pages
         serve(s, toks)
         flush_device(s)
         if rank == 1:
             assert s.cache.tier.evict(1) == 1
-        a = serve(s, toks)
+        seen["host_pages_before"] = s.cache.tier.stats()["pages_held"]
+        req = make_req(s, toks)
+        a = admit(s, req)
+        s.cache.wait_all()
+        slots = s.cache.path_device_indices(req.last_node)[:req.prefix_len]
+        seen.update(host_hit=a.host_hit, loaded=a.loaded, prefix_len=req.prefix_len, digest=kv_digest(s, slots))
+        try:
+            check_kv(s, slots, toks, 0, 0)
+            seen["kv_ok"] = True
+        except AssertionError as e:
+            seen.update(kv_ok=False, kv_error=str(e))
+        assert run_forward(s, req) is not None
+        release(s, req)
         s.cache.wait_all()
         flush_device(s)
+        seen["no_leak"] = s.allocator.available_size() == free0
         with open(f"{out_dir}/rank{rank}.txt", "w") as f:
-            f.write(f"{a.host_hit} {a.loaded} {int(s.allocator.available_size() == free0)}")
+            f.write(f"{a.host_hit} {a.loaded} {int(seen['no_leak'])}")
+    except BaseException:
+        seen["error"] = traceback.format_exc()
+        raise
     finally:
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump(seen, f, indent=1)
         dist.destroy_process_group()

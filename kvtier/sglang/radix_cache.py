@@ -100,7 +100,11 @@ class KVTierRadixCache(RadixCache):
         self.tp_group = tp_group
         self.forward_stream = forward_stream
         self._markers: dict[Any, _LoadMarker] = {}  # cache_request_handle -> host hit found by match_prefix
-        self._inflight: dict[int, TreeNode] = {}  # task id -> node locked for the task
+        # task id -> (node locked for the task, the device slot tensor its copy reads). The slot tensor is kept
+        # referenced until the copy completes: on CUDA it was allocated on the engine's stream and the copy reads
+        # it on kvtier's stream, so dropping it early would let the caching allocator hand its memory to the next
+        # allocation on the engine's stream while the copy may not have read it yet.
+        self._inflight: dict[int, tuple[TreeNode, Optional[torch.Tensor]]] = {}
         self.tier: Optional[KVTier] = None
         self.layerwise = False
         if self.disable:
@@ -190,6 +194,7 @@ class KVTierRadixCache(RadixCache):
                 self.token_to_kv_pool_allocator.free(new_slots)
             return 0, last_node
         new_slots = new_slots.to(torch.int64)
+        new_slots_all = new_slots  # the copy writes through these (see _inflight)
         tokens = marker.tokens[:marker.device_len + need]
         start_page = marker.device_len // self.page_size  # the device-held pages are not copied again
         if self.layerwise:
@@ -212,7 +217,7 @@ class KVTierRadixCache(RadixCache):
             node = self._graft(last_node, RadixKey(tokens, req.extra_key, cache_salt=req.cache_salt),
                                marker.device_len, new_slots)
         if not task.done:
-            self._lock_until_done(task.id, node)
+            self._lock_until_done(task.id, node, new_slots_all)
         if loaded < need:  # SGLang 0.5.23: all promised tokens or none
             return 0, last_node
         return loaded, node
@@ -262,21 +267,21 @@ class KVTierRadixCache(RadixCache):
         slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64, copy=True)
         task = self.tier.store(tokens, _namespace(req.extra_key, req.cache_salt), slots)
         if not task.done:
-            self._lock_until_done(task.id, req.last_node)
+            self._lock_until_done(task.id, req.last_node, slots)
 
     # --- completions / eviction ---
 
-    def _lock_until_done(self, task_id: int, node: TreeNode) -> None:
+    def _lock_until_done(self, task_id: int, node: TreeNode, slots: Optional[torch.Tensor] = None) -> None:
         self.inc_lock_ref(node)
-        self._inflight[task_id] = node
+        self._inflight[task_id] = (node, slots)
 
     def _drain(self) -> None:
         if self.tier is None:
             return
         for tid in self.tier.poll():
-            node = self._inflight.pop(tid, None)
-            if node is not None:
-                self.dec_lock_ref(node)
+            rec = self._inflight.pop(tid, None)
+            if rec is not None:
+                self.dec_lock_ref(rec[0])
 
     def check_hicache_events(self) -> None:
         self._drain()

@@ -1,0 +1,137 @@
+"""kvtier's SGLang backend on CUDA pools: the scheduler-sequence round trip on ``cuda`` (sglang 0.5.23's real
+MHA/MLA pools, paged allocator and req-to-token pool on the GPU, pinned host pool, CUDA streams, CuPy layer counter
+when CuPy is installed), and two TP ranks on two GPUs.
+
+Every test is marked ``gpu`` (skipped without CUDA, see conftest.py); the TP test also needs two GPUs. On the GPU
+machine run ``bash tests/gpu_sglang.sh`` (it installs the carried sglang wheels and runs these).
+"""
+
+import json
+import sys
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import torch  # noqa: E402
+
+import kvtier.sglang as ks  # noqa: E402
+
+if ks.installed_sglang_version() != ks.SUPPORTED_SGLANG_VERSION:
+    pytest.skip(f"needs sglang=={ks.SUPPORTED_SGLANG_VERSION}", allow_module_level=True)
+
+from tests import sglang_helpers as h  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+CASES = [  # (mla, page_size)
+    pytest.param(False, 16, id="mha-p16"),
+    pytest.param(False, 1, id="mha-p1"),
+    pytest.param(True, 16, id="mla-p16"),
+]
+
+
+def _clean(s, free0):
+    """Nothing in flight or locked, and every slot back in the allocator once the device tree is flushed."""
+    s.cache.wait_all()
+    assert s.cache.num_inflight == 0
+    assert s.cache.protected_size() == 0
+    h.flush_device(s)
+    assert s.cache.total_size() == 0
+    assert s.allocator.available_size() == free0
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+@pytest.mark.parametrize("mla,page_size", CASES)
+def test_round_trip_on_cuda_pools(mla, page_size, layerwise):
+    s = h.build(mla=mla, page_size=page_size, kv_size=8 * page_size + 32, device="cuda", layerwise=layerwise)
+    assert s.kv_pool.kv_buffer[0].is_cuda if mla else s.kv_pool.k_buffer[0].is_cuda
+    probe = s.allocator.alloc(page_size)
+    assert probe.is_cuda and s.req_to_token_pool.req_to_token.is_cuda
+    s.allocator.free(probe)
+    tier = s.cache.tier
+    assert tier.kv.is_cuda and tier.pool.pinned_bytes > 0  # pinned host pool, CUDA executor
+    if layerwise:
+        assert s.kv_pool.layer_transfer_counter is tier.counter
+        print(f"layer counter backend: {tier.counter.backend}", file=sys.stderr)
+    free0 = s.allocator.available_size()
+    n = 3 * page_size + page_size // 2 if page_size > 1 else 14  # 3 full pages + a partial one (page 16)
+    toks = list(range(100, 100 + n))
+    full = n // page_size * page_size
+
+    a = h.serve(s, toks)
+    assert (a.device_len, a.host_hit, a.loaded) == (0, 0, 0)
+    s.cache.wait_all()
+    assert tier.lookup(toks) == full // page_size  # the checkpoint stored every full page
+    h.flush_device(s)
+    assert s.cache.total_size() == 0 and s.allocator.available_size() == free0
+
+    # served from the host: the prefix is checked on the current stream without a host-side wait, so only the
+    # stream wait (whole loads) or the pool's per-layer counter wait (layerwise) orders the read after the copy
+    a = h.serve(s, toks, host_wait=False)
+    assert (a.device_len, a.host_hit, a.loaded) == (0, full, full)
+    a = h.serve(s, toks)
+    assert (a.device_len, a.host_hit, a.loaded) == (full, 0, 0)
+    stats = tier.stats()
+    assert stats["pages_loaded"] == full // page_size and stats["bytes_h2d"] > 0 and stats["bytes_d2h"] > 0
+    _clean(s, free0)
+
+
+@pytest.mark.parametrize("transfer_mode", ["direct", "staged"])
+def test_device_prefix_plus_host_hit_on_cuda(transfer_mode):
+    """2 pages on device + 2 from the host: only the 2 new pages are copied, into fresh slots, bytes exact."""
+    P = 16
+    s = h.build(page_size=P, kv_size=12 * P, device="cuda", transfer_mode=transfer_mode)
+    free0 = s.allocator.available_size()
+    toks = list(range(7, 7 + 4 * P))
+    h.serve(s, toks)
+    h.flush_device(s)
+    a = h.serve(s, toks[:2 * P + 3], host_wait=False)
+    assert (a.device_len, a.host_hit, a.loaded) == (0, 2 * P, 2 * P)
+    a = h.serve(s, toks, host_wait=False)
+    assert (a.device_len, a.host_hit, a.loaded) == (2 * P, 2 * P, 2 * P)
+    s.cache.wait_all()
+    assert s.cache.tier.stats()["pages_loaded"] == 4  # 2 + 2, the device-held pages were not copied again
+    _clean(s, free0)
+
+
+def test_namespaces_and_eviction_pressure_on_cuda():
+    """Two namespaces through a device pool that only fits one request: every load is checked byte for byte."""
+    P = 16
+    s = h.build(page_size=P, kv_size=5 * P, device="cuda", host_blocks_kb=64)
+    free0 = s.allocator.available_size()
+    toks = list(range(40, 40 + 3 * P))
+    for rnd in range(3):
+        for tag, key in ((1, "lora-a"), (2, "lora-b")):
+            a = h.serve(s, toks, ns_tag=tag, extra_key=key, host_wait=False)
+            if rnd == 0 and tag == 1:
+                assert a.host_hit == 0
+            h.flush_device(s)
+    a = h.serve(s, toks, ns_tag=1, extra_key="lora-a", host_wait=False)
+    assert (a.host_hit, a.loaded) == (3 * P, 3 * P)
+    _clean(s, free0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_ranks_agree_on_the_host_hit_on_two_gpus(tmp_path):
+    """Two TP ranks, rank r on cuda:r with a gloo TP CPU group; rank 1's host holds 2 of the 3 pages, rank 0 all 3:
+    both report the MIN hit (2 pages), load the same 2 pages with exact bytes, and leak nothing."""
+    import torch.multiprocessing as mp
+
+    P = 16
+    try:
+        mp.spawn(h.tp_worker, args=(2, str(tmp_path / "pg"), str(tmp_path), "cuda", P), nprocs=2, join=True)
+    finally:
+        for r in range(2):
+            f = tmp_path / f"rank{r}.json"
+            print(f"rank {r}: {f.read_text() if f.exists() else '(no report)'}", file=sys.stderr)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [x["device"] for x in seen] == ["cuda:0", "cuda:1"]
+    assert [x["host_pages_before"] for x in seen] == [3, 2]
+    for x in seen:
+        assert "error" not in x, x["error"]
+        assert (x["host_hit"], x["loaded"], x["prefix_len"]) == (2 * P, 2 * P, 2 * P), x
+        assert x["kv_ok"], x.get("kv_error")
+        assert x["no_leak"]
+    assert seen[0]["digest"] == seen[1]["digest"]  # the same pages' bytes on both GPUs
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == [f"{2 * P} {2 * P} 1"] * 2
