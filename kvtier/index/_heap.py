@@ -1,16 +1,17 @@
 """Indexed binary min-heap of evictable nodes, keyed by (last-access tick, node id).
 
-``heap[0:size]`` holds node ids, ``hkey[i]`` the tick of ``heap[i]`` (a copy kept next to the ids so a
-sift reads one contiguous array instead of a random ``tick[node]`` per level), ``hpos[node]`` the
-node's position (-1 when absent), ``size`` lives in ``meta[M_HEAP]``. Push, pop, remove and re-key
-are O(log n); functions never raise.
+The heap lives in two rows of the state blocks: ``i32[HEAP, 0:size]`` holds node ids and
+``i64[HKEY, i]`` the tick of ``i32[HEAP, i]`` (a copy kept next to the ids so a sift reads one
+contiguous row instead of a random ``tick[node]`` per level); ``i32[HPOS, node]`` is the node's
+position (-1 when absent) and ``size`` lives in ``meta[M_HEAP]``. Push, pop, remove and re-key are
+O(log n); functions never raise. They index the 2-D blocks directly: a row view would cost an
+atomic reference-count increment and decrement per view.
 """
 from __future__ import annotations
 
 import numba
 
-from ._config import NUMBA_CACHE
-from ._state import M_HEAP
+from ._state import HEAP, HKEY, HPOS, M_HEAP, TICK
 
 __all__ = ["hp_push", "hp_pop", "hp_remove", "hp_fix"]
 
@@ -21,82 +22,82 @@ def _less(ka, a, kb, b):
 
 
 @numba.njit(inline="always")
-def _put(heap, hkey, hpos, i, x, k):
-    heap[i] = x
-    hkey[i] = k
-    hpos[x] = i
+def _put(i32, i64, i, x, k):
+    i32[HEAP, i] = x
+    i64[HKEY, i] = k
+    i32[HPOS, x] = i
 
 
-@numba.njit(cache=NUMBA_CACHE)
-def _sift_up(heap, hkey, hpos, i):
-    x = heap[i]
-    k = hkey[i]
+@numba.njit(inline="always")
+def _sift_up(i32, i64, i):
+    x = i32[HEAP, i]
+    k = i64[HKEY, i]
     while i > 0:
         p = (i - 1) >> 1
-        y = heap[p]
-        ky = hkey[p]
+        y = i32[HEAP, p]
+        ky = i64[HKEY, p]
         if not _less(k, x, ky, y):
             break
-        _put(heap, hkey, hpos, i, y, ky)
+        _put(i32, i64, i, y, ky)
         i = p
-    _put(heap, hkey, hpos, i, x, k)
+    _put(i32, i64, i, x, k)
 
 
-@numba.njit(cache=NUMBA_CACHE)
-def _sift_down(heap, hkey, hpos, i, size):
-    x = heap[i]
-    k = hkey[i]
+@numba.njit(inline="always")
+def _sift_down(i32, i64, i, size):
+    x = i32[HEAP, i]
+    k = i64[HKEY, i]
     while True:
         c = 2 * i + 1
         if c >= size:
             break
-        if c + 1 < size and _less(hkey[c + 1], heap[c + 1], hkey[c], heap[c]):
+        if c + 1 < size and _less(i64[HKEY, c + 1], i32[HEAP, c + 1], i64[HKEY, c], i32[HEAP, c]):
             c += 1
-        y = heap[c]
-        ky = hkey[c]
+        y = i32[HEAP, c]
+        ky = i64[HKEY, c]
         if not _less(ky, y, k, x):
             break
-        _put(heap, hkey, hpos, i, y, ky)
+        _put(i32, i64, i, y, ky)
         i = c
-    _put(heap, hkey, hpos, i, x, k)
+    _put(i32, i64, i, x, k)
 
 
-@numba.njit(cache=NUMBA_CACHE)
-def hp_push(heap, hkey, hpos, tick, meta, x):
+@numba.njit(inline="always")
+def hp_push(i32, i64, meta, x):
     n = meta[M_HEAP]
-    _put(heap, hkey, hpos, n, x, tick[x])
+    _put(i32, i64, n, x, i64[TICK, x])
     meta[M_HEAP] = n + 1
-    _sift_up(heap, hkey, hpos, n)
+    _sift_up(i32, i64, n)
 
 
-@numba.njit(cache=NUMBA_CACHE)
-def hp_remove(heap, hkey, hpos, tick, meta, x):
-    i = hpos[x]
+@numba.njit(inline="always")
+def hp_remove(i32, i64, meta, x):
+    i = i32[HPOS, x]
     n = meta[M_HEAP] - 1
     meta[M_HEAP] = n
-    hpos[x] = -1
+    i32[HPOS, x] = -1
     if i == n:
         return
-    last = heap[n]
-    _put(heap, hkey, hpos, i, last, hkey[n])
-    _sift_down(heap, hkey, hpos, i, n)
-    _sift_up(heap, hkey, hpos, hpos[last])
+    last = i32[HEAP, n]
+    _put(i32, i64, i, last, i64[HKEY, n])
+    _sift_down(i32, i64, i, n)
+    _sift_up(i32, i64, i32[HPOS, last])
 
 
-@numba.njit(cache=NUMBA_CACHE)
-def hp_pop(heap, hkey, hpos, tick, meta):
+@numba.njit(inline="always")
+def hp_pop(i32, i64, meta):
     """Remove and return the least-recently used node (-1 when empty)."""
     if meta[M_HEAP] == 0:
         return -1
-    x = heap[0]
-    hp_remove(heap, hkey, hpos, tick, meta, x)
+    x = i32[HEAP, 0]
+    hp_remove(i32, i64, meta, x)
     return x
 
 
-@numba.njit(cache=NUMBA_CACHE)
-def hp_fix(heap, hkey, hpos, tick, meta, x):
+@numba.njit(inline="always")
+def hp_fix(i32, i64, meta, x):
     """Restore heap order after ``tick[x]`` changed."""
-    i = hpos[x]
-    hkey[i] = tick[x]
-    _sift_up(heap, hkey, hpos, i)
-    _sift_down(heap, hkey, hpos, hpos[x], meta[M_HEAP])
+    i = i32[HPOS, x]
+    i64[HKEY, i] = i64[TICK, x]
+    _sift_up(i32, i64, i)
+    _sift_down(i32, i64, i32[HPOS, x], meta[M_HEAP])

@@ -1,6 +1,7 @@
 """Open-addressing hash table from page hash to node (linear probing, backward-shift deletion).
 
-Slots hold node ids (-1 = empty); the key of a slot is ``hashes[node]``. Several nodes may share a
+Slots hold node ids (-1 = empty); the key of a slot is ``hashes[node]`` (the ``i64[HASH]`` row: uint64
+bit patterns stored as int64). Several nodes may share a
 hash (a real or, in tests, a forced collision): lookups walk the probe run until an empty slot and
 let the caller decide which candidate is the page it wants (tokens, depth, parent). Functions take the
 per-node ``hashes`` array and never raise; the caller keeps the load <= 3/4.
@@ -17,8 +18,9 @@ __all__ = ["tb_home", "tb_insert", "tb_delete", "tb_rebuild"]
 
 @numba.njit(inline="always")
 def tb_home(h, tmask):
-    """Home slot of hash ``h`` in a table of ``tmask + 1`` slots."""
-    return np.int64((h ^ (h >> np.uint64(31))) & np.uint64(tmask))
+    """Home slot of hash ``h`` (uint64, or its int64 bit pattern) in a table of ``tmask + 1`` slots."""
+    u = np.uint64(h)
+    return np.int64((u ^ (u >> np.uint64(31))) & np.uint64(tmask))
 
 
 @numba.njit(cache=NUMBA_CACHE)

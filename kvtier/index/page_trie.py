@@ -25,12 +25,12 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from ._state import M_FALLBACK, M_HEAP, M_PROT, M_TOTAL, TrieState, grow_nodes, new_state, state_nbytes, \
-    table_slots_for
+from ._state import (M_FALLBACK, M_HEAP, M_PROT, M_TOTAL, NS_BASE, TrieState, grow_namespaces, grow_nodes, new_state,
+                     state_nbytes, table_slots_for)
 from ._tokens import as_token_array
 from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace
-from .trie import (BAD_BLOCK_COUNT, BAD_BLOCKS, BAD_TOKENS, NEED_NODES, NEED_TABLE, NOT_LOCKED, OK, STALE_HANDLE,
-                   tr_evict, tr_insert, tr_lock, tr_match, tr_rebuild_table, tr_remove)
+from .trie import (BAD_BLOCK_COUNT, BAD_BLOCKS, BAD_TOKENS, F_TOUCH, NEED_NODES, NEED_TABLE, NOT_LOCKED, OK,
+                   STALE_HANDLE, tr_evict, tr_insert, tr_lock, tr_match, tr_match_gallop, tr_rebuild_table, tr_remove)
 
 __all__ = ["PageTrie", "MatchResult", "InsertResult"]
 
@@ -80,7 +80,9 @@ class _FastCall:
 
 _match = _FastCall(tr_match)
 _match_get = _match.get
+_gallop = _FastCall(tr_match_gallop)
 _insert = _FastCall(tr_insert)
+_insert_get = _insert.get
 _remove = _FastCall(tr_remove)
 _lock = _FastCall(tr_lock)
 _evict = _FastCall(tr_evict)
@@ -93,9 +95,21 @@ _STATUS_MSG = {
 }
 
 
-_tuple_new = tuple.__new__  # builds a NamedTuple from the jitted result tuple without a Python frame
-# _FastCall keys: token arrays reach the jitted code C-contiguous and writable (as_token_array), block
-# ids as C-contiguous writable int64, so the token dtype alone fixes the argument types.
+_tuple_new = tuple.__new__  # builds a NamedTuple from a tuple without a Python frame
+_empty = np.empty
+_zeros = np.zeros
+_I64 = np.dtype(np.int64)
+# _FastCall keys: "aq" for an array('q') (numba reads it through the buffer protocol, no numpy view),
+# else the token dtype's char: token arrays reach the jitted code C-contiguous and writable
+# (as_token_array), block ids as C-contiguous writable int64, so this key fixes the argument types.
+
+
+def _token_key(tokens):
+    """(tokens as the jitted code takes them, _FastCall key)."""
+    if type(tokens) is array and tokens.typecode == "q":  # SGLang's RadixKey: read in place
+        return tokens, "aq"
+    q = as_token_array(tokens)
+    return q, q.dtype.char
 
 
 class PageTrie:
@@ -116,10 +130,19 @@ class PageTrie:
         self._mask = np.uint64(FULL_HASH_MASK if _hash_bits == 64 else (1 << _hash_bits) - 1)
         self._ns_ids: dict[Namespace, int] = {DEFAULT_NAMESPACE: 0}
         self._ns_seeds: list[np.uint64] = [np.uint64(DEFAULT_NAMESPACE.seed)]
-        self._st: TrieState = new_state(self._page_size, self._initial, self._limit())
+        self._set_state(new_state(self._page_size, self._initial, self._limit(), mask=int(self._mask)))
+        self._write_seeds()
 
     def _limit(self) -> int:
         return -1 if self._capacity is None else self._capacity
+
+    def _set_state(self, st: TrieState) -> None:
+        self._st = st
+        self._a = (st.i32, st.i64, st.tokens, st.table, st.meta)  # the arguments of match/remove
+
+    def _write_seeds(self) -> None:
+        for i, seed in enumerate(self._ns_seeds):
+            self._st.meta[NS_BASE + 2 * i + 1] = np.int64(np.uint64(seed).view(np.int64))
 
     # ---- boundary helpers -------------------------------------------------------------------------
     def _ns(self, ns: Namespace | None) -> int:
@@ -132,10 +155,9 @@ class PageTrie:
             i = len(self._ns_seeds)
             self._ns_ids[ns] = i
             self._ns_seeds.append(np.uint64(ns.seed))
-            if i >= self._st.ns_hint.shape[0]:
-                hint = np.full(2 * self._st.ns_hint.shape[0], -1, dtype=np.int32)
-                hint[: self._st.ns_hint.shape[0]] = self._st.ns_hint
-                self._st = self._st._replace(ns_hint=hint)
+            if i >= self._st.ns_slots:
+                self._set_state(grow_namespaces(self._st, 2 * self._st.ns_slots))
+            self._write_seeds()
         return i
 
     @staticmethod
@@ -149,62 +171,80 @@ class PageTrie:
         ``method``: "walk" (hint-guided descent, hashes only where a hint misses) or "gallop" (hash
         the query, gallop + binary search over table probes, verify the path). Both are exact.
         """
-        if type(tokens) is array and tokens.typecode == "q" and len(tokens):  # SGLang's RadixKey: no copy
-            q = np.frombuffer(tokens, dtype=np.int64)
+        if type(tokens) is array and tokens.typecode == "q":  # SGLang's RadixKey: read in place
+            q, key = tokens, "aq"
         else:
-            q = as_token_array(tokens)
+            q, key = _token_key(tokens)
         i = 0 if ns is None else self._ns(ns)
+        flags = F_TOUCH if touch else 0
+        out = _empty(len(q) // self._page_size, _I64)
         if method == "walk":
-            gallop = False
+            fn = _match_get(key)
+            if fn is not None:
+                m, node, gen = fn(*self._a, q, i, flags, out)
+            else:
+                m, node, gen = _match(key, *self._a, q, i, flags, out)
         elif method == "gallop":
-            gallop = True
+            m, node, gen = _gallop(key, *self._a, q, i, flags, out)
         else:
             raise ValueError(f"method must be 'walk' or 'gallop', got {method!r}")
-        touch = touch is True or bool(touch)
-        fn = _match_get(q.dtype.char)
-        if fn is not None:
-            r = fn(self._st, q, i, self._ns_seeds[i], self._mask, touch, gallop)
-        else:
-            r = _match(q.dtype.char, self._st, q, i, self._ns_seeds[i], self._mask, touch, gallop)
-        if r[0] < 0:
-            self._raise(r[0])
-        return _tuple_new(MatchResult, r)
+        if m < 0:
+            self._raise(m)
+        return _tuple_new(MatchResult, (m, out if m == out.shape[0] else out[:m], node, gen))
 
     def insert(self, tokens, block_ids, ns: Namespace | None = None) -> InsertResult:
         """Offer ``block_ids[k]`` for each full page k of ``tokens``; see the module docstring."""
-        q = as_token_array(tokens)
-        b = block_ids if isinstance(block_ids, np.ndarray) else np.asarray(block_ids)
-        if b.size == 0:
-            b = np.empty(0, dtype=np.int64)
-        if b.ndim != 1:
-            raise ValueError(f"block_ids must be 1-D, got shape {b.shape}")
-        if b.dtype.kind not in "iu":
-            raise TypeError(f"block_ids must be integers, got dtype {b.dtype}")
-        if b.dtype != np.int64 or not (b.flags.c_contiguous and b.flags.writeable):
-            if b.dtype == np.uint64 and b.size and int(b.max()) >= 1 << 63:
-                raise ValueError("block ids must be < 2**63")
-            b = np.array(b, dtype=np.int64)
-        n = q.shape[0] // self._page_size
-        if b.shape[0] != n:
-            raise ValueError(f"got {b.shape[0]} block ids for {n} full pages "
-                             f"({q.shape[0]} tokens, page_size {self._page_size})")
-        i = self._ns(ns)
-        key = q.dtype.char
+        if type(tokens) is array and tokens.typecode == "q":
+            q, key = tokens, "aq"
+        else:
+            q, key = _token_key(tokens)
+        b = block_ids
+        if type(b) is not np.ndarray or b.dtype is not _I64 or b.ndim != 1 or not b.flags.c_contiguous:
+            b = self._block_array(b, len(q) // self._page_size)
+        i = 0 if ns is None else self._ns(ns)
+        st = self._st
+        fn = _insert_get(key)
         while True:
-            status, held, new, node, gen = _insert(key, self._st, q, i, self._ns_seeds[i], self._mask, b)
+            if fn is not None:
+                status, held, new, node, gen = fn(st.i32, st.i64, st.tier, st.tokens, st.table, st.meta, q, i, b)
+            else:
+                status, held, new, node, gen = _insert(key, st.i32, st.i64, st.tier, st.tokens, st.table, st.meta,
+                                                       q, i, b)
             if status == OK:
                 break
             if status == NEED_NODES:
                 self._grow_nodes(new)
             elif status == NEED_TABLE:
                 self._grow_table(new)
+            elif status == BAD_BLOCK_COUNT:
+                n = len(q) // self._page_size
+                raise ValueError(f"got {b.shape[0]} block ids for {n} full pages "
+                                 f"({len(q)} tokens, page_size {self._page_size})")
             else:
-                if status == BAD_BLOCK_COUNT:  # pragma: no cover - checked above
-                    raise ValueError("block id count does not match the page count")
                 self._raise(status)
-        new_mask = np.zeros(n, dtype=bool)
-        new_mask[held: held + new] = True
-        return InsertResult(new_mask, held, new, node, gen)
+            st = self._st
+        n = b.shape[0]
+        if new == n:
+            new_mask = np.ones(n, dtype=bool)
+        else:
+            new_mask = _zeros(n, dtype=bool)
+            if new:
+                new_mask[held: held + new] = True
+        return _tuple_new(InsertResult, (new_mask, held, new, node, gen))
+
+    @staticmethod
+    def _block_array(b, n: int) -> np.ndarray:
+        """Block ids as a C-contiguous int64 array (the slow path of ``insert``)."""
+        b = b if isinstance(b, np.ndarray) else np.asarray(b)
+        if b.size == 0:
+            return np.empty(0, dtype=np.int64)
+        if b.ndim != 1:
+            raise ValueError(f"block_ids must be 1-D, got shape {b.shape}")
+        if b.dtype.kind not in "iu":
+            raise TypeError(f"block_ids must be integers, got dtype {b.dtype}")
+        if b.dtype == np.uint64 and b.size and int(b.max()) >= 1 << 63:
+            raise ValueError("block ids must be < 2**63")
+        return np.array(b, dtype=np.int64)
 
     def lock(self, handle: MatchResult | InsertResult) -> None:
         """Protect every page on the handle's root..deepest path from eviction and removal."""
@@ -218,7 +258,8 @@ class PageTrie:
         node, gen = int(handle.node), int(handle.gen)
         if node < 0:
             return  # empty path: nothing to (un)lock
-        status = _lock(0, self._st, node, gen, delta)
+        st = self._st
+        status = _lock(0, st.i32, st.i64, st.meta, node, gen, delta)
         if status != OK:
             self._raise(status)
 
@@ -226,34 +267,37 @@ class PageTrie:
         """Free up to ``n`` pages (LRU unlocked leaves first); returns their block ids in order."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"n must be an int >= 0, got {n!r}")
-        return _evict(0, self._st, int(n))
+        st = self._st
+        return _evict(0, st.i32, st.i64, st.table, st.meta, int(n))
 
     def remove(self, tokens, ns: Namespace | None = None) -> np.ndarray:
         """Free the held pages of ``tokens`` from the deepest up while unlocked leaves; their block ids."""
-        q = as_token_array(tokens)
+        q, key = _token_key(tokens)
         i = self._ns(ns)
-        status, blocks = _remove(q.dtype.char, self._st, q, i, self._ns_seeds[i], self._mask)
+        status, blocks = _remove(key, *self._a, q, i)
         if status != OK:
             self._raise(status)
         return blocks
 
     def reset(self) -> None:
         """Drop every page (locks included) and shrink back to the initial size."""
-        self._st = new_state(self._page_size, self._initial, self._limit(), self._st.ns_hint.shape[0])
+        self._set_state(new_state(self._page_size, self._initial, self._limit(), self._st.ns_slots,
+                                  mask=int(self._mask)))
+        self._write_seeds()
 
     # ---- growth -----------------------------------------------------------------------------------
     def _grow_nodes(self, deficit: int) -> None:
-        cur = self._st.hashes.shape[0]
+        cur = self._st.i32.shape[1]
         want = max(2 * cur, cur + int(deficit))
         if self._capacity is not None:
             want = max(min(want, self._capacity), cur + int(deficit))
-        self._st = grow_nodes(self._st, want)
+        self._set_state(grow_nodes(self._st, want))
 
     def _grow_table(self, extra: int) -> None:
         slots = max(table_slots_for(self.total_pages + int(extra)), 2 * self._st.table.shape[0])
         table = np.full(slots, -1, dtype=np.int32)
-        tr_rebuild_table(self._st, table)
-        self._st = self._st._replace(table=table)
+        tr_rebuild_table(self._st.i32, self._st.i64, self._st.meta, table)
+        self._set_state(self._st._replace(table=table))
 
     # ---- counts -----------------------------------------------------------------------------------
     @property
