@@ -234,7 +234,7 @@ def validate_layerwise(tier: KVTier, fwd: Forward, toks: np.ndarray, src: torch.
 
 
 def bench_new_tokens(m: Model, geo: KVGeometry, device: str, prefix_tokens: int, new_tokens: int, reps: int,
-                     spin_cycles: int) -> dict:
+                     spin_cycles: int, transfer_mode: str = "auto") -> dict:
     P = geo.page_size
     pages = prefix_tokens // P
     new_pages = -(-new_tokens // P)
@@ -247,7 +247,8 @@ def bench_new_tokens(m: Model, geo: KVGeometry, device: str, prefix_tokens: int,
         bufs.append(b)
     kv = PagedKV.mha(bufs[0::2], bufs[1::2], page_size=P)
     pool_gb = 2 * pages * geo.block_bytes / GiB + 0.01
-    cfg = TierConfig(cpu_cache_gb=pool_gb, page_size=P, host_layout="layer_first", transfer_mode="auto")
+    cfg = TierConfig(cpu_cache_gb=pool_gb, page_size=P, host_layout="layer_first",
+                     transfer_mode=transfer_mode)
     tier = KVTier(kv, cfg)
     toks = np.random.default_rng(0).integers(0, 150_000, prefix_tokens).astype(np.int64)
     src = torch.arange(0, pages * P, device=device)
@@ -296,16 +297,16 @@ def markdown(results: dict) -> str:
              f"{results['config']['page_size']}, layer_first, "
              f"counter backend {s.get('counter_backend')}. Medians of {results['config']['reps']} reps, ms to the "
              f"end of the last layer.", "",
-             "| new tokens | compute only | load only (1 launch / per layer) | load then compute | layerwise | "
+             "| new tokens | load mode | compute only | load only (1 launch / per layer) | load then compute | layerwise | "
              "host-blocking | layerwise / max(load, compute) | host-blocking / layerwise | wait_until host us "
-             "(median / max) |", "|---|---|---|---|---|---|---|---|---|"]
+             "(median / max) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
         if "error" in r:
-            lines.append(f"| {r['new_tokens']} | error: {r['error'][:80]} |||||||| ")
+            lines.append(f"| {r['new_tokens']} | {r.get('transfer_mode')} | error: {r['error'][:80]} |||||||| ")
             continue
         t = {k: v["median_ms"] for k, v in r["times"].items()}
         lw = r["times"]["layerwise"]
-        lines.append(f"| {r['new_tokens']} | {t['compute_only']:.2f} | {t['load_only']:.2f} / "
+        lines.append(f"| {r['new_tokens']} | {r['transfer_mode']} | {t['compute_only']:.2f} | {t['load_only']:.2f} / "
                      f"{t['load_only_layerwise']:.2f} | {t['load_then_compute']:.2f} | {t['layerwise']:.2f} | "
                      f"{t['host_blocking']:.2f} | {r['layerwise_over_max_ratio']:.3f} | "
                      f"{r['host_blocking_over_layerwise_ratio']:.3f} | {lw['wait_until_host_us_median']:.1f} / "
@@ -324,6 +325,8 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=8192)
     ap.add_argument("--new-tokens", default="1024,256,4096", help="comma list; the first one feeds the summary")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--modes", default="auto,staged",
+                    help="TierConfig.transfer_mode values to run; the first one feeds the summary")
     ap.add_argument("--pin-gb", type=float, default=64.0, help="pool size to pin-time (0: skip)")
     ap.add_argument("--pin-chunk-gb", type=float, default=16.0, help="largest single registration (<= 64)")
     ap.add_argument("--spin-ms", type=float, default=30.0, help="GPU spin before each timed variant")
@@ -348,16 +351,18 @@ def main() -> None:
     results = {"env": env_info(), "config": {"model": dataclasses.asdict(m) | {"dtype": str(m.dtype)},
                                              "page_size": page, "prefix_tokens": prefix, "reps": reps,
                                              "dry": args.dry}, "runs": []}
+    modes = args.modes.split(",")
     for n in news:
-        try:
-            r = bench_new_tokens(m, geo, device, prefix, n, reps, spin)
-        except Exception as e:  # recorded, the other sizes still run
-            traceback.print_exc()
-            r = {"new_tokens": n, "error": repr(e)[:500]}
-        results["runs"].append(r)
-        print({k: v for k, v in r.items() if k not in ("tier_stats",)}, flush=True)
-        if cuda:
-            torch.cuda.empty_cache()
+        for mode in modes:
+            try:
+                r = bench_new_tokens(m, geo, device, prefix, n, reps, spin, mode)
+            except Exception as e:  # recorded, the other sizes still run
+                traceback.print_exc()
+                r = {"new_tokens": n, "transfer_mode": mode, "error": repr(e)[:500]}
+            results["runs"].append(r)
+            print({k: v for k, v in r.items() if k not in ("tier_stats",)}, flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
     if args.pin_gb > 0 and cuda:
         try:
             results["pin"] = bench_pin(geo, args.pin_gb, args.pin_chunk_gb)
@@ -366,15 +371,17 @@ def main() -> None:
             results["pin"] = {"gib": args.pin_gb, "error": repr(e)[:500]}
         print(results["pin"], flush=True)
     first = results["runs"][0]
-    summary = {"new_tokens": first["new_tokens"]}
+    summary = {"new_tokens": first["new_tokens"], "transfer_mode": first["transfer_mode"]}
     if "error" not in first:
         summary.update({k: first[k] for k in ("layerwise_over_max_ratio", "host_blocking_over_layerwise_ratio",
                                               "layerwise_over_max_layerwise_load_ratio",
                                               "load_then_compute_over_layerwise_ratio", "load_gbps",
                                               "layerwise_bytes_exact", "counter_backend")})
         summary["wait_until_host_us_median"] = first["times"]["layerwise"]["wait_until_host_us_median"]
-        summary["layerwise_over_max_ratio_worst"] = max(r["layerwise_over_max_ratio"] for r in results["runs"]
-                                                        if "error" not in r)
+        same_mode = [r for r in results["runs"] if "error" not in r and r["transfer_mode"] == first["transfer_mode"]]
+        summary["layerwise_over_max_ratio_worst"] = max(r["layerwise_over_max_ratio"] for r in same_mode)
+        summary["host_blocking_over_layerwise_ratio_best"] = max(r["host_blocking_over_layerwise_ratio"]
+                                                                 for r in same_mode)
     if "pin" in results and "error" not in results["pin"]:
         summary["pin_seconds_per_gib"] = results["pin"]["pin_seconds_per_gib"]
         summary["pinned_gib"] = results["pin"]["pinned_gib"]

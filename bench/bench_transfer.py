@@ -7,6 +7,7 @@ and a PNG. Sections (``--sections``, default all):
 * ``sizes``   GB/s vs bytes per layer, every method, geometries x page sizes x layouts
 * ``gemm``    an 8192^3 bf16 GEMM alone and with a full-speed H2D alongside (kvtier, HiCache)
 * ``bidir``   a store and a load at once (staged; direct for reference)
+* ``staged_sweep`` staging buffer size x count on the bidir workload
 * ``latency`` one 16-token page x 36 layers through the all-layer call
 
 Run on the GPU machine: ``python bench/bench_transfer.py --out $OUT/transfer_h200.json`` (needs sglang 0.5.23
@@ -327,8 +328,9 @@ def run_overhead(res: dict, host_bytes: torch.Tensor, gen) -> None:
     print("overhead", out, flush=True)
 
 
-def run_bidir(res: dict, host_bytes: torch.Tensor, gen) -> None:
-    out = {}
+def _bidir_setup(host_bytes: torch.Tensor, gen):
+    """Qwen3-8B, 36 layers, page 16, 1024 tokens each way, page_first host, consecutive blocks: the store reads
+    ``src`` into blocks 0..63 while the load fills ``dst`` from blocks 64..127 (which hold ``src``'s bytes)."""
     s = Setup("qwen3_8b", 36, 16, 200_000, 2048, host_bytes)
     tokens = 1024
     pages = tokens // 16
@@ -336,9 +338,41 @@ def run_bidir(res: dict, host_bytes: torch.Tensor, gen) -> None:
     src, dst = slots[:tokens], slots[tokens:]
     host = s.host("page_first")
     st_blocks, ld_blocks = torch.arange(pages), torch.arange(pages, 2 * pages)
-    nbytes = tokens * s.geo.token_bytes
     store_pages(s.kv, host, src, ld_blocks)  # give the load side real bytes
     torch.cuda.synchronize()
+    return s, host, src, dst, st_blocks, ld_blocks, tokens * s.geo.token_bytes
+
+
+def _time_store_load_both(st, ld, s_store, s_load, nbytes: int, reps: int = 20) -> dict:
+    """GB/s of ``st`` alone, ``ld`` alone and both at once, each on its own stream."""
+    def on(stream, fn):
+        def run():
+            cur = torch.cuda.current_stream()
+            stream.wait_stream(cur)
+            with torch.cuda.stream(stream):
+                ev = fn()
+            if ev is None:
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            return ev
+        return run
+
+    def both():
+        e1, e2 = on(s_store, st)(), on(s_load, ld)()
+        torch.cuda.current_stream().wait_event(e1)
+        return e2
+    # the GPU spins 3 ms before each rep so that both directions are queued before the start event: this
+    # measures the copy engines, not the order in which one Python thread issues the two transfers
+    t_st = time_gpu_ms(on(s_store, st), reps=reps, hide_host_us=3000)["median_ms"]
+    t_ld = time_gpu_ms(on(s_load, ld), reps=reps, hide_host_us=3000)["median_ms"]
+    t_both = time_gpu_ms(both, reps=reps, hide_host_us=3000)["median_ms"]
+    return {"store_gbps": gbps(nbytes, t_st), "load_gbps": gbps(nbytes, t_ld),
+            "combined_gbps": gbps(2 * nbytes, t_both), "bytes_each_way": nbytes}
+
+
+def run_bidir(res: dict, host_bytes: torch.Tensor, gen) -> None:
+    out = {}
+    s, host, src, dst, st_blocks, ld_blocks, nbytes = _bidir_setup(host_bytes, gen)
     s_store, s_load = torch.cuda.Stream(), torch.cuda.Stream()
     for mode in ("staged", "direct"):
         if mode == "staged":
@@ -349,34 +383,41 @@ def run_bidir(res: dict, host_bytes: torch.Tensor, gen) -> None:
             bd = st_blocks.cuda(), ld_blocks.cuda()
             st = lambda: store_pages(s.kv, host, src, bd[0], stream=s_store, check=False)  # noqa: E731
             ld = lambda: load_pages(s.kv, host, dst, bd[1], stream=s_load, check=False)  # noqa: E731
-
-        def on(stream, fn):
-            def run():
-                cur = torch.cuda.current_stream()
-                stream.wait_stream(cur)
-                ev = fn()
-                if ev is None:
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                return ev
-            return run
-
-        def both():
-            e1, e2 = on(s_store, st)(), on(s_load, ld)()
-            torch.cuda.current_stream().wait_event(e1)
-            return e2
-        # the GPU spins 3 ms before each rep so that both directions are queued before the start event: this
-        # measures the copy engines, not the order in which one Python thread issues the two transfers
-        t_st = time_gpu_ms(on(s_store, st), reps=20, hide_host_us=3000)["median_ms"]
-        t_ld = time_gpu_ms(on(s_load, ld), reps=20, hide_host_us=3000)["median_ms"]
-        t_both = time_gpu_ms(both, reps=20, hide_host_us=3000)["median_ms"]
-        out[mode] = {"store_gbps": gbps(nbytes, t_st), "load_gbps": gbps(nbytes, t_ld),
-                     "combined_gbps": gbps(2 * nbytes, t_both), "bytes_each_way": nbytes}
+        out[mode] = _time_store_load_both(st, ld, s_store, s_load, nbytes)
         torch.cuda.synchronize()
         ok = all(torch.equal(b[dst].view(torch.uint8), b[src].view(torch.uint8)) for b in s.kv.buffers)
         out[mode]["load_exact"] = ok
         print("bidir", mode, out[mode], flush=True)
     res["bidir"] = out
+
+
+STAGED_CONFIGS = [(16, 2), (16, 3), (32, 2), (32, 3), (8, 4), (64, 2)]  # (staging MiB, buffers per direction)
+
+
+def run_staged_sweep(res: dict, host_bytes: torch.Tensor, gen) -> None:
+    """Staging buffer size x count on the bidir workload, with the copy engine's contiguous bound beside it."""
+    s, host, src, dst, st_blocks, ld_blocks, nbytes = _bidir_setup(host_bytes, gen)
+    s_store, s_load = torch.cuda.Stream(), torch.cuda.Stream()
+    rows = []
+    dev_a, dev_b = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+    host_flat = host.view(-1).view(torch.uint8)
+
+    def copy(dst, src):
+        return lambda: (dst.copy_(src, non_blocking=True), None)[1]  # no event: the stream's own work
+    ce = _time_store_load_both(copy(host_flat[:nbytes], dev_a), copy(dev_b, host_flat[nbytes:2 * nbytes]),
+                               s_store, s_load, nbytes)
+    rows.append({"method": "copy_engine_contiguous", **ce})
+    print("staged_sweep copy engine", ce, flush=True)
+    for mib, nbuf in STAGED_CONFIGS:
+        stager = StagedTransfer(s.kv, host, staging_bytes=mib * MiB, num_buffers=nbuf)
+        r = _time_store_load_both(lambda: stager.store(src, st_blocks, stream=s_store, check=False),
+                                  lambda: stager.load(dst, ld_blocks, stream=s_load, check=False),
+                                  s_store, s_load, nbytes)
+        torch.cuda.synchronize()
+        r["load_exact"] = all(torch.equal(b[dst].view(torch.uint8), b[src].view(torch.uint8)) for b in s.kv.buffers)
+        rows.append({"method": "kvtier_staged", "staging_mib": mib, "buffers": nbuf, **r})
+        print("staged_sweep", rows[-1], flush=True)
+    res["staged_sweep"] = rows
 
 
 def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
@@ -511,9 +552,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/transfer_h200.json")
     ap.add_argument("--sections", default="sizes,gemm,bidir,latency,overhead")
+    ap.add_argument("--sweep-configs", default="", help="direct configs for the sweep: p:w:t,p:w:t (tile KiB)")
     ap.add_argument("--gemm-configs", default="", help="extra direct configs beside the GEMM: p:w:t,p:w:t")
     args = ap.parse_args()
     GEMM_EXTRA.extend(tuple(int(x) for x in c.split(":")) for c in args.gemm_configs.split(",") if c)
+    if args.sweep_configs:
+        SWEEP_CONFIGS[:] = [tuple(int(x) for x in c.split(":")) for c in args.sweep_configs.split(",") if c]
     sections = args.sections.split(",")
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -529,6 +573,7 @@ def main() -> None:
                      ("sizes", lambda: run_sizes(res, host_bytes, hicache, gen)),
                      ("gemm", lambda: run_gemm(res, host_bytes, hicache, gen)),
                      ("bidir", lambda: run_bidir(res, host_bytes, gen)),
+                     ("staged_sweep", lambda: run_staged_sweep(res, host_bytes, gen)),
                      ("latency", lambda: run_latency(res, host_bytes, gen)),
                      ("hicache", lambda: run_hicache(res, host_bytes, hicache, gen)),
                      ("overhead", lambda: run_overhead(res, host_bytes, gen))):

@@ -72,8 +72,9 @@ def test_round_trip_is_byte_exact(device, layout, mode):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layerwise_load_round_trip(device, layout):
-    tier = make_tier(device=device, layout=layout)
+@pytest.mark.parametrize("mode", MODES)
+def test_layerwise_load_round_trip(device, layout, mode):
+    tier = make_tier(device=device, layout=layout, mode=mode)
     toks = _tokens(4 * P)
     src = page_slots(10, 4, P)
     want = slot_bytes(tier, src)
@@ -286,6 +287,33 @@ def test_gpu_layerwise_never_reads_stale_bytes(backend, wait):
         assert statistics.median(host) < 50e-6 and max(host) < 2e-3
     else:  # negative control: the same forward without waiting reads stale bytes
         assert not all(fresh)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layerwise):
+    """``auto``: stores always staged; a load copy of >= AUTO_STAGED_LOAD_BYTES staged, a smaller one direct."""
+    import kvtier.tier.manager as manager
+
+    calls = []
+    for name in ("store", "load"):
+        real = getattr(manager.StagedTransfer, name)
+        monkeypatch.setattr(manager.StagedTransfer, name,
+                            lambda self, *a, _real=real, _name=name, **k: calls.append(_name) or _real(self, *a, **k))
+    tier = make_tier(mode="auto")
+    toks = _tokens(4 * P)
+    src = page_slots(0, 4, P)
+    want = slot_bytes(tier, src)
+    tier.wait(tier.store(toks, None, src))
+    assert calls == ["store"]
+    per_copy = 4 * TINY.block_bytes // (TINY.num_layers if layerwise else 1)
+    load = tier.load_layerwise if layerwise else tier.load
+    for threshold, staged in ((per_copy + 1, False), (per_copy, True)):
+        calls.clear()
+        monkeypatch.setattr(manager, "AUTO_STAGED_LOAD_BYTES", threshold)
+        dst = page_slots(8 if staged else 16, 4, P)
+        tier.wait(load(toks, None, dst))
+        assert calls == (["load"] * (TINY.num_layers if layerwise else 1) if staged else [])
+        assert all(torch.equal(a, b) for a, b in zip(slot_bytes(tier, dst), want))
 
 
 @pytest.mark.parametrize("layerwise", [False, True])

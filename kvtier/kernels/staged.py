@@ -38,6 +38,9 @@ NUM_BUFFERS = 2
 GATHER_PROGRAMS = 16
 GATHER_TILE_BYTES = 64 * 1024
 GATHER_WARPS = 16
+# Host time to issue one copy-engine copy and one gather launch (H200 host, cupy memcpyAsync): weighs chunk shapes.
+_COPY_US = 2.0
+_LAUNCH_US = 15.0
 
 try:  # cupy's raw memcpy issues a copy in ~1-2 us of host time, against ~5-8 us for torch's copy_ on views
     import cupy as _cupy
@@ -126,20 +129,48 @@ class StagedTransfer:
                 # Host-to-staging copies start on the copy stream: order them after the caller's work so far
                 # (e.g. the previous reader of the staging buffers or of the host blocks).
                 direction.copy_stream.wait_stream(work)
-            page = kv.geometry.page_size
-            span_geo = self._span_geometry(span.count)
-            pages_per_chunk = self.staging_bytes // span_geo.block_bytes
             done = None
-            first = 0
-            # stores start with a small chunk: the first copy waits on the first gather; loads end on a scatter,
-            # which a small first chunk does not shorten
-            n = max(1, pages_per_chunk // 4) if to_host else pages_per_chunk
-            while first < host_ids.size:
-                n = min(n, host_ids.size - first)
-                chunk_slots = slots[first * page:(first + n) * page]
-                done = self._chunk(direction, work, chunk_slots, host_ids[first:first + n], span, span_geo, to_host)
-                first += n
-                n = pages_per_chunk
+            for sub in self._chunk_spans(span, host_ids.size):
+                done = self._run_span(direction, work, slots, host_ids, sub, to_host)
+        return done
+
+    def _chunk_spans(self, span: LayerSpan, num_pages: int) -> list[LayerSpan]:
+        """The layer spans to stage one after the other: the whole span, or (``layer_first``) one layer at a time.
+
+        In ``layer_first`` a chunk of several layers costs one copy per (layer, K/V, run of blocks), and holds few
+        pages (a 16 MiB chunk is 7 pages of 36 Qwen3-8B layers): a large transfer then issues thousands of small
+        copies and becomes host bound. Layer by layer, a chunk holds hundreds of pages and costs one copy per
+        K/V and run, plus one more gather launch per layer. Pick whichever issues less (copies ~2 us of host time
+        each, launches ~15 us).
+        """
+        if self.layout != "layer_first" or span.count == 1:
+            return [span]
+        geo = self.kv.geometry
+        per_chunk_all = max(1, self.staging_bytes // self._span_geometry(span.count).block_bytes)
+        per_chunk_one = max(1, self.staging_bytes // self._span_geometry(1).block_bytes)
+        cost_all = -(-num_pages // per_chunk_all) * (span.count * geo.kv_count * _COPY_US + _LAUNCH_US)
+        cost_one = span.count * -(-num_pages // per_chunk_one) * (geo.kv_count * _COPY_US + _LAUNCH_US)
+        if cost_all <= cost_one:
+            return [span]
+        return [LayerSpan(layer, 1) for layer in range(span.start, span.start + span.count)]
+
+    def _run_span(self, direction: _Direction, work, slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
+                  to_host: bool) -> Optional[torch.cuda.Event]:
+        """Stage ``span``'s layers of every page, chunk by chunk; returns the last chunk's completion event."""
+        page = self.kv.geometry.page_size
+        span_geo = self._span_geometry(span.count)
+        pages_per_chunk = self.staging_bytes // span_geo.block_bytes
+        done = None
+        first = 0
+        # stores start with a small chunk: the first copy waits on the first gather; loads end on a scatter,
+        # which a small first chunk does not shorten
+        n = max(1, pages_per_chunk // 4) if to_host else pages_per_chunk
+        while first < host_ids.size:
+            n = min(n, host_ids.size - first)
+            chunk_slots = slots[first * page:(first + n) * page]
+            done = self._chunk(direction, work, chunk_slots, host_ids[first:first + n], span, span_geo, to_host)
+            first += n
+            n = pages_per_chunk
         return done
 
     def _span_geometry(self, num_layers: int) -> KVGeometry:

@@ -26,26 +26,29 @@ from triton import knobs
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
 from kvtier.kernels.paged_kv import PagedKV, as_words
 
-# Tuned on one H200 (PCIe Gen5 x16, 2026-11-29): bench/bench_transfer.py --sections sweep,gemm (results in
-# bench/results/transfer_h200.json). The SM path tops out at ~52.4 GB/s D2H and ~51.1 GB/s H2D there (the copy
-# engine reaches ~55). Per-layer 64 MiB, Qwen3-8B, 36-layer host layouts, min over pages 1/16/64 (layer_first /
-# page_first), and an 8192^3 bf16 GEMM's slowdown with back-to-back H2D beside it (H2D GB/s meanwhile):
-#   programs x warps x tile   D2H min      H2D min      GEMM slowdown
-#   4 x 8 x 64 KiB            52.2 / 32.1  46.5 / 35.1  +2.8% (37.7 GB/s)
-#   4 x 16 x 128 KiB          51.8 / 36.5  51.0 / 46.1  +4.6% (47.0 GB/s)
-#   8 x 8 x 64 KiB            51.9 / 51.0  51.0 / 50.5  +3.7% (47.0 GB/s)
-#   SGLang HiCache default                              +7.0% (46.7 GB/s)
-# Host reads are latency bound (IOMMU misses on scattered blocks make it worse: page 1, page_first), so bulk
-# transfers want ~512 KiB in flight; 8 programs of 64 KiB tiles get it at the smallest cost to a GEMM.
+# Tuned on one H200 (PCIe Gen5 x16, 2026-11-29): bench/bench_transfer.py --sections sweep (results in
+# bench/results/transfer_h200.json, "sweep"). The SM path tops out at ~52.4 GB/s D2H and ~51.1 GB/s H2D there (the
+# copy engine reaches ~55). One layer of 64 MiB, Qwen3-8B, 36-layer host layouts, random blocks; GB/s at pages
+# 1 / 16 / 64, D2H/H2D:
+#   programs x warps x tile   layer_first                          page_first
+#   4 x 8 x 64 KiB            51.4/45.9  52.5/49.8  51.9/49.8      32.1/34.2  52.2/48.2  51.8/49.5
+#   4 x 16 x 128 KiB          51.8/50.7  51.2/51.1  52.0/51.0      36.7/45.2  52.2/51.0  52.2/51.0
+#   4 x 32 x 64 KiB           51.9/51.0  52.2/51.1  52.3/51.0      51.8/50.9  52.3/49.6  52.2/51.1
+#   4 x 32 x 128 KiB          52.0/51.0  52.2/50.9  52.1/51.0      45.6/50.6  51.9/49.3  52.5/51.0
+#   4 x 32 x 256 KiB          34.4/28.4  51.9/49.4  44.4/43.0      (registers spill: 256 B per thread is too much)
+#   8 x 8 x 64 KiB            51.9/51.0  52.1/47.6  52.5/50.9      51.1/50.6  52.0/49.4  52.5/51.0
+# Host reads are latency bound over PCIe (and IOMMU misses on scattered blocks: page 1, page_first), so a program
+# needs many loads in flight; 32 warps of 64 B per thread get them with 4 SMs. Scattered host writes (D2H, page 1,
+# page_first) also need many warps: 8 warps per program leave them at 32-37 GB/s.
 # DEFAULT_PROGRAMS: persistent programs (one SM each) for bulk transfers.
 # TILE_BYTES: bytes one program loads before it stores (K and V together): the bytes it keeps in flight.
-# NUM_WARPS: 8 warps hold a 64 KiB tile in 256 B per thread (16 x 16-byte vectors).
+# NUM_WARPS: warps per program; 32 warps hold a 64 KiB tile in 64 B per thread (4 x 16-byte vectors).
 # BURST_*: a transfer this small holds its SMs for microseconds, so it may take more of them to cut latency
 #   (one 16-token page of 36 layers is 36 tiles: at most two round trips per program with 32 programs,
-#   five with 8).
-DEFAULT_PROGRAMS = 8
+#   nine with 4).
+DEFAULT_PROGRAMS = 4
 TILE_BYTES = 64 * 1024
-NUM_WARPS = 8
+NUM_WARPS = 32
 BURST_BYTES = 4 * 1024 * 1024
 BURST_PROGRAMS = 32
 # Longest contiguous run one lane group copies; longer rows are split into chunks of this many bytes.
