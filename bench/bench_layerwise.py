@@ -360,6 +360,7 @@ def main() -> None:
                 traceback.print_exc()
                 r = {"new_tokens": n, "transfer_mode": mode, "error": repr(e)[:500]}
             results["runs"].append(r)
+            write_json(args.out, results)  # kept if a later size is cut short
             print({k: v for k, v in r.items() if k not in ("tier_stats",)}, flush=True)
             if cuda:
                 torch.cuda.empty_cache()
