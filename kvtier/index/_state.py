@@ -128,7 +128,7 @@ def new_state(page_size: int, nodes: int, limit: int = -1, ns_slots: int = 4, ma
     mask = int(mask) & 0xFFFFFFFFFFFFFFFF
     meta[M_MASK] = mask - (1 << 64) if mask >= 1 << 63 else mask
     return TrieState(i32=i32, i64=i64, tier=tier, tokens=tokens,
-                     table=np.full(table_slots_for(nodes), -1, dtype=np.int32), meta=meta)
+                     table=np.full(table_slots_for(nodes), -1, dtype=np.int64), meta=meta)
 
 
 def grow_nodes(st: TrieState, nodes: int) -> TrieState:

@@ -99,6 +99,7 @@ _tuple_new = tuple.__new__  # builds a NamedTuple from a tuple without a Python 
 _empty = np.empty
 _zeros = np.zeros
 _I64 = np.dtype(np.int64)
+_BOOL = np.dtype(bool)
 # _FastCall keys: "aq" for an array('q') (numba reads it through the buffer protocol, no numpy view),
 # else the token dtype's char: token arrays reach the jitted code C-contiguous and writable
 # (as_token_array), block ids as C-contiguous writable int64, so this key fixes the argument types.
@@ -203,13 +204,15 @@ class PageTrie:
             b = self._block_array(b, len(q) // self._page_size)
         i = 0 if ns is None else self._ns(ns)
         st = self._st
+        new_mask = _empty(b.shape[0], _BOOL)
         fn = _insert_get(key)
         while True:
             if fn is not None:
-                status, held, new, node, gen = fn(st.i32, st.i64, st.tier, st.tokens, st.table, st.meta, q, i, b)
+                status, held, new, node, gen = fn(st.i32, st.i64, st.tier, st.tokens, st.table, st.meta, q, i, b,
+                                                  new_mask)
             else:
                 status, held, new, node, gen = _insert(key, st.i32, st.i64, st.tier, st.tokens, st.table, st.meta,
-                                                       q, i, b)
+                                                       q, i, b, new_mask)
             if status == OK:
                 break
             if status == NEED_NODES:
@@ -223,13 +226,6 @@ class PageTrie:
             else:
                 self._raise(status)
             st = self._st
-        n = b.shape[0]
-        if new == n:
-            new_mask = np.ones(n, dtype=bool)
-        else:
-            new_mask = _zeros(n, dtype=bool)
-            if new:
-                new_mask[held: held + new] = True
         return _tuple_new(InsertResult, (new_mask, held, new, node, gen))
 
     @staticmethod
@@ -295,7 +291,7 @@ class PageTrie:
 
     def _grow_table(self, extra: int) -> None:
         slots = max(table_slots_for(self.total_pages + int(extra)), 2 * self._st.table.shape[0])
-        table = np.full(slots, -1, dtype=np.int32)
+        table = np.full(slots, -1, dtype=np.int64)
         tr_rebuild_table(self._st.i32, self._st.i64, self._st.meta, table)
         self._set_state(self._st._replace(table=table))
 

@@ -43,7 +43,7 @@ from ._simd import diff16, prefetch
 from ._state import (BLOCK, DEPTH, GEN, HASH, HEAP, HINT, HITS, HKEY, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH,
                      M_LIMIT, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
                      TABLE_MAX_LOAD_NUM, TICK)
-from ._table import tb_delete, tb_home, tb_insert
+from ._table import EMPTY, tb_delete, tb_home, tb_insert, tb_node, tb_tag
 from .xxh64 import xxh64_token_range
 
 __all__ = ["tr_match", "tr_match_gallop", "tr_insert", "tr_lock", "tr_evict", "tr_remove", "tr_rebuild_table",
@@ -97,16 +97,18 @@ def _in_range_from(q, start):
 
 
 @numba.njit(inline="always")
-def _find_child(table, i32, i64, tokens, code, q, start, ps, h, i):
-    """Node with hash ``h``, parent ``code`` and tokens ``q[start:start+ps]``, else -1; probing from slot i."""
+def _find_child(table, i32, tokens, code, q, start, ps, tag, i):
+    """Node with hash tag ``tag``, parent ``code`` and tokens ``q[start:start+ps]``, else -1; probing
+    from slot i. Parent and tokens identify the child, the tag only filters the probe run."""
     tmask = table.shape[0] - 1
-    hi = np.int64(h)
     while True:
-        x = table[i]
-        if x < 0:
+        e = table[i]
+        if e == EMPTY:
             return -1
-        if i64[HASH, x] == hi and i32[PARENT, x] == code and _page_diff(tokens, x, q, start, ps) == 0:
-            return x
+        if (np.uint64(e) >> np.uint64(32)) == tag:
+            x = tb_node(e)
+            if i32[PARENT, x] == code and _page_diff(tokens, x, q, start, ps) == 0:
+                return x
         i = (i + 1) & tmask
 
 
@@ -128,35 +130,46 @@ def _walk(i32, i64, tokens, table, meta, q, ps, n, ns_id, blocks_out):
     write = blocks_out.shape[0] > 0
     code = -1 - ns_id
     node = -1
-    m = 0
-    for k in range(n):
-        s = k * ps
-        c = node + 1
-        if node < 0 or c >= high or i32[PARENT, c] != code or _page_diff(tokens, c, q, s, ps) != 0:
-            # hash first and prefetch the table slot, so a hint miss and the probe overlap
-            if node < 0:
-                h = np.uint64(meta[nsh + 1])
-                c = meta[nsh]
-            else:
-                h = np.uint64(i64[HASH, node])
-                c = i32[HINT, node]
-            h = xxh64_token_range(q, s, s + ps, h) & mask
-            i0 = tb_home(h, tmask)
-            prefetch(table, i0)
-            if not (c >= 0 and i32[PARENT, c] == code and _page_diff(tokens, c, q, s, ps) == 0):
-                c = _find_child(table, i32, i64, tokens, code, q, s, ps, h, i0)
-                if c < 0:
+    k = 0
+    while k < n:
+        if node >= 0:  # the hot loop: follow the chain node + 1 (few live values, no spills)
+            while k < n:
+                c = node + 1
+                if c >= high or i32[PARENT, c] != node or _page_diff(tokens, c, q, k * ps, ps) != 0:
                     break
-                if node >= 0:
-                    i32[HINT, node] = c
-                else:
-                    meta[nsh] = c
+                if write:
+                    blocks_out[k] = i64[BLOCK, c]
+                node = c
+                k += 1
+            if k >= n:
+                break
+            code = node
+        # node + 1 missed: the parent's hint, then the table. Hash first and prefetch the table slot,
+        # so a hint miss and the probe overlap
+        s = k * ps
+        if node < 0:
+            h = np.uint64(meta[nsh + 1])
+            c = meta[nsh]
+        else:
+            h = np.uint64(i64[HASH, node])
+            c = i32[HINT, node]
+        tag = tb_tag(xxh64_token_range(q, s, s + ps, h) & mask)
+        i0 = tb_home(tag, tmask)
+        prefetch(table, i0)
+        if not (c >= 0 and i32[PARENT, c] == code and _page_diff(tokens, c, q, s, ps) == 0):
+            c = _find_child(table, i32, tokens, code, q, s, ps, tag, i0)
+            if c < 0:
+                break
+            if node >= 0:
+                i32[HINT, node] = c
+            else:
+                meta[nsh] = c
         if write:
             blocks_out[k] = i64[BLOCK, c]
         node = c
         code = c
-        m = k + 1
-    return m, node
+        k += 1
+    return k, node
 
 
 @numba.njit(inline="always")
@@ -164,13 +177,16 @@ def _probe(table, hcol, parent, depth, tokens, q, ps, k, hb, root_code):
     """Gallop predicate for page k: a node with hash hb[k], depth k, page-k tokens, parent hash hb[k-1]."""
     h = hb[k]
     hi = np.int64(h)
+    tag = tb_tag(h)
     tmask = table.shape[0] - 1
-    i = tb_home(h, tmask)
+    i = tb_home(tag, tmask)
     while True:
-        x = table[i]
-        if x < 0:
+        e = table[i]
+        if e == EMPTY:
             return -1
-        if hcol[x] == hi and depth[x] == k and _page_diff(tokens, x, q, k * ps, ps) == 0:
+        x = tb_node(e)
+        if (np.uint64(e) >> np.uint64(32)) == tag and hcol[x] == hi and depth[x] == k \
+                and _page_diff(tokens, x, q, k * ps, ps) == 0:
             p = parent[x]
             if k == 0:
                 if p == root_code:
@@ -303,7 +319,7 @@ def _free(i32, i64, table, meta, x):
         nsh = NS_BASE + 2 * (-1 - p)
         if meta[nsh] == x:
             meta[nsh] = -1
-    tb_delete(table, i64[HASH], x)
+    tb_delete(table, i64[HASH, x], x)
     i32[PARENT, x] = _FREE_PARENT  # guesses (node + 1, hints) check the parent: a free slot never passes
     i32[DEPTH, x] = -1
     i32[GEN, x] += 1
@@ -314,8 +330,9 @@ def _free(i32, i64, table, meta, x):
 
 
 @numba.njit(cache=NUMBA_CACHE, _nrt=False)
-def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks):
-    """Store the pages of q not yet held, page k -> blocks[k].
+def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks, new_mask):
+    """Store the pages of q not yet held, page k -> blocks[k]; ``new_mask[k]`` (bool, one per block)
+    is set to whether page k was stored by this call.
 
     Returns (status, pages already held, pages stored, deepest node of the path, its gen). With a
     page limit only the first pages that fit are stored. NEED_NODES / NEED_TABLE: nothing changed,
@@ -371,6 +388,8 @@ def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks):
                 hp_remove(i32, i64, meta, node)
             else:
                 hp_fix(i32, i64, meta, node)
+    for k in range(n):
+        new_mask[k] = m <= k < m + want
     if want == 0:
         if node < 0:
             return OK, m, 0, -1, 0
@@ -380,11 +399,14 @@ def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks):
     if node >= 0:
         code = node
         h = np.uint64(hcol[node])
+    first = -1
     for k in range(m, m + want):  # pass 1: hash chain and node fields
         s = k * ps
         h = xxh64_token_range(q, s, s + ps, h) & mask
-        prefetch(table, tb_home(h, tmask))
+        prefetch(table, tb_home(tb_tag(h), tmask))
         x = _alloc(meta, hint)
+        if k == m:
+            first = x
         hcol[x] = np.int64(h)
         parent[x] = code
         depth[x] = k
@@ -395,8 +417,9 @@ def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks):
         block[x] = blocks[k]
         tick_arr[x] = tick
         tier[x] = 0
-        for j in range(ps):
-            tokens[x, j] = q[s + j]
+        su = np.uint64(s)  # unsigned indices: no wraparound select, the copy vectorizes
+        for j in range(np.uint64(ps)):
+            tokens[x, j] = q[su + j]
         if code >= 0:
             nchild[code] += 1
             hint[code] = x
@@ -404,10 +427,10 @@ def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks):
             meta[nsh] = x
         code = x
     last = code
-    x = last
-    for _ in range(want):  # pass 2: the table (slots prefetched in pass 1)
-        tb_insert(table, hcol, x)
-        x = parent[x]
+    x = first
+    for _ in range(want):  # pass 2, in allocation order (the oldest prefetch first): the table
+        tb_insert(table, hcol[x], x)
+        x = hint[x]  # the next page of the chain (hint[last] = -1 ends it)
     meta[M_TOTAL] += want
     hp_push(i32, i64, meta, last)
     return OK, m, want, last, i32[GEN, last]
@@ -493,8 +516,6 @@ def tr_remove(i32, i64, tokens, table, meta, q, ns_id):
 @numba.njit(cache=NUMBA_CACHE)
 def tr_rebuild_table(i32, i64, meta, table):
     """Insert every live node into the empty ``table`` (after growing it)."""
-    depth = i32[DEPTH]
-    hcol = i64[HASH]
     for x in range(meta[M_HIGH]):
-        if depth[x] >= 0:
-            tb_insert(table, hcol, x)
+        if i32[DEPTH, x] >= 0:
+            tb_insert(table, i64[HASH, x], x)

@@ -73,7 +73,7 @@ def _avalanche(h):
 
 @numba.njit(inline="always")
 def _tok(t, i):
-    return _U(t[i]) & _M32
+    return _U(t[_U(i)]) & _M32  # an unsigned index: no negative-index wraparound select per load
 
 
 @numba.njit(inline="always")
