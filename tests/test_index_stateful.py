@@ -329,10 +329,13 @@ class IndexMachine(RuleBasedStateMachine):
         s = self.trie._st
         size = int(s.meta[M_HEAP])
         heap = s.heap[:size]
+        key = s.hkey[:size]
         assert all(s.i32[HPOS, x] == i for i, x in enumerate(heap))
+        # lazy keys (see _heap.py): ordered by the stored keys, each a lower bound of its node's tick
+        assert (key <= s.i64[TICK, heap]).all()
         for i in range(1, size):
-            p = heap[(i - 1) // 2]
-            assert (s.i64[TICK, p], p) < (s.i64[TICK, heap[i]], heap[i])
+            j = (i - 1) // 2
+            assert (key[j], heap[j]) < (key[i], heap[i])
         live = np.flatnonzero(s.i32[DEPTH] >= 0)
         leaves = {int(x) for x in live if s.i32[NCHILD, x] == 0 and s.i32[LOCK, x] == 0}
         assert set(heap.tolist()) == leaves

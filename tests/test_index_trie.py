@@ -253,7 +253,11 @@ def test_lazy_ticks_parent_inherits_newest_child_tick():
     assert t.evict(5).tolist() == [70, 12, 11, 10, 80]
 
 
-def test_heap_keys_mirror_ticks():
+def test_lazy_heap_keys_bound_ticks_and_evict_in_lru_order():
+    """Heap keys are lazy (a touch writes only the tick): each key is a lower bound of its node's
+    tick and the heap is ordered by the keys; every eviction still takes the unlocked leaf with the
+    least (tick, node)."""
+    from kvtier.index._state import BLOCK, DEPTH, M_HEAP, NCHILD, TICK
     rng = random.Random(5)
     t = PageTrie(2)
     seqs = [[rng.randrange(3) for _ in range(rng.randrange(2, 12))] for _ in range(200)]
@@ -264,6 +268,16 @@ def test_heap_keys_mirror_ticks():
         if i % 7 == 0:
             t.evict(2)
         st_ = t._st
-        size = int(st_.meta[6])
-        heap = st_.heap[:size]
-        assert np.array_equal(st_.hkey[:size], st_.i64[1, heap])
+        size = int(st_.meta[M_HEAP])
+        heap, key = st_.heap[:size], st_.hkey[:size]
+        assert (key <= st_.i64[TICK, heap]).all()
+        for c in range(1, size):
+            p = (c - 1) // 2
+            assert (key[p], heap[p]) < (key[c], heap[c])
+    for s in seqs[::5]:
+        t.match(s)  # more stale keys
+    while t.total_pages:
+        st_ = t._st
+        live = np.flatnonzero(st_.i32[DEPTH] >= 0)
+        oldest = min((int(x) for x in live if st_.i32[NCHILD, x] == 0), key=lambda x: (st_.i64[TICK, x], x))
+        assert t.evict(1).tolist() == [st_.i64[BLOCK, oldest]]

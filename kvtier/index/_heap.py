@@ -1,11 +1,18 @@
-"""Indexed binary min-heap of evictable nodes, keyed by (last-access tick, node id).
+"""Indexed binary min-heap of evictable nodes, keyed by (last-access tick, node id), with lazy keys.
 
 The heap lives in two rows of the state blocks: ``i32[HEAP, 0:size]`` holds node ids and
-``i64[HKEY, i]`` the tick of ``i32[HEAP, i]`` (a copy kept next to the ids so a sift reads one
-contiguous row instead of a random ``tick[node]`` per level); ``i32[HPOS, node]`` is the node's
-position (-1 when absent) and ``size`` lives in ``meta[M_HEAP]``. Push, pop, remove and re-key are
-O(log n); functions never raise. They index the 2-D blocks directly: a row view would cost an
-atomic reference-count increment and decrement per view.
+``i64[HKEY, i]`` the key of ``i32[HEAP, i]`` (kept next to the ids so a sift reads one contiguous
+row instead of a random ``tick[node]`` per level); ``i32[HPOS, node]`` is the node's position (-1 when
+absent) and ``size`` lives in ``meta[M_HEAP]``. Push, pop and remove are O(log n); functions never
+raise. They index the 2-D blocks directly: a row view would cost an atomic reference-count increment
+and decrement per view.
+
+Lazy keys: a node's tick only grows while it is in the heap, and a touch (a match or insert ending at
+a leaf) only writes ``tick[x]``; the heap is ordered by the stored keys, each a lower bound of its
+node's tick (``hkey[i] <= tick[heap[i]]``). ``hp_pop`` refreshes a stale root (new key, sift down)
+until the root's key is exact; that root is then the least (tick, node) of all: every other node's
+tick is >= its stored key >= the root's. So a touch costs no heap work and the eviction order is
+the one eager keys give; each touch costs at most one extra sift at eviction time.
 """
 from __future__ import annotations
 
@@ -87,16 +94,22 @@ def hp_remove(i32, i64, meta, x):
 @numba.njit(inline="always")
 def hp_pop(i32, i64, meta):
     """Remove and return the least-recently used node (-1 when empty)."""
-    if meta[M_HEAP] == 0:
-        return -1
-    x = i32[HEAP, 0]
-    hp_remove(i32, i64, meta, x)
-    return x
+    while True:
+        n = meta[M_HEAP]
+        if n == 0:
+            return -1
+        x = i32[HEAP, 0]
+        t = i64[TICK, x]
+        if i64[HKEY, 0] == t:
+            hp_remove(i32, i64, meta, x)
+            return x
+        i64[HKEY, 0] = t  # a stale (smaller) key: refresh it and let it sink
+        _sift_down(i32, i64, 0, n)
 
 
 @numba.njit(inline="always")
 def hp_fix(i32, i64, meta, x):
-    """Restore heap order after ``tick[x]`` changed."""
+    """Make ``x``'s key exact again (not needed for correctness: see the module docstring)."""
     i = i32[HPOS, x]
     i64[HKEY, i] = i64[TICK, x]
     _sift_up(i32, i64, i)

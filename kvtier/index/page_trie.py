@@ -177,21 +177,23 @@ class PageTrie:
         else:
             q, key = _token_key(tokens)
         i = 0 if ns is None else self._ns(ns)
-        flags = F_TOUCH if touch else 0
-        out = _empty(len(q) // self._page_size, _I64)
+        n = len(q) // self._page_size
+        out = _empty(n, _I64)
         if method == "walk":
             fn = _match_get(key)
             if fn is not None:
-                m, node, gen = fn(*self._a, q, i, flags, out)
+                m, node, gen = fn(*self._a, q, i, F_TOUCH if touch else 0, out)
             else:
-                m, node, gen = _match(key, *self._a, q, i, flags, out)
+                m, node, gen = _match(key, *self._a, q, i, F_TOUCH if touch else 0, out)
         elif method == "gallop":
-            m, node, gen = _gallop(key, *self._a, q, i, flags, out)
+            m, node, gen = _gallop(key, *self._a, q, i, F_TOUCH if touch else 0, out)
         else:
             raise ValueError(f"method must be 'walk' or 'gallop', got {method!r}")
+        if m == n:
+            return _tuple_new(MatchResult, (m, out, node, gen))
         if m < 0:
             self._raise(m)
-        return _tuple_new(MatchResult, (m, out if m == out.shape[0] else out[:m], node, gen))
+        return _tuple_new(MatchResult, (m, out[:m], node, gen))
 
     def insert(self, tokens, block_ids, ns: Namespace | None = None) -> InsertResult:
         """Offer ``block_ids[k]`` for each full page k of ``tokens``; see the module docstring."""

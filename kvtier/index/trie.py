@@ -27,7 +27,8 @@ validates input, grows the arrays and raises):
   Lazy ticks: only the deepest page of the path is written (an insert that adds pages writes the new
   ones); a page's logical tick is the max stored tick in its subtree, kept exact for leaves because
   a freed page hands max(tick) and the sum of hits to its parent (``_free``). Only leaves are ever
-  keyed in the heap, so the eviction order is the same as writing every page. Evictable = unlocked leaf; the heap holds exactly the evictable nodes, ordered by (tick, node).
+  keyed in the heap, so the eviction order is the same as writing every page. Evictable = unlocked leaf; the heap holds exactly the evictable nodes, ordered by (tick, node)
+  with lazy keys (a touch writes the tick only; ``hp_pop`` refreshes stale keys, see _heap.py).
   Ticks are unique among leaves (a tick is written on one root path, which holds at most one leaf).
 * Locks cover a root..node path (lock(parent) >= lock(child)); locked pages are never evicted or
   removed.
@@ -38,7 +39,7 @@ import numba
 import numpy as np
 
 from ._config import NUMBA_CACHE
-from ._heap import hp_fix, hp_pop, hp_push, hp_remove
+from ._heap import hp_pop, hp_push, hp_remove
 from ._simd import diff16, prefetch
 from ._state import (BLOCK, DEPTH, GEN, HASH, HEAP, HINT, HITS, HKEY, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH,
                      M_LIMIT, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
@@ -254,11 +255,9 @@ def _match_end(i32, i64, q, meta, ps, m, node, flags):
         tick = meta[M_TICK] + 1
         meta[M_TICK] = tick
         if node >= 0:  # lazy ticks/hits: the deepest node only (see _state.py)
-            i64[TICK, node] = tick
+            i64[TICK, node] = tick  # a leaf's heap key goes stale: lazy keys, see _heap.py
             if i32[HITS, node] < _HITS_MAX:
                 i32[HITS, node] += 1
-            if i32[HPOS, node] >= 0:
-                hp_fix(i32, i64, meta, node)
     if node < 0:
         return 0, -1, 0
     return m, node, i32[GEN, node]
@@ -383,11 +382,8 @@ def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks, new_mask):
     if node >= 0:  # lazy ticks: with want > 0 the new pages below node carry the tick
         if want == 0:
             tick_arr[node] = tick
-        if hpos[node] >= 0:
-            if want > 0:
-                hp_remove(i32, i64, meta, node)
-            else:
-                hp_fix(i32, i64, meta, node)
+        if want > 0 and hpos[node] >= 0:  # no longer a leaf (with want == 0 its key just goes stale)
+            hp_remove(i32, i64, meta, node)
     for k in range(n):
         new_mask[k] = m <= k < m + want
     if want == 0:
