@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import env_info, write_json  # noqa: E402
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
-from kvtier.kernels import PagedKV  # noqa: E402
+from kvtier.kernels import PagedKV, StagedTransfer  # noqa: E402
 from kvtier.kernels.pinned import is_pinned  # noqa: E402
 from kvtier.tier import HostBlockPool, KVTier  # noqa: E402
 from kvtier.tier.host_pool import GiB  # noqa: E402
@@ -234,7 +234,7 @@ def validate_layerwise(tier: KVTier, fwd: Forward, toks: np.ndarray, src: torch.
 
 
 def bench_new_tokens(m: Model, geo: KVGeometry, device: str, prefix_tokens: int, new_tokens: int, reps: int,
-                     spin_cycles: int, transfer_mode: str = "auto") -> dict:
+                     spin_cycles: int, transfer_mode: str = "auto", staged: tuple = ()) -> dict:
     P = geo.page_size
     pages = prefix_tokens // P
     new_pages = -(-new_tokens // P)
@@ -250,6 +250,9 @@ def bench_new_tokens(m: Model, geo: KVGeometry, device: str, prefix_tokens: int,
     cfg = TierConfig(cpu_cache_gb=pool_gb, page_size=P, host_layout="layer_first",
                      transfer_mode=transfer_mode)
     tier = KVTier(kv, cfg)
+    if staged:  # (staging MiB, gather/scatter programs) of the tier's staged path
+        tier._staged_transfer = StagedTransfer(kv, tier.pool.host, layout=cfg.host_layout,
+                                               staging_bytes=staged[0] << 20, scatter_programs=staged[1])
     toks = np.random.default_rng(0).integers(0, 150_000, prefix_tokens).astype(np.int64)
     src = torch.arange(0, pages * P, device=device)
     dst = torch.arange(pages * P, 2 * pages * P, device=device)
@@ -260,6 +263,7 @@ def bench_new_tokens(m: Model, geo: KVGeometry, device: str, prefix_tokens: int,
     fwd = Forward(m, kv, dst, new_slots, device)
     clock = Clock(device == "cuda", spin_cycles)
     res = {"new_tokens": new_tokens, "prefix_tokens": prefix_tokens, "counter_backend": tier.counter.backend,
+           "staged_config": list(staged) or None,
            "transfer_mode": cfg.transfer_mode, "host_layout": cfg.host_layout,
            "prefix_bytes": pages * geo.block_bytes, "flops_per_layer": 2 * m.params_per_layer() * new_tokens}
     res["layerwise_bytes_exact"] = validate_layerwise(tier, fwd, toks, src, dst)
@@ -306,7 +310,9 @@ def markdown(results: dict) -> str:
             continue
         t = {k: v["median_ms"] for k, v in r["times"].items()}
         lw = r["times"]["layerwise"]
-        lines.append(f"| {r['new_tokens']} | {r['transfer_mode']} | {t['compute_only']:.2f} | {t['load_only']:.2f} / "
+        mode = r["transfer_mode"] + (" (staging {} MiB, {} programs)".format(*r["staged_config"])
+                                     if r.get("staged_config") else "")
+        lines.append(f"| {r['new_tokens']} | {mode} | {t['compute_only']:.2f} | {t['load_only']:.2f} / "
                      f"{t['load_only_layerwise']:.2f} | {t['load_then_compute']:.2f} | {t['layerwise']:.2f} | "
                      f"{t['host_blocking']:.2f} | {r['layerwise_over_max_ratio']:.3f} | "
                      f"{r['host_blocking_over_layerwise_ratio']:.3f} | {lw['wait_until_host_us_median']:.1f} / "
@@ -325,6 +331,8 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=8192)
     ap.add_argument("--new-tokens", default="1024,256,4096", help="comma list; the first one feeds the summary")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--staged-configs", default="",
+                    help="extra runs of the first mode with staging MiB:programs of the staged path, e.g. 32:4,16:8")
     ap.add_argument("--modes", default="auto,staged",
                     help="TierConfig.transfer_mode values to run; the first one feeds the summary")
     ap.add_argument("--pin-gb", type=float, default=64.0, help="pool size to pin-time (0: skip)")
@@ -351,11 +359,12 @@ def main() -> None:
     results = {"env": env_info(), "config": {"model": dataclasses.asdict(m) | {"dtype": str(m.dtype)},
                                              "page_size": page, "prefix_tokens": prefix, "reps": reps,
                                              "dry": args.dry}, "runs": []}
-    modes = args.modes.split(",")
+    runs = [(mode, ()) for mode in args.modes.split(",")]
+    runs += [(runs[0][0], tuple(int(x) for x in c.split(":"))) for c in args.staged_configs.split(",") if c]
     for n in news:
-        for mode in modes:
+        for mode, staged in runs:
             try:
-                r = bench_new_tokens(m, geo, device, prefix, n, reps, spin, mode)
+                r = bench_new_tokens(m, geo, device, prefix, n, reps, spin, mode, staged)
             except Exception as e:  # recorded, the other sizes still run
                 traceback.print_exc()
                 r = {"new_tokens": n, "transfer_mode": mode, "error": repr(e)[:500]}
@@ -379,7 +388,8 @@ def main() -> None:
                                               "load_then_compute_over_layerwise_ratio", "load_gbps",
                                               "layerwise_bytes_exact", "counter_backend")})
         summary["wait_until_host_us_median"] = first["times"]["layerwise"]["wait_until_host_us_median"]
-        same_mode = [r for r in results["runs"] if "error" not in r and r["transfer_mode"] == first["transfer_mode"]]
+        same_mode = [r for r in results["runs"] if "error" not in r and r["transfer_mode"] == first["transfer_mode"]
+                     and not r.get("staged_config")]
         summary["layerwise_over_max_ratio_worst"] = max(r["layerwise_over_max_ratio"] for r in same_mode)
         summary["host_blocking_over_layerwise_ratio_best"] = max(r["host_blocking_over_layerwise_ratio"]
                                                                  for r in same_mode)

@@ -506,7 +506,7 @@ def summarize(res: dict) -> dict:
         summ["hicache_ratio_min_alternating_consecutive_blocks"] = min(e["ratio_consecutive"] for e in alt)
         summ["roundtrips_exact"] = all(r["roundtrip_exact"] for r in sizes)
         for d in ("d2h", "h2d"):
-            rows = pick("kvtier_staged", d, layout="layer_first")
+            rows = pick("kvtier_staged_contig", d, layout="layer_first")
             summ[f"staged_{d}_gbps_per_layer_min"] = min(r["gbps"] for r in rows) if rows else None
     if "bidir" in res:
         summ["staged_d2h_gbps"] = res["bidir"]["staged"]["store_gbps"]

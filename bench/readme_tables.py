@@ -49,16 +49,16 @@ def transfer_table() -> str:
         f"{_cell(rows, 'sglang_hicache', 'd2h')} | {_cell(rows, 'sglang_hicache', 'h2d')} |",
         f"| **kvtier direct**, {s['direct_programs']} programs (default), `layer_first`, random blocks | "
         f"**{_cell(rows, default, 'd2h')}** | **{_cell(rows, default, 'h2d')}** |",
-        f"| kvtier direct, 4 programs | {_cell(rows, 'kvtier_direct_p4', 'd2h')} | "
-        f"{_cell(rows, 'kvtier_direct_p4', 'h2d')} |",
-        f"| kvtier direct, 8 programs, `page_first` | {_cell(rows, default, 'd2h', 'page_first')} | "
+        f"| kvtier direct, 8 programs | {_cell(rows, 'kvtier_direct_p8', 'd2h')} | "
+        f"{_cell(rows, 'kvtier_direct_p8', 'h2d')} |",
+        f"| kvtier direct, {s['direct_programs']} programs, `page_first` | {_cell(rows, default, 'd2h', 'page_first')} | "
         f"{_cell(rows, default, 'h2d', 'page_first')} |",
         f"| kvtier staged (gather + copy engine), `layer_first`, consecutive blocks | "
         f"{_cell(rows, 'kvtier_staged_contig', 'd2h')} | {_cell(rows, 'kvtier_staged_contig', 'h2d')} |",
         f"| torch gather + one copy | {_cell(rows, 'torch_gather_copy', 'd2h')} | "
         f"{_cell(rows, 'torch_gather_copy', 'h2d')} |",
     ]
-    alt = res.get("followup", {}).get("hicache_alternating", [])
+    alt = res.get("hicache_alternating") or res.get("followup", {}).get("hicache_alternating", [])
     if alt:
         lo = min(e["ratio_random"] for e in alt)
         hi = max(e["ratio_random"] for e in alt)
@@ -66,11 +66,19 @@ def transfer_table() -> str:
                      f"ratio {lo:.3f}–{hi:.3f} | |")
     lines += [
         "",
-        "| other measurements (same session; staged and store+load figures from the follow-up runs in the JSON) | value |",
+        "| other measurements (same session; staged figures with the current staging defaults from the follow-up "
+        "runs in the JSON) | value |",
         "|---|---|",
         f"| staged, all 36 layers, `page_first`, page 16, 1024 tokens: store / load | {s['staged_d2h_gbps']} / "
         f"{s['staged_h2d_gbps']} GB/s |",
         f"| staged store and load at once, combined | {s['bidirectional_gbps']} GB/s |",
+        *([f"| same, spread over the follow-up runs (current defaults): store / load / combined | "
+           + " / ".join("{:.1f}–{:.1f}".format(*s["staged_spread_current_defaults"][k])
+                        for k in ("store_gbps", "load_gbps", "combined_gbps")) + " GB/s |",
+           f"| copy engine, contiguous, same bytes: store / load / combined | "
+           f"{s['copy_engine_bidir_workload']['store_gbps']} / {s['copy_engine_bidir_workload']['load_gbps']} / "
+           f"{s['copy_engine_bidir_workload']['combined_gbps']} GB/s |"]
+          if "staged_spread_current_defaults" in s else []),
         f"| 8192³ bf16 GEMM slowdown beside back-to-back H2D: kvtier direct default / HiCache | "
         f"+{s['gemm_slowdown_pct']}% / +{s['gemm_slowdown_hicache_pct']}% |",
         f"| one 16-token page × 36 layers, all-layer call, Qwen3-8B (PCIe floor "
@@ -101,14 +109,23 @@ def layerwise_table() -> str:
     if res is None:
         return "_no results yet_"
     s = res["summary"]
+    runs = [r for r in res["runs"] if "error" not in r and not r.get("staged_config")
+            and r["transfer_mode"] == s.get("transfer_mode", r["transfer_mode"])]
+    per_size = [f"| new tokens {r['new_tokens']}: compute / load / layerwise / host-blocking ms; layerwise / max; "
+                f"host-blocking / layerwise | {r['times']['compute_only']['median_ms']:.2f} / "
+                f"{r['times']['load_only']['median_ms']:.2f} / {r['times']['layerwise']['median_ms']:.2f} / "
+                f"{r['times']['host_blocking']['median_ms']:.2f}; {r['layerwise_over_max_ratio']:.3f}; "
+                f"{r['host_blocking_over_layerwise_ratio']:.3f} |" for r in runs]
     return "\n".join([
-        f"| layerwise load, Qwen3-8B, 8192-token prefix, {s['new_tokens']} new tokens, H200 | value |",
+        f"| layerwise load, Qwen3-8B, 8192-token prefix, {s['new_tokens']} new tokens, H200, "
+        f"`transfer_mode={s.get('transfer_mode', 'auto')}` | value |",
         "|---|---|",
         f"| layerwise time / max(load, compute) (target <= 1.1) | {s['layerwise_over_max_ratio']:.3f} |",
         f"| host-blocking (FlexKV-style) / layerwise (target > 1) | {s['host_blocking_over_layerwise_ratio']:.3f} |",
         f"| load then compute / layerwise | {s['load_then_compute_over_layerwise_ratio']:.3f} |",
         f"| host time inside `wait_until` (median) | {s['wait_until_host_us_median']:.1f} µs |",
         f"| layerwise bytes exact | {s['layerwise_bytes_exact']} |",
+        *per_size,
         f"| pinning a {res['pin']['gib']:.0f} GiB pool in {res['pin']['chunks']} registrations | "
         f"{res['pin']['seconds']:.1f} s ({s['pin_seconds_per_gib']:.3f} s/GiB) |",
     ])

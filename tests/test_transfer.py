@@ -95,7 +95,7 @@ def run_round_trip(case: Case, device: str) -> None:
     else:
         stager = StagedTransfer(kv, host, layout=case.layout, num_buffers=case.num_buffers,
                                 staging_bytes=case.staging_pages * geo.page_bytes * len(span),
-                                gather_programs=case.num_programs)
+                                gather_programs=case.num_programs, scatter_programs=case.num_programs)
         store = lambda s, b: stager.store(s, b, layers=case.layers)  # noqa: E731
         load = lambda s, b: stager.load(s, b, layers=case.layers)  # noqa: E731
 

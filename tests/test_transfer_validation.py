@@ -149,3 +149,12 @@ def test_unpinned_host_and_wrong_device_are_rejected():
         load_pages(kv, on_gpu, SLOTS, BLOCKS)
     with pytest.raises(ValueError, match="must all share a device|all must share a device"):
         PagedKV.mha([kv.buffers[0]], [kv.buffers[1].cpu()])
+
+
+@pytest.mark.parametrize("kw,match", [({"num_buffers": 0}, "num_buffers"), ({"gather_programs": 0}, "gather_programs"),
+                                      ({"scatter_programs": 0}, "scatter_programs")])
+def test_staged_transfer_rejects_bad_settings(kw, match):
+    gen = torch.Generator().manual_seed(1)
+    kv = make_kv(GEO, NUM_SLOTS, "cpu", gen)
+    with pytest.raises(ValueError, match=match):
+        StagedTransfer(kv, make_host(GEO, NUM_BLOCKS, "page_first", "cpu", gen), **kw)

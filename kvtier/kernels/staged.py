@@ -27,15 +27,20 @@ from kvtier.kernels.paged_kv import PagedKV
 from kvtier.kernels.pinned import split_at_registrations
 from kvtier.kernels.transfer import launch_copy_pages, on_stream
 
-# Tuned on one H200 (2026-11-29, bench/bench_transfer.py). Two 16 MiB buffers per direction keep the copy engine
-# busy: a chunk's copy takes ~300 us, its gather ~30 us, and issuing a chunk costs ~60 us of host time, so a
-# store and a load issued from one thread stay ahead of both copy engines (8 MiB chunks left them host-bound at
-# 68 GB/s combined). The gather/scatter is device-to-device and brief, so it may use more programs than the
-# direct kernel without costing the forward pass much. The first chunk is a quarter size: the pipeline fills
-# (gather before any copy can start) sooner; for loads it would not help (the pipeline ends on a scatter).
-STAGING_BYTES = 16 * 1024 * 1024
+# Tuned on one H200 (2026-11-29, bench/bench_transfer.py and bench/bench_layerwise.py). Two buffers per direction
+# keep the copy engine busy: a 16 MiB chunk's copy takes ~300 us, its gather ~30 us, and issuing a chunk costs
+# ~60 us of host time, so a store and a load issued from one thread stay ahead of both copy engines (8 MiB chunks
+# left them host-bound at 68 GB/s combined; 8-64 MiB x 2-4 buffers all reach 54.0-54.7 GB/s each way and 94.6-97.5
+# combined, "staged_sweep"). 32 MiB holds one layer of an 8k-token Qwen3-8B prefix, so a layerwise load is one
+# chunk per layer. The gather/scatter is device-to-device and brief; a scatter that runs beside a forward pass
+# costs it least when it is short: with 64 programs a layerwise load slowed a Qwen3-8B-sized forward (1024 new
+# tokens) by 5%, with 16 by 8%, with 4 by 22% (layerwise_h200.json, "staging"). The first store chunk is a quarter
+# size: the pipeline fills (gather before any copy can start) sooner; for loads it would not help (the pipeline
+# ends on a scatter).
+STAGING_BYTES = 32 * 1024 * 1024
 NUM_BUFFERS = 2
 GATHER_PROGRAMS = 16
+SCATTER_PROGRAMS = 64
 GATHER_TILE_BYTES = 64 * 1024
 GATHER_WARPS = 16
 # Host time to issue one copy-engine copy and one gather launch (H200 host, cupy memcpyAsync): weighs chunk shapes.
@@ -77,7 +82,8 @@ class StagedTransfer:
         layout: ``"page_first"`` or ``"layer_first"``.
         staging_bytes: bytes of each staging buffer (at least one page of all layers is always allowed).
         num_buffers: staging buffers per direction (>= 2 to overlap gather and copy).
-        gather_programs: programs of the gather/scatter kernel.
+        gather_programs: programs of the gather kernel (stores).
+        scatter_programs: programs of the scatter kernel (loads).
 
     ``store`` and ``load`` are asynchronous and return a CUDA event (None on CPU) that completes with the transfer:
     for a store, when the host blocks hold the bytes; for a load, when the slots do (the load is also ordered on
@@ -86,16 +92,17 @@ class StagedTransfer:
 
     def __init__(self, kv: PagedKV, host: torch.Tensor, *, layout: str = "page_first",
                  staging_bytes: int = STAGING_BYTES, num_buffers: int = NUM_BUFFERS,
-                 gather_programs: int = GATHER_PROGRAMS) -> None:
+                 gather_programs: int = GATHER_PROGRAMS, scatter_programs: int = SCATTER_PROGRAMS) -> None:
         if num_buffers < 1:
             raise ValueError(f"num_buffers must be >= 1, got {num_buffers}")
-        if gather_programs < 1:
-            raise ValueError(f"gather_programs must be >= 1, got {gather_programs}")
+        for name, value in (("gather_programs", gather_programs), ("scatter_programs", scatter_programs)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.num_blocks = check_blocks_tensor(kv, host, layout, host_side=True)
         self.kv, self.host, self.layout = kv, host, layout
         geo = kv.geometry
         self.staging_bytes = max(staging_bytes, geo.block_bytes)
-        self.gather_programs = gather_programs
+        self.gather_programs, self.scatter_programs = gather_programs, scatter_programs
         elems = self.staging_bytes // geo.itemsize
         self._store = _Direction(kv, elems, num_buffers)
         self._load = _Direction(kv, elems, num_buffers)
@@ -224,7 +231,8 @@ class StagedTransfer:
     def _gather(self, staging: torch.Tensor, slots: torch.Tensor, local_ids: torch.Tensor, span: LayerSpan,
                 strides: tuple[int, int, int], *, to_staging: bool) -> None:
         launch_copy_pages(self.kv, staging, slots, local_ids, span, strides, to_blocks=to_staging,
-                          num_programs=self.gather_programs, tile_bytes=GATHER_TILE_BYTES, num_warps=GATHER_WARPS,
+                          num_programs=self.gather_programs if to_staging else self.scatter_programs,
+                          tile_bytes=GATHER_TILE_BYTES, num_warps=GATHER_WARPS,
                           blocks_layer0=span.start)
 
     def _copy_runs(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool,
