@@ -208,6 +208,16 @@ def flush_device(s: Setup) -> None:
     s.cache.evict(EvictParams(num_tokens=10**9))
 
 
+def assert_clean(s: Setup, free0: int) -> None:
+    """Nothing in flight, no lock held, and every slot back in the allocator once the device tree is flushed."""
+    s.cache.wait_all()
+    assert s.cache.num_inflight == 0
+    assert s.cache.protected_size() == 0
+    flush_device(s)
+    assert s.cache.total_size() == 0
+    assert s.allocator.available_size() == free0
+
+
 def serve(s: Setup, tokens, *, ns_tag: int = 0, extra_key=None, cache_salt=None, check: bool = True,
           host_wait: bool = True) -> Admitted:
     """One request end to end: admit, check the prefix KV, forward, release with checkpoint.

@@ -21,16 +21,6 @@ from kvtier.tier.executor import DeferredExecutor  # noqa: E402
 from tests import sglang_helpers as h  # noqa: E402
 
 
-def _assert_clean(s, free0):
-    """Nothing in flight, no lock held, and every slot back in the allocator once the device tree is flushed."""
-    s.cache.wait_all()
-    assert s.cache.num_inflight == 0
-    assert s.cache.protected_size() == 0
-    h.flush_device(s)
-    assert s.cache.total_size() == 0
-    assert s.allocator.available_size() == free0
-
-
 # --- registration ---
 
 def test_register_is_idempotent_and_registry_finds_kvtier():
@@ -121,7 +111,7 @@ def test_round_trip_through_host(mla, page_size):
     assert (a.device_len, a.host_hit, a.loaded) == (0, full, full)
     a = h.serve(s, toks)
     assert (a.device_len, a.host_hit, a.loaded) == (full, 0, 0)
-    _assert_clean(s, free0)
+    h.assert_clean(s, free0)
 
 
 def test_device_prefix_plus_host_hit():
@@ -134,7 +124,7 @@ def test_device_prefix_plus_host_hit():
     assert (a.device_len, a.host_hit, a.loaded) == (0, 8, 8)
     a = h.serve(s, toks)  # 2 pages on device, 2 more from the host
     assert (a.device_len, a.host_hit, a.loaded) == (8, 8, 8)
-    _assert_clean(s, free0)
+    h.assert_clean(s, free0)
 
 
 def test_namespaces_do_not_share_pages():
@@ -148,7 +138,7 @@ def test_namespaces_do_not_share_pages():
     h.flush_device(s)
     a = h.serve(s, toks, ns_tag=1, extra_key="lora-a")  # checks namespace 1's bytes came back
     assert (a.host_hit, a.loaded) == (12, 12)
-    _assert_clean(s, free0)
+    h.assert_clean(s, free0)
 
 
 def test_host_pages_evicted_between_match_and_load_give_all_or_nothing():
@@ -167,7 +157,7 @@ def test_host_pages_evicted_between_match_and_load_give_all_or_nothing():
     assert s.cache.total_size() == 8  # the 2 pages that did arrive stay cached on device
     h.check_kv(s, s.cache.path_device_indices(next(iter(s.cache.root_node.children.values()))), toks, 0, 0)
     s.req_to_token_pool.free(req)
-    _assert_clean(s, free0)
+    h.assert_clean(s, free0)
 
 
 def test_store_keeps_node_locked_until_it_completes():
@@ -183,7 +173,7 @@ def test_store_keeps_node_locked_until_it_completes():
     s.cache.evict(EvictParams(num_tokens=100))  # drains the completion first, then evicts
     assert s.cache.num_inflight == 0 and s.cache.total_size() == 0
     assert s.cache.tier.lookup(toks) == 2
-    _assert_clean(s, free0)
+    h.assert_clean(s, free0)
 
 
 def test_reset_fences_inflight_transfers():
@@ -208,7 +198,7 @@ def test_abort_drops_state_and_leaks_nothing():
     h.run_forward(s, req)
     s.cache.release_aborted_request(req.cache_request_handle)
     h.release(s, req, checkpoint=False)
-    _assert_clean(s, free0)
+    h.assert_clean(s, free0)
 
 
 def test_layerwise_registers_counter_on_kv_pool():
@@ -221,7 +211,7 @@ def test_layerwise_registers_counter_on_kv_pool():
     a = h.serve(s, toks)
     assert a.loaded == 12 and s.cache.tier.counter.consumer_index >= 0
     s.kv_pool.get_key_buffer(1)  # the attention path's per-layer wait
-    _assert_clean(s, free0)
+    h.assert_clean(s, free0)
 
 
 def test_tp_min_over_a_process_group(tmp_path):
@@ -237,7 +227,7 @@ def test_tp_min_over_a_process_group(tmp_path):
         h.serve(s, toks)
         h.flush_device(s)
         assert h.serve(s, toks).loaded == 12
-        _assert_clean(s, free0)
+        h.assert_clean(s, free0)
     finally:
         dist.destroy_process_group()
 

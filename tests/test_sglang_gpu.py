@@ -31,16 +31,6 @@ CASES = [  # (mla, page_size)
 ]
 
 
-def _clean(s, free0):
-    """Nothing in flight or locked, and every slot back in the allocator once the device tree is flushed."""
-    s.cache.wait_all()
-    assert s.cache.num_inflight == 0
-    assert s.cache.protected_size() == 0
-    h.flush_device(s)
-    assert s.cache.total_size() == 0
-    assert s.allocator.available_size() == free0
-
-
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("mla,page_size", CASES)
 def test_round_trip_on_cuda_pools(mla, page_size, layerwise):
@@ -74,7 +64,7 @@ def test_round_trip_on_cuda_pools(mla, page_size, layerwise):
     assert (a.device_len, a.host_hit, a.loaded) == (full, 0, 0)
     stats = tier.stats()
     assert stats["pages_loaded"] == full // page_size and stats["bytes_h2d"] > 0 and stats["bytes_d2h"] > 0
-    _clean(s, free0)
+    h.assert_clean(s, free0)
 
 
 @pytest.mark.parametrize("transfer_mode", ["direct", "staged"])
@@ -92,7 +82,7 @@ def test_device_prefix_plus_host_hit_on_cuda(transfer_mode):
     assert (a.device_len, a.host_hit, a.loaded) == (2 * P, 2 * P, 2 * P)
     s.cache.wait_all()
     assert s.cache.tier.stats()["pages_loaded"] == 4  # 2 + 2, the device-held pages were not copied again
-    _clean(s, free0)
+    h.assert_clean(s, free0)
 
 
 def test_namespaces_and_eviction_pressure_on_cuda():
@@ -109,7 +99,7 @@ def test_namespaces_and_eviction_pressure_on_cuda():
             h.flush_device(s)
     a = h.serve(s, toks, ns_tag=1, extra_key="lora-a", host_wait=False)
     assert (a.host_hit, a.loaded) == (3 * P, 3 * P)
-    _clean(s, free0)
+    h.assert_clean(s, free0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
