@@ -3,7 +3,7 @@
 Every rule applies one operation to the trie and to the model and compares the answers; the
 invariants (checked after every step) compare the whole trie with the model: the set of held
 (namespace, prefix) pages, their blocks and lock counts, the parent/child/depth links, the stored
-chained hashes, the counters, the eviction heap, and the longest cached prefix of every sequence seen
+chained hashes and the lazily indexed table, the counters, the eviction heap, and the longest cached prefix of every sequence seen
 (both match methods, without touching). Three machines: full hashes, 3-bit hashes (collisions
 everywhere) and a capacity-bounded trie. CI runs >= 10k steps (100 examples x 100 steps for the first).
 """
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtier.index import Namespace, PageTrie
-from kvtier.index._state import DEPTH, HPOS, LOCK, M_HEAP, NCHILD, PARENT, BLOCK, TICK
+from kvtier.index._state import BLOCK, DEPTH, FL_INDEXED, HINT, HPOS, LOCK, M_HEAP, NCHILD, PARENT, TICK
 
 PAGE = 2
 NAMESPACES = [None, Namespace(extra_key="a"), Namespace(lora_id=1)]
@@ -307,12 +307,42 @@ class IndexMachine(RuleBasedStateMachine):
                 assert s.i32[DEPTH, p] >= 0, "parent is free"
                 assert s.i32[DEPTH, x] == s.i32[DEPTH, p] + 1
                 assert s.i32[LOCK, p] >= s.i32[LOCK, x] >= 0
-                seed = int(s.hashes[p])
             else:
                 assert s.i32[DEPTH, x] == 0
-                seed = self.trie._ns_seeds[-1 - p]
-            h = xxhash.xxh64_intdigest(s.tokens[x].astype("<u4").tobytes(), int(seed)) & int(self.trie._mask)
-            assert int(s.hashes[x]) == h, "stored hash is not the chained page hash"
+
+    @invariant()
+    def lazy_index(self):
+        """Lazy indexing (trie.py): the table holds exactly the indexed live pages, each once, under
+        their chained hash (recomputed from the tokens along the path, not from stored hashes);
+        I1 an indexed page's stored hash is that chain hash; I2 an indexed page's parent is indexed;
+        I3 a page that is not indexed is its parent's only child and its parent's hint; first pages
+        are always indexed."""
+        s = self.trie._st
+        mask = int(self.trie._mask)
+        chain: dict = {}
+
+        def h(x):
+            if x not in chain:
+                p = int(s.i32[PARENT, x])
+                seed = h(p) if p >= 0 else int(self.trie._ns_seeds[-1 - p])
+                chain[x] = xxhash.xxh64_intdigest(s.tokens[x].astype("<u4").tobytes(), seed) & mask
+            return chain[x]
+
+        live = np.flatnonzero(s.i32[DEPTH] >= 0)
+        indexed = {int(x) for x in live if s.flags[x] & FL_INDEXED}
+        assert not any(s.flags[x] & FL_INDEXED for x in np.flatnonzero(s.i32[DEPTH] < 0)), "free slot flagged"
+        for x in map(int, live):
+            p = int(s.i32[PARENT, x])
+            if x in indexed:
+                assert int(s.hashes[x]) == h(x), "stored hash is not the chained page hash"
+                assert p < 0 or p in indexed, "indexed page under a page that is not indexed"
+            else:
+                assert p >= 0, "first page not indexed"
+                assert s.i32[NCHILD, p] == 1 and s.i32[HINT, p] == x, "page not indexed and not findable by the hint"
+        entries = [int(e) for e in s.table if e != -1]
+        got = sorted((e & 0xFFFFFFFF, (e >> 32) & 0xFFFFFFFF) for e in entries)
+        want = sorted((x, h(x) & 0xFFFFFFFF) for x in indexed)
+        assert got == want, "table entries are not exactly the indexed pages with their hash tags"
 
     @invariant()
     def counts(self):

@@ -24,8 +24,10 @@ Node ``x`` (0 <= x < number of node slots) is described by column ``x`` of every
                              tick of x is the max over its subtree, exact for leaves (the only heap
                              keys) because a freed page hands max(tick) to its parent
     i64[HASH, x]     int64   chained page hash h_depth of the prefix ending at this page (page_hash.py),
-                             the uint64 bit pattern stored as int64
-    tier[x]          int8    storage tier of the block (0 = host memory; reserved for the SSD tier)
+                             the uint64 bit pattern stored as int64; valid only when FL_INDEXED is set
+    i8[TIER, x]      int8    storage tier of the block (0 = host memory; reserved for the SSD tier)
+    i8[FLAGS, x]     int8    FL_INDEXED: the node is in ``table`` and ``i64[HASH, x]`` is valid (lazy
+                             indexing, round 4: see trie.py); a node without it has a stale hash field
     tokens[x, :]     uint32  the page's token ids (a hash hit is confirmed against these)
 
 Rows indexed by heap position ``i`` (not by node): ``i32[HEAP, i]`` the node at heap position i and
@@ -51,6 +53,10 @@ N_I32 = 9
 # rows of i64
 BLOCK, TICK, HASH, HKEY = range(4)
 N_I64 = 4
+# rows of i8
+TIER, FLAGS = range(2)
+N_I8 = 2
+FL_INDEXED = 1    # i8[FLAGS] bit: in the table, hash valid
 # meta
 M_TOTAL = 0       # live pages
 M_HIGH = 1        # slots ever used (slots >= HIGH were never allocated)
@@ -68,7 +74,7 @@ NS_BASE = 16      # per namespace: hint, seed
 TABLE_MAX_LOAD_NUM, TABLE_MAX_LOAD_DEN = 3, 4
 
 
-class TrieState(namedtuple("TrieState", ["i32", "i64", "tier", "tokens", "table", "meta"])):
+class TrieState(namedtuple("TrieState", ["i32", "i64", "i8", "tokens", "table", "meta"])):
     """The arrays of one trie; the properties are views for tests and tools."""
 
     __slots__ = ()
@@ -76,6 +82,14 @@ class TrieState(namedtuple("TrieState", ["i32", "i64", "tier", "tokens", "table"
     @property
     def hashes(self) -> np.ndarray:
         return self.i64[HASH].view(np.uint64)
+
+    @property
+    def tier(self) -> np.ndarray:
+        return self.i8[TIER]
+
+    @property
+    def flags(self) -> np.ndarray:
+        return self.i8[FLAGS]
 
     @property
     def heap(self) -> np.ndarray:
@@ -117,8 +131,8 @@ def new_state(page_size: int, nodes: int, limit: int = -1, ns_slots: int = 4, ma
     i32[HPOS] = -1
     i64 = np.empty((N_I64, nodes), dtype=np.int64)
     i64.fill(0)
-    tier = np.empty(nodes, dtype=np.int8)
-    tier.fill(0)
+    i8 = np.empty((N_I8, nodes), dtype=np.int8)
+    i8.fill(0)
     tokens = np.empty((nodes, page_size), dtype=np.uint32)
     tokens.fill(0)
     meta = _new_meta(ns_slots)
@@ -127,7 +141,7 @@ def new_state(page_size: int, nodes: int, limit: int = -1, ns_slots: int = 4, ma
     meta[M_PAGE] = page_size
     mask = int(mask) & 0xFFFFFFFFFFFFFFFF
     meta[M_MASK] = mask - (1 << 64) if mask >= 1 << 63 else mask
-    return TrieState(i32=i32, i64=i64, tier=tier, tokens=tokens,
+    return TrieState(i32=i32, i64=i64, i8=i8, tokens=tokens,
                      table=np.full(table_slots_for(nodes), -1, dtype=np.int64), meta=meta)
 
 
@@ -147,13 +161,13 @@ def grow_nodes(st: TrieState, nodes: int) -> TrieState:
     i64 = np.empty((N_I64, nodes), dtype=np.int64)
     i64[:, :old] = st.i64
     i64[:, old:] = 0
-    tier = np.empty(nodes, dtype=np.int8)
-    tier[:old] = st.tier
-    tier[old:] = 0
+    i8 = np.empty((N_I8, nodes), dtype=np.int8)
+    i8[:, :old] = st.i8
+    i8[:, old:] = 0
     tokens = np.empty((nodes, st.tokens.shape[1]), dtype=np.uint32)
     tokens[:old] = st.tokens
     tokens[old:] = 0
-    return TrieState(i32=i32, i64=i64, tier=tier, tokens=tokens, table=st.table, meta=st.meta)
+    return TrieState(i32=i32, i64=i64, i8=i8, tokens=tokens, table=st.table, meta=st.meta)
 
 
 def grow_namespaces(st: TrieState, ns_slots: int) -> TrieState:

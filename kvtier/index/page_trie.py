@@ -29,8 +29,9 @@ from ._state import (M_FALLBACK, M_HEAP, M_PROT, M_TOTAL, NS_BASE, TrieState, gr
                      state_nbytes, table_slots_for)
 from ._tokens import as_token_array
 from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace
-from .trie import (BAD_BLOCK_COUNT, BAD_BLOCKS, BAD_TOKENS, F_TOUCH, NEED_NODES, NEED_TABLE, NOT_LOCKED, OK,
-                   STALE_HANDLE, tr_evict, tr_insert, tr_lock, tr_match, tr_match_gallop, tr_rebuild_table, tr_remove)
+from .trie import (BAD_BLOCK_COUNT, BAD_BLOCKS, BAD_TOKENS, F_TOUCH, NEED_HASH, NEED_NODES, NEED_TABLE, NOT_LOCKED,
+                   OK, STALE_HANDLE, tr_evict, tr_index_path, tr_insert, tr_lock, tr_match, tr_match_gallop,
+                   tr_rebuild_table, tr_remove)
 
 __all__ = ["PageTrie", "MatchResult", "InsertResult"]
 
@@ -139,7 +140,7 @@ class PageTrie:
 
     def _set_state(self, st: TrieState) -> None:
         self._st = st
-        self._a = (st.i32, st.i64, st.tokens, st.table, st.meta)  # the arguments of match/remove
+        self._a = (st.i32, st.i64, st.i8, st.tokens, st.table, st.meta)  # the arguments of match/remove/insert
 
     def _write_seeds(self) -> None:
         for i, seed in enumerate(self._ns_seeds):
@@ -210,14 +211,14 @@ class PageTrie:
         fn = _insert_get(key)
         while True:
             if fn is not None:
-                status, held, new, node, gen = fn(st.i32, st.i64, st.tier, st.tokens, st.table, st.meta, q, i, b,
-                                                  new_mask)
+                status, held, new, node, gen = fn(*st, q, i, b, new_mask)
             else:
-                status, held, new, node, gen = _insert(key, st.i32, st.i64, st.tier, st.tokens, st.table, st.meta,
-                                                       q, i, b, new_mask)
+                status, held, new, node, gen = _insert(key, *st, q, i, b, new_mask)
             if status == OK:
                 break
-            if status == NEED_NODES:
+            if status == NEED_HASH:
+                tr_index_path(st.i32, st.i64, st.i8, st.tokens, st.table, st.meta, node)
+            elif status == NEED_NODES:
                 self._grow_nodes(new)
             elif status == NEED_TABLE:
                 self._grow_table(new)
@@ -266,7 +267,7 @@ class PageTrie:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"n must be an int >= 0, got {n!r}")
         st = self._st
-        return _evict(0, st.i32, st.i64, st.table, st.meta, int(n))
+        return _evict(0, st.i32, st.i64, st.i8, st.table, st.meta, int(n))
 
     def remove(self, tokens, ns: Namespace | None = None) -> np.ndarray:
         """Free the held pages of ``tokens`` from the deepest up while unlocked leaves; their block ids."""
@@ -294,7 +295,7 @@ class PageTrie:
     def _grow_table(self, extra: int) -> None:
         slots = max(table_slots_for(self.total_pages + int(extra)), 2 * self._st.table.shape[0])
         table = np.full(slots, -1, dtype=np.int64)
-        tr_rebuild_table(self._st.i32, self._st.i64, self._st.meta, table)
+        tr_rebuild_table(self._st.i32, self._st.i64, self._st.i8, self._st.meta, table)
         self._set_state(self._st._replace(table=table))
 
     # ---- counts -----------------------------------------------------------------------------------

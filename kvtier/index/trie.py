@@ -41,15 +41,15 @@ import numpy as np
 from ._config import NUMBA_CACHE
 from ._heap import hp_pop, hp_push, hp_remove
 from ._simd import diff16, prefetch
-from ._state import (BLOCK, DEPTH, GEN, HASH, HEAP, HINT, HITS, HKEY, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH,
+from ._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, GEN, HASH, HEAP, HINT, HITS, HKEY, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH,
                      M_LIMIT, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
-                     TABLE_MAX_LOAD_NUM, TICK)
+                     TABLE_MAX_LOAD_NUM, TICK, TIER)
 from ._table import EMPTY, tb_delete, tb_home, tb_insert, tb_node, tb_tag
 from .xxh64 import xxh64_token_range
 
 __all__ = ["tr_match", "tr_match_gallop", "tr_insert", "tr_lock", "tr_evict", "tr_remove", "tr_rebuild_table",
            "OK", "NEED_NODES", "BAD_TOKENS", "BAD_BLOCKS", "BAD_BLOCK_COUNT", "NEED_TABLE", "STALE_HANDLE",
-           "NOT_LOCKED", "F_TOUCH", "F_GALLOP"]
+           "NOT_LOCKED", "NEED_HASH", "tr_index_path", "F_TOUCH", "F_GALLOP"]
 
 OK = 0
 NEED_NODES = -2
@@ -59,6 +59,7 @@ BAD_BLOCK_COUNT = -5
 NEED_TABLE = -6
 STALE_HANDLE = -7
 NOT_LOCKED = -8
+NEED_HASH = -9
 
 F_TOUCH = 1   # tr_match flags
 F_GALLOP = 2
@@ -114,15 +115,18 @@ def _find_child(table, i32, tokens, code, q, start, ps, tag, i):
 
 
 @numba.njit(inline="always")
-def _walk(i32, i64, tokens, table, meta, q, ps, n, ns_id, blocks_out):
-    """Exact longest cached prefix: (pages, deepest node or -1). Touches nothing but hints (lazy ticks:
+def _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out, k0, node0):
+    """Exact longest cached prefix: (pages, deepest node or -1), continuing from ``node0`` holding page
+    ``k0 - 1`` (``k0 = 0, node0 = -1``: from the namespace root). Touches nothing but hints (lazy ticks:
     the caller writes the deepest node only, see _state.py). ``blocks_out`` gets the block ids of the
-    matched pages unless it is empty.
+    matched pages from ``k0`` on unless it is empty.
 
     Candidates for the child of ``node`` holding page k, cheapest first: ``node + 1`` (an insert
     allocates a chain's pages consecutively, so this guess needs no load and lets the CPU run ahead),
     the parent's hint, then a table probe with ``h_k``. A candidate is accepted only if its parent is
-    ``node`` and its tokens are the page's: the guesses are never trusted.
+    ``node`` and its tokens are the page's: the guesses are never trusted. Lazy indexing: a node that
+    is not indexed has no indexed child (I2), so its only possible child is its hint (I3) and the
+    table is not probed (nor its hash needed).
     """
     high = meta[M_HIGH]
     mask = np.uint64(meta[M_MASK])
@@ -130,8 +134,10 @@ def _walk(i32, i64, tokens, table, meta, q, ps, n, ns_id, blocks_out):
     nsh = NS_BASE + 2 * ns_id
     write = blocks_out.shape[0] > 0
     code = -1 - ns_id
-    node = -1
-    k = 0
+    node = node0
+    k = k0
+    if node >= 0:
+        code = node
     while k < n:
         if node >= 0:  # the hot loop: follow the chain node + 1 (few live values, no spills)
             while k < n:
@@ -152,8 +158,17 @@ def _walk(i32, i64, tokens, table, meta, q, ps, n, ns_id, blocks_out):
             h = np.uint64(meta[nsh + 1])
             c = meta[nsh]
         else:
-            h = np.uint64(i64[HASH, node])
             c = i32[HINT, node]
+            if (i8[FLAGS, node] & FL_INDEXED) == 0:  # no indexed child: the hint is the only candidate
+                if c >= 0 and i32[PARENT, c] == code and _page_diff(tokens, c, q, s, ps) == 0:
+                    if write:
+                        blocks_out[k] = i64[BLOCK, c]
+                    node = c
+                    code = c
+                    k += 1
+                    continue
+                break
+            h = np.uint64(i64[HASH, node])
         tag = tb_tag(xxh64_token_range(q, s, s + ps, h) & mask)
         i0 = tb_home(tag, tmask)
         prefetch(table, i0)
@@ -198,8 +213,12 @@ def _probe(table, hcol, parent, depth, tokens, q, ps, k, hb, root_code):
 
 
 @numba.njit(cache=NUMBA_CACHE)
-def _gallop(i32, i64, tokens, table, meta, q, ps, n, ns_id, blocks_out):
-    """Gallop + binary search, verified; falls back to ``_walk`` on a failed verification."""
+def _gallop(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out):
+    """Gallop + binary search, verified; falls back to ``_walk`` on a failed verification.
+
+    Lazy indexing (round 4): only indexed pages are in the table (first pages, pages with siblings and
+    their ancestors), so "page k is found in the table" is no longer the monotone "page k is cached";
+    the verified prefix found by the search is a lower bound, and ``_walk`` continues from it."""
     parent = i32[PARENT]
     depth = i32[DEPTH]
     hcol = i64[HASH]
@@ -242,8 +261,8 @@ def _gallop(i32, i64, tokens, table, meta, q, ps, n, ns_id, blocks_out):
         x = parent[x]
     if not ok or (lo > 0 and x != root_code):
         meta[M_FALLBACK] += 1
-        return _walk(i32, i64, tokens, table, meta, q, ps, n, ns_id, blocks_out)
-    return lo, lo_node
+        return _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out, 0, -1)
+    return _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out, lo, lo_node)
 
 
 @numba.njit(inline="always")
@@ -264,7 +283,7 @@ def _match_end(i32, i64, q, meta, ps, m, node, flags):
 
 
 @numba.njit(cache=NUMBA_CACHE, _nrt=False)
-def tr_match(i32, i64, tokens, table, meta, q, ns_id, flags, blocks_out):
+def tr_match(i32, i64, i8, tokens, table, meta, q, ns_id, flags, blocks_out):
     """Longest cached prefix of q by the walk: (pages, deepest node, its gen); the block ids go to
     ``blocks_out[:pages]``, whose length is the query's full-page count. pages < 0 is an error status.
 
@@ -274,16 +293,16 @@ def tr_match(i32, i64, tokens, table, meta, q, ns_id, flags, blocks_out):
     """
     ps = tokens.shape[1]
     n = blocks_out.shape[0]
-    m, node = _walk(i32, i64, tokens, table, meta, q, ps, n, ns_id, blocks_out)
+    m, node = _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out, 0, -1)
     return _match_end(i32, i64, q, meta, ps, m, node, flags)
 
 
 @numba.njit(cache=NUMBA_CACHE)
-def tr_match_gallop(i32, i64, tokens, table, meta, q, ns_id, flags, blocks_out):
+def tr_match_gallop(i32, i64, i8, tokens, table, meta, q, ns_id, flags, blocks_out):
     """``tr_match`` by gallop + binary search (verified, see ``_gallop``)."""
     ps = tokens.shape[1]
     n = blocks_out.shape[0]
-    m, node = _gallop(i32, i64, tokens, table, meta, q, ps, n, ns_id, blocks_out)
+    m, node = _gallop(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out)
     return _match_end(i32, i64, q, meta, ps, m, node, flags)
 
 
@@ -300,7 +319,7 @@ def _alloc(meta, hint):
 
 
 @numba.njit(inline="always")
-def _free(i32, i64, table, meta, x):
+def _free(i32, i64, i8, table, meta, x):
     """Unlink node x (a leaf, not in the heap) from its parent and the table; put its slot on the free list.
 
     Lazy ticks/hits: the parent inherits max(tick) and the (saturating) sum of hits of x.
@@ -318,7 +337,9 @@ def _free(i32, i64, table, meta, x):
         nsh = NS_BASE + 2 * (-1 - p)
         if meta[nsh] == x:
             meta[nsh] = -1
-    tb_delete(table, i64[HASH, x], x)
+    if i8[FLAGS, x] & FL_INDEXED:
+        tb_delete(table, i64[HASH, x], x)
+        i8[FLAGS, x] = 0
     i32[PARENT, x] = _FREE_PARENT  # guesses (node + 1, hints) check the parent: a free slot never passes
     i32[DEPTH, x] = -1
     i32[GEN, x] += 1
@@ -328,18 +349,29 @@ def _free(i32, i64, table, meta, x):
     meta[M_TOTAL] -= 1
 
 
+@numba.njit(inline="always")
+def _index(i64, i8, tokens, table, meta, x, seed):
+    """Hash node x from its parent's hash (or namespace seed) ``seed``, store it, put x in the table."""
+    h = xxh64_token_range(tokens[x], 0, tokens.shape[1], np.uint64(seed)) & np.uint64(meta[M_MASK])
+    i64[HASH, x] = np.int64(h)
+    tb_insert(table, np.int64(h), x)
+    i8[FLAGS, x] = FL_INDEXED
+
+
 @numba.njit(cache=NUMBA_CACHE, _nrt=False)
-def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks, new_mask):
+def tr_insert(i32, i64, i8, tokens, table, meta, q, ns_id, blocks, new_mask):
     """Store the pages of q not yet held, page k -> blocks[k]; ``new_mask[k]`` (bool, one per block)
     is set to whether page k was stored by this call.
 
     Returns (status, pages already held, pages stored, deepest node of the path, its gen). With a
     page limit only the first pages that fit are stored. NEED_NODES / NEED_TABLE: nothing changed,
-    grow and call again (the count needed is in the third field).
+    grow and call again (the count needed is in the third field). NEED_HASH: nothing changed, the
+    deepest held page (fourth field) must be indexed first (``tr_index_path``), then call again.
 
-    New pages are written in two passes: the first computes the hash chain and fills every per-node
-    field (sequential stores) while prefetching each page's table slot; the second inserts them into
-    the table, whose slots are in cache by then (the random table accesses no longer wait one by one).
+    Lazy indexing (see the module docstring): the new chain's pages are written in one sequential
+    pass and none of them is hashed, except its first page when its parent already has a child (that
+    child is indexed too if it was not). A chain extending a leaf, or hanging off a namespace root
+    (first pages are always indexed), costs at most one hash and one table insert.
     """
     ps = tokens.shape[1]
     n = len(q) // ps
@@ -350,7 +382,7 @@ def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks, new_mask):
         neg |= blocks[k]
     if neg < 0:
         return BAD_BLOCKS, 0, 0, -1, 0
-    m, node = _walk(i32, i64, tokens, table, meta, q, ps, n, ns_id, blocks[:0])
+    m, node = _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks[:0], 0, -1)
     if not _in_range_from(q, m * ps):
         return BAD_TOKENS, 0, 0, -1, 0
     want = n - m
@@ -369,13 +401,14 @@ def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks, new_mask):
     lock = i32[LOCK]
     hits = i32[HITS]
     hpos = i32[HPOS]
-    heap = i32[HEAP]
     tick_arr = i64[TICK]
     block = i64[BLOCK]
-    hcol = i64[HASH]
-    hkey = i64[HKEY]
-    mask = np.uint64(meta[M_MASK])
-    tmask = table.shape[0] - 1
+    tier = i8[TIER]
+    flags = i8[FLAGS]
+    # the new first page goes into the table iff it gets a sibling (I3), which needs its parent indexed (I2)
+    branch = want > 0 and node >= 0 and nchild[node] > 0
+    if branch and (flags[node] & FL_INDEXED) == 0:
+        return NEED_HASH, m, 0, node, 0
     nsh = NS_BASE + 2 * ns_id
     tick = meta[M_TICK] + 1
     meta[M_TICK] = tick
@@ -391,19 +424,17 @@ def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks, new_mask):
             return OK, m, 0, -1, 0
         return OK, m, 0, node, i32[GEN, node]
     code = -1 - ns_id
-    h = np.uint64(meta[nsh + 1])
     if node >= 0:
         code = node
-        h = np.uint64(hcol[node])
+        if branch:
+            u = hint[node]  # the only unindexed child a node can have is its hint (I3)
+            if u >= 0 and (flags[u] & FL_INDEXED) == 0:
+                _index(i64, i8, tokens, table, meta, u, i64[HASH, node])
     first = -1
-    for k in range(m, m + want):  # pass 1: hash chain and node fields
-        s = k * ps
-        h = xxh64_token_range(q, s, s + ps, h) & mask
-        prefetch(table, tb_home(tb_tag(h), tmask))
+    for k in range(m, m + want):  # one pass of sequential stores, no hashing
         x = _alloc(meta, hint)
         if k == m:
             first = x
-        hcol[x] = np.int64(h)
         parent[x] = code
         depth[x] = k
         nchild[x] = 0
@@ -413,7 +444,8 @@ def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks, new_mask):
         block[x] = blocks[k]
         tick_arr[x] = tick
         tier[x] = 0
-        su = np.uint64(s)  # unsigned indices: no wraparound select, the copy vectorizes
+        flags[x] = 0
+        su = np.uint64(k * ps)  # unsigned indices: no wraparound select, the copy vectorizes
         for j in range(np.uint64(ps)):
             tokens[x, j] = q[su + j]
         if code >= 0:
@@ -422,14 +454,41 @@ def tr_insert(i32, i64, tier, tokens, table, meta, q, ns_id, blocks, new_mask):
         else:
             meta[nsh] = x
         code = x
-    last = code
-    x = first
-    for _ in range(want):  # pass 2, in allocation order (the oldest prefetch first): the table
-        tb_insert(table, hcol[x], x)
-        x = hint[x]  # the next page of the chain (hint[last] = -1 ends it)
+    if node < 0:
+        _index(i64, i8, tokens, table, meta, first, meta[nsh + 1])
+    elif branch:
+        _index(i64, i8, tokens, table, meta, first, i64[HASH, node])
     meta[M_TOTAL] += want
-    hp_push(i32, i64, meta, last)
-    return OK, m, want, last, i32[GEN, last]
+    hp_push(i32, i64, meta, code)
+    return OK, m, want, code, i32[GEN, code]
+
+
+@numba.njit(cache=NUMBA_CACHE)
+def tr_index_path(i32, i64, i8, tokens, table, meta, node):
+    """Index ``node`` and its unindexed ancestors (top down: each hash is chained from its parent's).
+
+    Called when a page that is not indexed gets a second child (NEED_HASH from ``tr_insert``): the
+    ancestors of an indexed page must be indexed (I2). Costs one hash and one table insert per page
+    made indexed, once: the pages stay indexed until freed.
+    """
+    flags = i8[FLAGS]
+    parent = i32[PARENT]
+    j = 0
+    x = node
+    while x >= 0 and (flags[x] & FL_INDEXED) == 0:
+        j += 1
+        x = parent[x]
+    path = np.empty(j, dtype=np.int64)
+    x = node
+    for i in range(j - 1, -1, -1):
+        path[i] = x
+        x = parent[x]
+    for i in range(j):
+        x = path[i]
+        p = parent[x]
+        seed = i64[HASH, p] if p >= 0 else meta[NS_BASE + 2 * (-1 - p) + 1]
+        _index(i64, i8, tokens, table, meta, x, seed)
+    return j
 
 
 @numba.njit(cache=NUMBA_CACHE)
@@ -465,7 +524,7 @@ def tr_lock(i32, i64, meta, node, gen, delta):
 
 
 @numba.njit(cache=NUMBA_CACHE)
-def tr_evict(i32, i64, table, meta, n):
+def tr_evict(i32, i64, i8, table, meta, n):
     """Free up to n pages, least-recently used unlocked leaf first; returns their block ids in order."""
     out = np.empty(max(0, min(n, meta[M_TOTAL])), dtype=np.int64)
     hpos = i32[HPOS]
@@ -481,19 +540,19 @@ def tr_evict(i32, i64, table, meta, n):
         out[k] = block[x]
         k += 1
         p = i32[PARENT, x]
-        _free(i32, i64, table, meta, x)
+        _free(i32, i64, i8, table, meta, x)
         if p >= 0 and i32[NCHILD, p] == 0 and i32[LOCK, p] == 0:
             hp_push(i32, i64, meta, p)
     return out[:k]
 
 
 @numba.njit(cache=NUMBA_CACHE)
-def tr_remove(i32, i64, tokens, table, meta, q, ns_id):
+def tr_remove(i32, i64, i8, tokens, table, meta, q, ns_id):
     """Drop the held pages of q from the deepest up while they are unlocked leaves: (status, block ids)."""
     ps = tokens.shape[1]
     n = len(q) // ps
     out = np.empty(n, dtype=np.int64)
-    m, x = _walk(i32, i64, tokens, table, meta, q, ps, n, ns_id, out)
+    m, x = _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, out, 0, -1)
     if not _in_range_from(q, m * ps):
         return BAD_TOKENS, out[:0]
     hpos = i32[HPOS]
@@ -504,14 +563,14 @@ def tr_remove(i32, i64, tokens, table, meta, q, ns_id):
         if hpos[x] >= 0:
             hp_remove(i32, i64, meta, x)
         p = i32[PARENT, x]
-        _free(i32, i64, table, meta, x)
+        _free(i32, i64, i8, table, meta, x)
         x = p
     return OK, out[:k]
 
 
 @numba.njit(cache=NUMBA_CACHE)
-def tr_rebuild_table(i32, i64, meta, table):
-    """Insert every live node into the empty ``table`` (after growing it)."""
+def tr_rebuild_table(i32, i64, i8, meta, table):
+    """Insert every indexed live node into the empty ``table`` (after growing it)."""
     for x in range(meta[M_HIGH]):
-        if i32[DEPTH, x] >= 0:
+        if i32[DEPTH, x] >= 0 and (i8[FLAGS, x] & FL_INDEXED):
             tb_insert(table, i64[HASH, x], x)
