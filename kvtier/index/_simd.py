@@ -1,10 +1,11 @@
 """LLVM intrinsics the numba code cannot express: a 16-token vector compare and a prefetch.
 
-``diff16(tokens, x, j, q, s)``: OR over ``i < 16`` of ``zext(tokens[x, j + i]) ^ ext(q[s + i])`` as an
-int64, so 0 exactly when the 16 stored tokens equal the 16 query ids. The stored tokens are uint32
+``diff16(tokens, x, j, q, s)``: the 16-bit mask (as an int64) of the ``i < 16`` with
+``zext(tokens[x, j + i]) != ext(q[s + i])``, so 0 exactly when the 16 stored tokens equal the 16 query
+ids (a vector ``icmp ne`` into an AVX-512 mask register; round 3 xor-reduced the lanes instead). The stored tokens are uint32
 (zero-extended); query ids are int64, int32 (sign-extended) or uint32 (zero-extended), so an id
-outside ``[0, 2**32)`` never compares equal to a stored token. Compiled to two vector loads, a xor
-and a test (numba's scalar loop becomes a chain of 16 compare-and-branch pairs). No bounds checks:
+outside ``[0, 2**32)`` never compares equal to a stored token. Compiled to vector loads, compares/xors
+and a mask test (numba's scalar loop becomes a chain of 16 compare-and-branch pairs). No bounds checks:
 callers guarantee ``j + 16 <= tokens.shape[1]`` and ``s + 16 <= len(q)``.
 
 ``prefetch(arr, i)``: hint the CPU to load the cache line holding ``arr[i]`` (1-D) or ``arr[i, 0]``
@@ -52,10 +53,8 @@ def diff16(typingctx, tokens, x, j, q, s):
         sv = context.cast(builder, sv, st, types.intp)
         tvec = _load16(builder, _item_ptr(context, builder, tt, tv, [xv, jv]), tt.dtype)
         qvec = _load16(builder, _item_ptr(context, builder, qt, qv, [sv]), qt.dtype)
-        d = builder.xor(tvec, qvec)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, [ir.VectorType(_I64, 16)]),
-                                            "llvm.vector.reduce.or.v16i64")
-        return builder.call(fn, [d])
+        ne = builder.icmp_unsigned("!=", tvec, qvec)  # <16 x i1>: AVX-512 compares into mask registers
+        return builder.zext(builder.bitcast(ne, ir.IntType(16)), _I64)
 
     return sig, codegen
 

@@ -65,6 +65,7 @@ F_TOUCH = 1   # tr_match flags
 F_GALLOP = 2
 
 _HITS_MAX = 2147483647
+_PF = 32  # pages ahead the chain loop prefetches (measured 8-64: about the same, none: +0.3 us per tail)
 _FREE_PARENT = -2147483648  # parent of a free slot: equals no node and no namespace root code
 
 # Hot loops never pass the state namedtuple to a helper: each such call increments and decrements
@@ -115,6 +116,26 @@ def _find_child(table, i32, tokens, code, q, start, ps, tag, i):
 
 
 @numba.njit(inline="always")
+def _chain16(i32, i64, tokens, q, high, n, blocks_out, k, node):
+    """The walk's hot loop for 16-token pages: follow ``node + 1`` while it is the child holding page k,
+    writing block ids. Unsigned indices (no wraparound selects) and few live values keep it in
+    registers. The tokens ``_PF`` pages ahead are prefetched: a chain is consecutive, and its tail
+    is usually out of cache (the hardware prefetcher stops at 4 KiB boundaries)."""
+    ku = np.uint64(k)
+    nu = np.uint64(n)
+    c = np.uint64(node + 1)
+    hu = np.uint64(high)
+    while ku < nu and c < hu:
+        prefetch(tokens, c + np.uint64(_PF))
+        if np.int64(i32[PARENT, c]) != np.int64(c) - 1 or diff16(tokens, c, np.uint64(0), q, ku * np.uint64(16)) != 0:
+            break
+        blocks_out[ku] = i64[BLOCK, c]
+        ku += np.uint64(1)
+        c += np.uint64(1)
+    return np.int64(ku), np.int64(c) - 1
+
+
+@numba.njit(inline="always")
 def _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out, k0, node0):
     """Exact longest cached prefix: (pages, deepest node or -1), continuing from ``node0`` holding page
     ``k0 - 1`` (``k0 = 0, node0 = -1``: from the namespace root). Touches nothing but hints (lazy ticks:
@@ -139,15 +160,19 @@ def _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out, k0, no
     if node >= 0:
         code = node
     while k < n:
-        if node >= 0:  # the hot loop: follow the chain node + 1 (few live values, no spills)
-            while k < n:
-                c = node + 1
-                if c >= high or i32[PARENT, c] != node or _page_diff(tokens, c, q, k * ps, ps) != 0:
-                    break
-                if write:
-                    blocks_out[k] = i64[BLOCK, c]
-                node = c
-                k += 1
+        if node >= 0:  # the hot loop: follow the chain node + 1
+            if ps == 16 and write:
+                k, node = _chain16(i32, i64, tokens, q, high, n, blocks_out, k, node)
+            else:
+                while k < n:
+                    c = node + 1
+                    prefetch(tokens, c + _PF)
+                    if c >= high or i32[PARENT, c] != node or _page_diff(tokens, c, q, k * ps, ps) != 0:
+                        break
+                    if write:
+                        blocks_out[k] = i64[BLOCK, c]
+                    node = c
+                    k += 1
             if k >= n:
                 break
             code = node
