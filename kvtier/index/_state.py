@@ -1,8 +1,10 @@
-"""Trie state: six numpy arrays (struct of arrays), allocated and grown from Python.
+"""Trie state: six numpy arrays (struct of arrays) in one buffer, allocated and grown from Python.
 
-The jitted entry points take these arrays as separate arguments: every array argument costs numba
-about 25-40 ns to unbox per call, so the per-node fields are packed into one int32 and one int64
-block, and the namespace table lives in ``meta``.
+Every array argument costs numba about 15-40 ns to unbox per call, so the per-node fields are packed
+into an int32, an int64 and an int8 block, and the namespace table lives in ``meta``. Since round 4 the
+six arrays are views of one 64-byte-aligned byte buffer ``blob`` (a 128-byte int64 header with the
+sizes and offsets, then the arrays); the hot entry points (``tr_match``, ``tr_insert``) take only the
+buffer and rebuild the views in jitted code (``blob_views``), the others take the views.
 
 Node ``x`` (0 <= x < number of node slots) is described by column ``x`` of every per-node array:
 
@@ -34,8 +36,8 @@ Rows indexed by heap position ``i`` (not by node): ``i32[HEAP, i]`` the node at 
 ``i64[HKEY, i] == i64[TICK, i32[HEAP, i]]`` its key stored inline (an indexed binary min-heap of the
 evictable nodes keyed by (tick, node), size ``meta[M_HEAP]``).
 
-``table`` (int32, open addressing with linear probing from page hash to node, -1 = empty,
-power-of-two size, load <= 3/4). ``meta`` (int64): counters at the indices below, then two slots per
+``table`` (int64 slots ``(hash tag << 32) | node``, open addressing with linear probing, -1 = empty,
+power-of-two size, load <= 3/4; see _table.py; since round 4 it holds the indexed pages only). ``meta`` (int64): counters at the indices below, then two slots per
 namespace from ``NS_BASE``: ``meta[NS_BASE + 2 * ns_id]`` the namespace's last first-page node (a
 hint, -1: none) and ``meta[NS_BASE + 2 * ns_id + 1]`` its seed (uint64 bit pattern).
 """
@@ -43,9 +45,11 @@ from __future__ import annotations
 
 from collections import namedtuple
 
+import numba
 import numpy as np
 
-__all__ = ["TrieState", "new_state", "grow_nodes", "grow_namespaces", "table_slots_for", "state_nbytes"]
+__all__ = ["TrieState", "new_state", "grow_nodes", "grow_namespaces", "with_table", "table_slots_for", "state_nbytes",
+           "blob_views"]
 
 # rows of i32
 PARENT, DEPTH, NCHILD, HINT, LOCK, GEN, HITS, HPOS, HEAP = range(9)
@@ -74,8 +78,15 @@ NS_BASE = 16      # per namespace: hint, seed
 TABLE_MAX_LOAD_NUM, TABLE_MAX_LOAD_DEN = 3, 4
 
 
-class TrieState(namedtuple("TrieState", ["i32", "i64", "i8", "tokens", "table", "meta"])):
-    """The arrays of one trie; the properties are views for tests and tools."""
+# header of the blob (int64 words): node slots, page size, table slots, meta length, then byte offsets
+H_NODES, H_PAGE, H_SLOTS, H_META, H_I32, H_I64, H_I8, H_TOKENS, H_TABLE, H_METAOFF = range(10)
+HEADER_BYTES = 128
+_ALIGN = 64
+
+
+class TrieState(namedtuple("TrieState", ["i32", "i64", "i8", "tokens", "table", "meta", "blob"])):
+    """The arrays of one trie, all views of one byte buffer ``blob`` (see ``blob_views``); the
+    properties are views for tests and tools."""
 
     __slots__ = ()
 
@@ -110,75 +121,125 @@ def table_slots_for(pages: int) -> int:
     return 1 << (need - 1).bit_length()
 
 
-def _new_meta(ns_slots: int) -> np.ndarray:
-    meta = np.zeros(NS_BASE + 2 * ns_slots, dtype=np.int64)
-    meta[NS_BASE::2] = -1
-    return meta
+def _alloc_state(nodes: int, page_size: int, slots: int, meta_len: int) -> TrieState:
+    """Uninitialised state: one 64-byte-aligned buffer holding a header and the six arrays.
+
+    One buffer because the hot entry points take it as their only state argument: numba unboxes
+    every array argument on every call (measured 235 -> 165 ns for 8 -> 3 array arguments)."""
+    sizes = (4 * N_I32 * nodes, 8 * N_I64 * nodes, N_I8 * nodes, 4 * nodes * page_size, 8 * slots, 8 * meta_len)
+    offs = []
+    off = HEADER_BYTES
+    for n in sizes:
+        offs.append(off)
+        off = -(-(off + n) // _ALIGN) * _ALIGN
+    raw = np.empty(off + _ALIGN, dtype=np.uint8)
+    shift = -raw.ctypes.data % _ALIGN  # token rows start on cache lines
+    blob = raw[shift: shift + off]
+    hdr = blob[:HEADER_BYTES].view(np.int64)
+    hdr[:] = 0
+    hdr[H_NODES], hdr[H_PAGE], hdr[H_SLOTS], hdr[H_META] = nodes, page_size, slots, meta_len
+    hdr[H_I32:H_METAOFF + 1] = offs
+    v = [blob[o: o + n] for o, n in zip(offs, sizes)]
+    return TrieState(i32=v[0].view(np.int32).reshape(N_I32, nodes), i64=v[1].view(np.int64).reshape(N_I64, nodes),
+                     i8=v[2].view(np.int8).reshape(N_I8, nodes),
+                     tokens=v[3].view(np.uint32).reshape(nodes, page_size), table=v[4].view(np.int64),
+                     meta=v[5].view(np.int64), blob=blob)
+
+
+@numba.njit(inline="always")
+def blob_views(blob):
+    """(i32, i64, i8, tokens, table, meta) of a state buffer, in jitted code (no copies, no allocation)."""
+    hdr = blob[:HEADER_BYTES].view(np.int64)
+    n = hdr[H_NODES]
+    ps = hdr[H_PAGE]
+    o = hdr[H_I32]
+    i32 = blob[o: o + 4 * N_I32 * n].view(np.int32).reshape((N_I32, n))
+    o = hdr[H_I64]
+    i64 = blob[o: o + 8 * N_I64 * n].view(np.int64).reshape((N_I64, n))
+    o = hdr[H_I8]
+    i8 = blob[o: o + N_I8 * n].view(np.int8).reshape((N_I8, n))
+    o = hdr[H_TOKENS]
+    tokens = blob[o: o + 4 * n * ps].view(np.uint32).reshape((n, ps))
+    o = hdr[H_TABLE]
+    table = blob[o: o + 8 * hdr[H_SLOTS]].view(np.int64)
+    o = hdr[H_METAOFF]
+    meta = blob[o: o + 8 * hdr[H_META]].view(np.int64)
+    return i32, i64, i8, tokens, table, meta
+
+
+def _init_nodes(st: TrieState, start: int) -> None:
+    """Free-slot values for node slots ``start:`` (written once: no page faults in later inserts)."""
+    st.i32[:, start:] = 0
+    st.i32[PARENT, start:] = -(2**31)
+    st.i32[DEPTH, start:] = -1
+    st.i32[HINT, start:] = -1
+    st.i32[HPOS, start:] = -1
+    st.i64[:, start:] = 0
+    st.i8[:, start:] = 0
+    st.tokens[start:] = 0
 
 
 def new_state(page_size: int, nodes: int, limit: int = -1, ns_slots: int = 4, mask: int = -1) -> TrieState:
     """An empty trie with room for ``nodes`` pages (the table sized for them).
 
-    Every array is written once here (``np.empty`` + fill), so the pages are mapped now and not by
-    page faults inside later inserts.
+    Every array is written once here, so the pages are mapped now and not by page faults inside
+    later inserts.
     """
     nodes = max(int(nodes), 1)
-    i32 = np.empty((N_I32, nodes), dtype=np.int32)
-    i32.fill(0)
-    i32[PARENT] = -(2**31)
-    i32[DEPTH] = -1
-    i32[HINT] = -1
-    i32[HPOS] = -1
-    i64 = np.empty((N_I64, nodes), dtype=np.int64)
-    i64.fill(0)
-    i8 = np.empty((N_I8, nodes), dtype=np.int8)
-    i8.fill(0)
-    tokens = np.empty((nodes, page_size), dtype=np.uint32)
-    tokens.fill(0)
-    meta = _new_meta(ns_slots)
+    st = _alloc_state(nodes, page_size, table_slots_for(nodes), NS_BASE + 2 * ns_slots)
+    _init_nodes(st, 0)
+    st.table.fill(-1)
+    meta = st.meta
+    meta.fill(0)
+    meta[NS_BASE::2] = -1
     meta[M_FREE] = -1
     meta[M_LIMIT] = limit
     meta[M_PAGE] = page_size
     mask = int(mask) & 0xFFFFFFFFFFFFFFFF
     meta[M_MASK] = mask - (1 << 64) if mask >= 1 << 63 else mask
-    return TrieState(i32=i32, i64=i64, i8=i8, tokens=tokens,
-                     table=np.full(table_slots_for(nodes), -1, dtype=np.int64), meta=meta)
+    return st
+
+
+def _resized(st: TrieState, nodes: int, slots: int, meta_len: int) -> TrieState:
+    """Copy of ``st`` with more node slots, table slots or meta words; new node slots are free,
+    new meta words zero, and a table of a new size empty (the caller rebuilds it)."""
+    old = st.i32.shape[1]
+    new = _alloc_state(nodes, st.tokens.shape[1], slots, meta_len)
+    new.i32[:, :old] = st.i32
+    new.i64[:, :old] = st.i64
+    new.i8[:, :old] = st.i8
+    new.tokens[:old] = st.tokens
+    _init_nodes(new, old)
+    if slots == st.table.shape[0]:
+        new.table[:] = st.table
+    else:
+        new.table.fill(-1)
+    new.meta.fill(0)
+    new.meta[: st.meta.shape[0]] = st.meta
+    return new
 
 
 def grow_nodes(st: TrieState, nodes: int) -> TrieState:
-    """Copy of ``st`` with ``nodes`` node slots (>= current); the table is reused as is."""
-    old = st.i32.shape[1]
-    if nodes <= old:
+    """Copy of ``st`` with ``nodes`` node slots (>= current); the table is kept as is."""
+    if nodes <= st.i32.shape[1]:
         return st
-    nodes = int(nodes)
-    i32 = np.empty((N_I32, nodes), dtype=np.int32)
-    i32[:, :old] = st.i32
-    i32[:, old:] = 0
-    i32[PARENT, old:] = -(2**31)
-    i32[DEPTH, old:] = -1
-    i32[HINT, old:] = -1
-    i32[HPOS, old:] = -1
-    i64 = np.empty((N_I64, nodes), dtype=np.int64)
-    i64[:, :old] = st.i64
-    i64[:, old:] = 0
-    i8 = np.empty((N_I8, nodes), dtype=np.int8)
-    i8[:, :old] = st.i8
-    i8[:, old:] = 0
-    tokens = np.empty((nodes, st.tokens.shape[1]), dtype=np.uint32)
-    tokens[:old] = st.tokens
-    tokens[old:] = 0
-    return TrieState(i32=i32, i64=i64, i8=i8, tokens=tokens, table=st.table, meta=st.meta)
+    return _resized(st, int(nodes), st.table.shape[0], st.meta.shape[0])
+
+
+def with_table(st: TrieState, slots: int) -> TrieState:
+    """Copy of ``st`` with an empty table of ``slots`` slots (rebuild it with ``tr_rebuild_table``)."""
+    return _resized(st, st.i32.shape[1], int(slots), st.meta.shape[0])
 
 
 def grow_namespaces(st: TrieState, ns_slots: int) -> TrieState:
     """Copy of ``st`` whose ``meta`` has room for ``ns_slots`` namespaces."""
     if ns_slots <= st.ns_slots:
         return st
-    meta = _new_meta(ns_slots)
-    meta[: st.meta.shape[0]] = st.meta
-    return st._replace(meta=meta)
+    new = _resized(st, st.i32.shape[1], st.table.shape[0], NS_BASE + 2 * ns_slots)
+    new.meta[st.meta.shape[0]:][::2] = -1  # per namespace: hint -1, seed (written by the caller)
+    return new
 
 
 def state_nbytes(st: TrieState) -> int:
-    """Bytes held by all arrays of the state."""
-    return sum(a.nbytes for a in st)
+    """Bytes held by the state (its buffer: the arrays, a 128-byte header and alignment padding)."""
+    return st.blob.nbytes

@@ -26,7 +26,7 @@ import numba
 import numpy as np
 
 from ._state import (M_FALLBACK, M_HEAP, M_PROT, M_TOTAL, NS_BASE, TrieState, grow_namespaces, grow_nodes, new_state,
-                     state_nbytes, table_slots_for)
+                     state_nbytes, table_slots_for, with_table)
 from ._tokens import as_token_array
 from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace
 from .trie import (BAD_BLOCK_COUNT, BAD_BLOCKS, BAD_TOKENS, F_TOUCH, NEED_HASH, NEED_NODES, NEED_TABLE, NOT_LOCKED,
@@ -140,7 +140,8 @@ class PageTrie:
 
     def _set_state(self, st: TrieState) -> None:
         self._st = st
-        self._a = (st.i32, st.i64, st.i8, st.tokens, st.table, st.meta)  # the arguments of match/remove/insert
+        self._a = (st.i32, st.i64, st.i8, st.tokens, st.table, st.meta)  # the arguments of gallop/remove
+        self._blob = st.blob  # the state argument of the hot entry points (match, insert)
 
     def _write_seeds(self) -> None:
         for i, seed in enumerate(self._ns_seeds):
@@ -183,9 +184,9 @@ class PageTrie:
         if method == "walk":
             fn = _match_get(key)
             if fn is not None:
-                m, node, gen = fn(*self._a, q, i, F_TOUCH if touch else 0, out)
+                m, node, gen = fn(self._blob, q, i, F_TOUCH if touch else 0, out)
             else:
-                m, node, gen = _match(key, *self._a, q, i, F_TOUCH if touch else 0, out)
+                m, node, gen = _match(key, self._blob, q, i, F_TOUCH if touch else 0, out)
         elif method == "gallop":
             m, node, gen = _gallop(key, *self._a, q, i, F_TOUCH if touch else 0, out)
         else:
@@ -211,9 +212,9 @@ class PageTrie:
         fn = _insert_get(key)
         while True:
             if fn is not None:
-                status, held, new, node, gen = fn(*st, q, i, b, new_mask)
+                status, held, new, node, gen = fn(st.blob, q, i, b, new_mask)
             else:
-                status, held, new, node, gen = _insert(key, *st, q, i, b, new_mask)
+                status, held, new, node, gen = _insert(key, st.blob, q, i, b, new_mask)
             if status == OK:
                 break
             if status == NEED_HASH:
@@ -294,9 +295,9 @@ class PageTrie:
 
     def _grow_table(self, extra: int) -> None:
         slots = max(table_slots_for(self.total_pages + int(extra)), 2 * self._st.table.shape[0])
-        table = np.full(slots, -1, dtype=np.int64)
-        tr_rebuild_table(self._st.i32, self._st.i64, self._st.i8, self._st.meta, table)
-        self._set_state(self._st._replace(table=table))
+        st = with_table(self._st, slots)
+        tr_rebuild_table(st.i32, st.i64, st.i8, st.meta, st.table)
+        self._set_state(st)
 
     # ---- counts -----------------------------------------------------------------------------------
     @property

@@ -43,7 +43,7 @@ from ._heap import hp_pop, hp_push, hp_remove
 from ._simd import diff16, prefetch
 from ._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, GEN, HASH, HEAP, HINT, HITS, HKEY, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH,
                      M_LIMIT, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
-                     TABLE_MAX_LOAD_NUM, TICK, TIER)
+                     TABLE_MAX_LOAD_NUM, TICK, TIER, blob_views)
 from ._table import EMPTY, tb_delete, tb_home, tb_insert, tb_node, tb_tag
 from .xxh64 import xxh64_token_range
 
@@ -308,14 +308,16 @@ def _match_end(i32, i64, q, meta, ps, m, node, flags):
 
 
 @numba.njit(cache=NUMBA_CACHE, _nrt=False)
-def tr_match(i32, i64, i8, tokens, table, meta, q, ns_id, flags, blocks_out):
+def tr_match(blob, q, ns_id, flags, blocks_out):
     """Longest cached prefix of q by the walk: (pages, deepest node, its gen); the block ids go to
     ``blocks_out[:pages]``, whose length is the query's full-page count. pages < 0 is an error status.
 
     Compiled without numba's reference counting (``_nrt=False``: nothing in here allocates), which
     saves an atomic increment and decrement per array argument and view, and the unboxing wrapper
-    no longer wraps every array in a MemInfo: measured 260 -> 96 ns for a 9-argument call.
+    no longer wraps every array in a MemInfo: measured 260 -> 96 ns for a 9-argument call. The state
+    comes as its one buffer (``_state.blob_views``): one array to unbox instead of six.
     """
+    i32, i64, i8, tokens, table, meta = blob_views(blob)
     ps = tokens.shape[1]
     n = blocks_out.shape[0]
     m, node = _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out, 0, -1)
@@ -384,7 +386,7 @@ def _index(i64, i8, tokens, table, meta, x, seed):
 
 
 @numba.njit(cache=NUMBA_CACHE, _nrt=False)
-def tr_insert(i32, i64, i8, tokens, table, meta, q, ns_id, blocks, new_mask):
+def tr_insert(blob, q, ns_id, blocks, new_mask):
     """Store the pages of q not yet held, page k -> blocks[k]; ``new_mask[k]`` (bool, one per block)
     is set to whether page k was stored by this call.
 
@@ -398,6 +400,7 @@ def tr_insert(i32, i64, i8, tokens, table, meta, q, ns_id, blocks, new_mask):
     child is indexed too if it was not). A chain extending a leaf, or hanging off a namespace root
     (first pages are always indexed), costs at most one hash and one table insert.
     """
+    i32, i64, i8, tokens, table, meta = blob_views(blob)
     ps = tokens.shape[1]
     n = len(q) // ps
     if blocks.shape[0] != n:
