@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtier.index import Namespace, PageTrie
-from kvtier.index._state import BLOCK, DEPTH, FL_INDEXED, HINT, HPOS, LOCK, M_HEAP, NCHILD, PARENT, TICK
+from kvtier.index._state import BLOCK, DEPTH, FL_INDEXED, HINT, HPOS, LOCK, M_HEAP, M_INDEXED, NCHILD, PARENT, TICK
 
 PAGE = 2
 NAMESPACES = [None, Namespace(extra_key="a"), Namespace(lora_id=1)]
@@ -343,6 +343,7 @@ class IndexMachine(RuleBasedStateMachine):
         got = sorted((e & 0xFFFFFFFF, (e >> 32) & 0xFFFFFFFF) for e in entries)
         want = sorted((x, h(x) & 0xFFFFFFFF) for x in indexed)
         assert got == want, "table entries are not exactly the indexed pages with their hash tags"
+        assert s.meta[M_INDEXED] == len(indexed), "indexed-page count"
 
     @invariant()
     def counts(self):

@@ -73,6 +73,7 @@ M_LIMIT = 7       # capacity in pages, -1 = unbounded
 M_FALLBACK = 8    # gallop searches whose verification failed (hash collision) and fell back to the walk
 M_PAGE = 9        # page size
 M_MASK = 10       # page-hash mask (uint64 bit pattern; all ones except in collision tests)
+M_INDEXED = 11    # pages in the table (FL_INDEXED); the table's load is M_INDEXED / slots <= 3/4
 NS_BASE = 16      # per namespace: hint, seed
 
 TABLE_MAX_LOAD_NUM, TABLE_MAX_LOAD_DEN = 3, 4
@@ -220,10 +221,12 @@ def _resized(st: TrieState, nodes: int, slots: int, meta_len: int) -> TrieState:
 
 
 def grow_nodes(st: TrieState, nodes: int) -> TrieState:
-    """Copy of ``st`` with ``nodes`` node slots (>= current); the table is kept as is."""
+    """Copy of ``st`` with ``nodes`` node slots (>= current). The table grows with them (to
+    ``table_slots_for(nodes)``, so it never fills up on its own): when its size changed it is empty
+    and the caller rebuilds it (``tr_rebuild_table``; the buffer is copied anyway)."""
     if nodes <= st.i32.shape[1]:
         return st
-    return _resized(st, int(nodes), st.table.shape[0], st.meta.shape[0])
+    return _resized(st, int(nodes), max(st.table.shape[0], table_slots_for(int(nodes))), st.meta.shape[0])
 
 
 def with_table(st: TrieState, slots: int) -> TrieState:

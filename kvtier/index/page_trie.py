@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from ._state import (M_FALLBACK, M_HEAP, M_PROT, M_TOTAL, NS_BASE, TrieState, grow_namespaces, grow_nodes, new_state,
+from ._state import (M_FALLBACK, M_HEAP, M_INDEXED, M_PROT, M_TOTAL, NS_BASE, TrieState, grow_namespaces, grow_nodes, new_state,
                      state_nbytes, table_slots_for, with_table)
 from ._tokens import as_token_array
 from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace
@@ -218,7 +218,12 @@ class PageTrie:
             if status == OK:
                 break
             if status == NEED_HASH:
-                tr_index_path(st.i32, st.i64, st.i8, st.tokens, st.table, st.meta, node)
+                while True:
+                    j = tr_index_path(st.i32, st.i64, st.i8, st.tokens, st.table, st.meta, node)
+                    if j >= 0:
+                        break
+                    self._grow_table(-j)
+                    st = self._st
             elif status == NEED_NODES:
                 self._grow_nodes(new)
             elif status == NEED_TABLE:
@@ -291,10 +296,13 @@ class PageTrie:
         want = max(2 * cur, cur + int(deficit))
         if self._capacity is not None:
             want = max(min(want, self._capacity), cur + int(deficit))
-        self._set_state(grow_nodes(self._st, want))
+        st = grow_nodes(self._st, want)
+        if st.table.shape[0] != self._st.table.shape[0]:
+            tr_rebuild_table(st.i32, st.i64, st.i8, st.meta, st.table)
+        self._set_state(st)
 
     def _grow_table(self, extra: int) -> None:
-        slots = max(table_slots_for(self.total_pages + int(extra)), 2 * self._st.table.shape[0])
+        slots = max(table_slots_for(int(self._st.meta[M_INDEXED]) + int(extra)), 2 * self._st.table.shape[0])
         st = with_table(self._st, slots)
         tr_rebuild_table(st.i32, st.i64, st.i8, st.meta, st.table)
         self._set_state(st)

@@ -20,6 +20,17 @@ validates input, grows the arrays and raises):
     node to the namespace root comparing every page's tokens and depth; if anything disagrees (a hash
     collision made the predicate lie) the result is recomputed by ``_walk``. So a collision costs time,
     never a wrong page.
+* Lazy indexing (round 4): a page is hashed and put in the table only when it can be reached no
+  other way. FL_INDEXED (``i8[FLAGS, x]``) marks a page that is in the table with a valid stored hash;
+  invariants (checked by the state machine after every step):
+  I1 an indexed page's stored hash is its chained page hash; the table holds exactly the indexed pages;
+  I2 the parent of an indexed page is indexed (its hash seeds the child's), first pages always are;
+  I3 a page that is not indexed is its parent's only child and its parent's hint.
+  So the walk finds an unindexed child through ``node + 1`` or the hint, and under an unindexed node
+  it never probes the table (no indexed child can exist, I2). An insert writes a new chain without
+  hashing; only a chain's first page is indexed, and only if it gets a sibling (it then indexes the
+  old only child too, after ``tr_index_path`` indexed the parent and its unindexed ancestors).
+  ``_gallop`` only finds indexed pages, so it is followed by the walk from its verified answer.
 * Token range: a query page can only equal a stored page if its ids lie in [0, 2**32) (the compare
   extends stored uint32 and query ids to int64), so only the tokens after the matched prefix are
   range-checked; an insert stores nothing before that check passed.
@@ -41,7 +52,7 @@ import numpy as np
 from ._config import NUMBA_CACHE
 from ._heap import hp_pop, hp_push, hp_remove
 from ._simd import diff16, prefetch
-from ._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, GEN, HASH, HEAP, HINT, HITS, HKEY, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH,
+from ._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, GEN, HASH, HEAP, HINT, HITS, HKEY, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH, M_INDEXED,
                      M_LIMIT, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
                      TABLE_MAX_LOAD_NUM, TICK, TIER, blob_views)
 from ._table import EMPTY, tb_delete, tb_home, tb_insert, tb_node, tb_tag
@@ -367,6 +378,7 @@ def _free(i32, i64, i8, table, meta, x):
     if i8[FLAGS, x] & FL_INDEXED:
         tb_delete(table, i64[HASH, x], x)
         i8[FLAGS, x] = 0
+        meta[M_INDEXED] -= 1
     i32[PARENT, x] = _FREE_PARENT  # guesses (node + 1, hints) check the parent: a free slot never passes
     i32[DEPTH, x] = -1
     i32[GEN, x] += 1
@@ -383,6 +395,7 @@ def _index(i64, i8, tokens, table, meta, x, seed):
     i64[HASH, x] = np.int64(h)
     tb_insert(table, np.int64(h), x)
     i8[FLAGS, x] = FL_INDEXED
+    meta[M_INDEXED] += 1
 
 
 @numba.njit(cache=NUMBA_CACHE, _nrt=False)
@@ -420,8 +433,8 @@ def tr_insert(blob, q, ns_id, blocks, new_mask):
     free_slots = i32.shape[1] - meta[M_HIGH] + meta[M_NFREE]
     if want > free_slots:
         return NEED_NODES, m, want - free_slots, -1, 0
-    if (meta[M_TOTAL] + want) * TABLE_MAX_LOAD_DEN > table.shape[0] * TABLE_MAX_LOAD_NUM:
-        return NEED_TABLE, m, want, -1, 0
+    if (meta[M_INDEXED] + 2) * TABLE_MAX_LOAD_DEN > table.shape[0] * TABLE_MAX_LOAD_NUM:
+        return NEED_TABLE, m, 2, -1, 0  # an insert indexes at most 2 pages (its first and an old sibling)
     parent = i32[PARENT]
     depth = i32[DEPTH]
     nchild = i32[NCHILD]
@@ -506,6 +519,8 @@ def tr_index_path(i32, i64, i8, tokens, table, meta, node):
     while x >= 0 and (flags[x] & FL_INDEXED) == 0:
         j += 1
         x = parent[x]
+    if (meta[M_INDEXED] + j + 2) * TABLE_MAX_LOAD_DEN > table.shape[0] * TABLE_MAX_LOAD_NUM:
+        return -(j + 2)  # grow the table for j + 2 more entries first (nothing changed)
     path = np.empty(j, dtype=np.int64)
     x = node
     for i in range(j - 1, -1, -1):
