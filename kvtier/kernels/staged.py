@@ -34,7 +34,7 @@ from kvtier.kernels.transfer import launch_copy_pages, on_stream
 # combined, "staged_sweep"). 32 MiB holds one layer of an 8k-token Qwen3-8B prefix, so a layerwise load is one
 # chunk per layer. The gather/scatter is device-to-device and brief; a scatter that runs beside a forward pass
 # costs it least when it is short: with 64 programs a layerwise load slowed a Qwen3-8B-sized forward (1024 new
-# tokens) by 5%, with 16 by 8%, with 4 by 22% (layerwise_h200.json, "staging"). The first store chunk is a quarter
+# tokens) by 5%, with 16 by 8%, with 4 by 22% (layerwise_h200.json, "staging_experiment"). The first store chunk is a quarter
 # size: the pipeline fills (gather before any copy can start) sooner; for loads it would not help (the pipeline
 # ends on a scatter).
 STAGING_BYTES = 32 * 1024 * 1024

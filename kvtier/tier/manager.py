@@ -30,8 +30,8 @@ stores through the staged path (copy engine: leaves the SMs to the forward pass,
 overlap an H2D) and loads through the staged path too when one copy (a whole load, or one layer of a layerwise
 load) moves at least :data:`AUTO_STAGED_LOAD_BYTES`; smaller loads take the direct kernel (no staging hop, lowest
 latency). Measured on an H200 (bench/results/layerwise_h200.json): a layerwise load of an 8k-token prefix
-through the direct kernel slowed a concurrent Qwen3-8B-sized forward by 22% (the kernel holds its SMs for the
-whole load); through the copy engine by 6%.
+through the direct kernel slowed a concurrent Qwen3-8B-sized forward by 18-23% (the kernel holds its SMs for the
+whole load); through the copy engine by 5-10%.
 """
 
 from __future__ import annotations
@@ -441,10 +441,8 @@ class KVTier(HostTier):
         stream = self.executor.stream("store" if to_host else "load")
         block_ids = torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
         check = slots.device.type == "cpu"  # a range check of device indices would cost a device sync
-        if mode is None:
-            per_layer = self.pool.block_bytes // self.geometry.num_layers
-            mode = self._mode(to_host, len(block_ids) * (per_layer if isinstance(layers, int) else
-                                                         self.pool.block_bytes))
+        if mode is None:  # a whole-block copy (per-layer callers pass the mode they chose for the task)
+            mode = self._mode(to_host, len(block_ids) * self.pool.block_bytes)
         if mode == "staged":
             st = self._staged()
             fn = st.store if to_host else st.load
