@@ -250,7 +250,7 @@ def bench_new_tokens(m: Model, geo: KVGeometry, device: str, prefix_tokens: int,
     cfg = TierConfig(cpu_cache_gb=pool_gb, page_size=P, host_layout="layer_first",
                      transfer_mode=transfer_mode)
     tier = KVTier(kv, cfg)
-    if staged:  # (staging MiB, gather/scatter programs) of the tier's staged path
+    if staged:  # (staging MiB, scatter programs for loads) of the tier's staged path
         tier._staged_transfer = StagedTransfer(kv, tier.pool.host, layout=cfg.host_layout,
                                                staging_bytes=staged[0] << 20, scatter_programs=staged[1])
     toks = np.random.default_rng(0).integers(0, 150_000, prefix_tokens).astype(np.int64)

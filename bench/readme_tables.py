@@ -72,7 +72,7 @@ def transfer_table() -> str:
         f"| staged, all 36 layers, `page_first`, page 16, 1024 tokens: store / load | {s['staged_d2h_gbps']} / "
         f"{s['staged_h2d_gbps']} GB/s |",
         f"| staged store and load at once, combined | {s['bidirectional_gbps']} GB/s |",
-        *([f"| same, spread over the follow-up runs (current defaults): store / load / combined | "
+        *(["| same, spread over the follow-up runs (current defaults): store / load / combined | "
            + " / ".join("{:.1f}–{:.1f}".format(*s["staged_spread_current_defaults"][k])
                         for k in ("store_gbps", "load_gbps", "combined_gbps")) + " GB/s |",
            f"| copy engine, contiguous, same bytes: store / load / combined | "
