@@ -140,18 +140,25 @@ def method_fns(s: Setup, tokens: int, layout: str, to_host: bool, hicache, gen: 
     host_flat = flat_host.view(-1).view(torch.uint8)
     fns["copy_engine_contiguous"] = ((lambda: host_flat.copy_(dev_flat, non_blocking=True)) if to_host else
                                      (lambda: dev_flat.copy_(host_flat, non_blocking=True)), nbytes)
-    if hicache is not None and not geo.is_mla:
-        hk, hv = flat_host[0], flat_host[1]
-        host_idx = torch.arange(tokens, device="cuda", dtype=torch.int64)
-        k, v = bufs
-        el = geo.num_kv_heads * geo.head_dim
-        if to_host:
-            fns["sglang_hicache"] = (lambda: hicache.transfer_hicache_one_layer(
-                hk, hv, host_idx, k, v, slots, element_dim=el, page_size=geo.page_size), nbytes)
-        else:
-            fns["sglang_hicache"] = (lambda: hicache.transfer_hicache_one_layer(
-                k, v, slots, hk, hv, host_idx, element_dim=el, page_size=geo.page_size), nbytes)
+    if hicache is not None and not geo.is_mla and layout == "layer_first":
+        fns["sglang_hicache"] = (hicache_fn(hicache, s, host, slots, blocks, to_host), nbytes)
     return fns
+
+
+def hicache_fn(hicache, s: Setup, host: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor, to_host: bool):
+    """SGLang's HiCache kernel (its default block quota) moving layer 0 of the same pages between the same device
+    slots and the same host bytes as kvtier: its host K and V buffers are layer 0's K and V regions of kvtier's
+    ``layer_first`` host tensor (one flat token array each), its host indices the tokens of ``blocks``."""
+    geo = s.geo
+    hk, hv = (host[0, i].reshape(-1, geo.num_kv_heads, geo.head_dim) for i in range(2))
+    host_idx = (blocks.cuda()[:, None] * geo.page_size + torch.arange(geo.page_size, device="cuda")).reshape(-1)
+    k, v = s.kv.layer_buffers(0)
+    el = geo.num_kv_heads * geo.head_dim
+    if to_host:
+        return lambda: hicache.transfer_hicache_one_layer(hk, hv, host_idx, k, v, slots, element_dim=el,
+                                                          page_size=geo.page_size)
+    return lambda: hicache.transfer_hicache_one_layer(k, v, slots, hk, hv, host_idx, element_dim=el,
+                                                      page_size=geo.page_size)
 
 
 def check_direct(s: Setup, layout: str, gen: torch.Generator) -> bool:
@@ -234,8 +241,6 @@ def run_sizes(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
                 for to_host in (True, False):
                     for tokens in sizes:
                         for meth, (fn, nbytes) in method_fns(s, tokens, layout, to_host, hicache, gen).items():
-                            if meth == "sglang_hicache" and layout != "layer_first":
-                                continue  # its host side is one flat layer: measured once per page size
                             t = time_gpu_ms(fn, reps=REPS)
                             out.append({**entry, "direction": "d2h" if to_host else "h2d", "tokens": tokens,
                                         "bytes": nbytes, "method": meth, "gbps": gbps(nbytes, t["median_ms"]),
@@ -420,34 +425,71 @@ def run_staged_sweep(res: dict, host_bytes: torch.Tensor, gen) -> None:
     res["staged_sweep"] = rows
 
 
+HICACHE_ROUNDS = 7
+HICACHE_VARIANTS: list = []  # extra direct configs for the alternating comparison; set by --hicache-variants
+
+
+def _parse_variant(text: str) -> dict:
+    """``programs:warps:tile_kib[:store_cache[:load_evict]]`` -> kwargs and module hints of one direct config."""
+    parts = text.split(":")
+    v = {"programs": int(parts[0]), "warps": int(parts[1]), "tile_kib": int(parts[2]),
+         "store_cache": parts[3] if len(parts) > 3 else "", "load_evict": parts[4] if len(parts) > 4 else ""}
+    v["name"] = "p{programs}_w{warps}_t{tile_kib}{sc}{le}".format(
+        **v, sc=f"_st{v['store_cache']}" if v["store_cache"] else "", le=f"_{v['load_evict']}" if v["load_evict"] else "")
+    return v
+
+
+def _direct_variant_fn(op, s: Setup, host, slots, blocks_dev, v: dict):
+    def run():
+        direct_mod.STORE_CACHE, direct_mod.LOAD_EVICT = v["store_cache"], v["load_evict"]
+        try:
+            op(s.kv, host, slots, blocks_dev, layout="layer_first", layers=0, num_programs=v["programs"],
+               tile_bytes=v["tile_kib"] * 1024, num_warps=v["warps"], check=False)
+        finally:
+            direct_mod.STORE_CACHE = direct_mod.LOAD_EVICT = ""
+    return run
+
+
 def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
-    """kvtier direct (default programs) vs SGLang HiCache, one layer of 64 MiB, layer_first host, alternating
-    5 rounds of 20 timed reps each to cancel drift; kvtier with random and with consecutive host blocks
-    (HiCache's host rows here are consecutive)."""
+    """kvtier direct vs SGLang HiCache on identical work: one layer of 64 MiB, the same device slots, the same host
+    bytes (layer 0 of a ``layer_first`` host tensor) and the same host pages, random or consecutive. Methods
+    alternate over HICACHE_ROUNDS rounds of 20 timed reps each (drift hits all alike); GB/s from the median round."""
     if hicache is None:
         return
     out = []
+    default = _parse_variant(f"{direct_mod.DEFAULT_PROGRAMS}:{direct_mod.NUM_WARPS}:{direct_mod.TILE_BYTES // 1024}")
+    variants = [default] + [_parse_variant(t) for t in HICACHE_VARIANTS]
+    tokens = 16384
     for page in PAGES:
-        s = Setup("qwen3_8b", 36, page, 200_000, 16384, host_bytes)
+        s = Setup("qwen3_8b", 36, page, 200_000, tokens, host_bytes)
+        host = s.host("layer_first")
+        pages = tokens // page
+        nbytes = tokens * s.geo.row_bytes * 2
+        slots = random_slots(pages, page, s.num_slots, generator=gen)
+        patterns = {"random": torch.randperm(s.num_blocks, generator=torch.Generator().manual_seed(page))[:pages],
+                    "consecutive": torch.arange(pages)}
         for to_host in (True, False):
-            rnd = method_fns(s, 16384, "layer_first", to_host, hicache, gen)
-            seq = method_fns(s, 16384, "layer_first", to_host, None, gen, contiguous_blocks=True)
-            fns = {"kvtier_random_blocks": rnd[f"kvtier_direct_p{direct_mod.DEFAULT_PROGRAMS}"],
-                   "kvtier_consecutive_blocks": seq[f"kvtier_direct_p{direct_mod.DEFAULT_PROGRAMS}"],
-                   "sglang_hicache": rnd["sglang_hicache"]}
+            op = store_pages if to_host else load_pages
+            fns = {}
+            for pat, blocks in patterns.items():
+                blocks_dev = blocks.to(torch.int64).cuda()
+                for v in variants:
+                    fns[f"kvtier_{v['name']}_{pat}"] = _direct_variant_fn(op, s, host, slots, blocks_dev, v)
+                fns[f"sglang_hicache_{pat}"] = hicache_fn(hicache, s, host, slots, blocks_dev, to_host)
             times = {k: [] for k in fns}
-            for _ in range(5):
-                for k, (fn, nbytes) in fns.items():
+            for _ in range(HICACHE_ROUNDS):
+                for k, fn in fns.items():
                     times[k].append(time_gpu_ms(fn, reps=20)["median_ms"])
-            entry = {"page": page, "direction": "d2h" if to_host else "h2d"}
-            for k, v in times.items():
-                entry[f"{k}_gbps"] = gbps(fns[k][1], sorted(v)[2])
-            entry["ratio_random"] = round(entry["kvtier_random_blocks_gbps"] / entry["sglang_hicache_gbps"], 4)
-            entry["ratio_consecutive"] = round(entry["kvtier_consecutive_blocks_gbps"] /
-                                               entry["sglang_hicache_gbps"], 4)
+            entry = {"page": page, "direction": "d2h" if to_host else "h2d", "rounds": HICACHE_ROUNDS,
+                     "gbps": {k: gbps(nbytes, sorted(v)[len(v) // 2]) for k, v in times.items()},
+                     "round_gbps": {k: [gbps(nbytes, t) for t in v] for k, v in times.items()}}
+            entry["ratio"] = {k[len("kvtier_"):]: round(g / entry["gbps"][f"sglang_hicache_{k.rsplit('_', 1)[1]}"], 4)
+                              for k, g in entry["gbps"].items() if k.startswith("kvtier_")}
             out.append(entry)
-            print("hicache", entry, flush=True)
-    res["hicache_alternating"] = out
+            print("hicache", page, entry["direction"], entry["gbps"], entry["ratio"], flush=True)
+        del s
+        torch.cuda.empty_cache()
+    res["hicache_alternating"] = {"default": default["name"], "entries": out}
 
 
 def run_latency(res: dict, host_bytes: torch.Tensor, gen) -> None:
@@ -502,8 +544,15 @@ def summarize(res: dict) -> dict:
         summ["hicache_ratio_min"] = round(min(ratios), 3) if ratios else None
     if "hicache_alternating" in res:
         alt = res["hicache_alternating"]
-        summ["hicache_ratio_min_alternating_random_blocks"] = min(e["ratio_random"] for e in alt)
-        summ["hicache_ratio_min_alternating_consecutive_blocks"] = min(e["ratio_consecutive"] for e in alt)
+        dflt = alt["default"]
+        for pat in ("random", "consecutive"):
+            summ[f"hicache_ratio_by_case_{pat}"] = {f"{e['direction']}_p{e['page']}": e["ratio"][f"{dflt}_{pat}"]
+                                                   for e in alt["entries"]}
+        # the bar: identical work (same slots, host bytes and random host pages), alternating rounds
+        summ["hicache_ratio_min_sizes"] = summ.get("hicache_ratio_min")
+        summ["hicache_ratio_min"] = min(summ["hicache_ratio_by_case_random"].values())
+        summ["hicache_ratio_min_consecutive"] = min(summ["hicache_ratio_by_case_consecutive"].values())
+    if sizes:
         summ["roundtrips_exact"] = all(r["roundtrip_exact"] for r in sizes)
         for d in ("d2h", "h2d"):
             rows = pick("kvtier_staged_contig", d, layout="layer_first")
@@ -554,7 +603,12 @@ def main() -> None:
     ap.add_argument("--sections", default="sizes,gemm,bidir,latency,overhead")
     ap.add_argument("--sweep-configs", default="", help="direct configs for the sweep: p:w:t,p:w:t (tile KiB)")
     ap.add_argument("--gemm-configs", default="", help="extra direct configs beside the GEMM: p:w:t,p:w:t")
+    ap.add_argument("--hicache-variants", default="",
+                    help="extra direct configs against HiCache: p:w:t[:store_cache[:load_evict]],... (e.g. 4:32:64:.cs)")
+    ap.add_argument("--hicache-rounds", type=int, default=7)
     args = ap.parse_args()
+    globals()["HICACHE_ROUNDS"] = args.hicache_rounds
+    HICACHE_VARIANTS.extend(c for c in args.hicache_variants.split(",") if c)
     GEMM_EXTRA.extend(tuple(int(x) for x in c.split(":")) for c in args.gemm_configs.split(",") if c)
     if args.sweep_configs:
         SWEEP_CONFIGS[:] = [tuple(int(x) for x in c.split(":")) for c in args.sweep_configs.split(",") if c]

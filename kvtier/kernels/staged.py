@@ -34,15 +34,17 @@ from kvtier.kernels.transfer import launch_copy_pages, on_stream
 # combined, "staged_sweep"). 32 MiB holds one layer of an 8k-token Qwen3-8B prefix, so a layerwise load is one
 # chunk per layer. The gather/scatter is device-to-device and brief; a scatter that runs beside a forward pass
 # costs it least when it is short: with 64 programs a layerwise load slowed a Qwen3-8B-sized forward (1024 new
-# tokens) by 5%, with 16 by 8%, with 4 by 22% (layerwise_h200.json, "staging_experiment"). The first store chunk is a quarter
-# size: the pipeline fills (gather before any copy can start) sooner; for loads it would not help (the pipeline
-# ends on a scatter).
+# tokens) by 5%, with 16 by 8%, with 4 by 22% (layerwise_h200.json, "staging_experiment"). The first chunk of a store and
+# the last chunk of a multi-chunk load are a quarter size (chunk_pages): the gather that starts a store and the
+# scatter that ends a load overlap no copy.
 STAGING_BYTES = 32 * 1024 * 1024
 NUM_BUFFERS = 2
 GATHER_PROGRAMS = 16
 SCATTER_PROGRAMS = 64
 GATHER_TILE_BYTES = 64 * 1024
 GATHER_WARPS = 16
+# The short edge chunk of a pipeline is this fraction of a full one (see chunk_pages).
+EDGE_CHUNK_DIVISOR = 4
 # Host time to issue one copy-engine copy and one gather launch (H200 host, cupy memcpyAsync): weighs chunk shapes.
 _COPY_US = 2.0
 _LAUNCH_US = 15.0
@@ -51,6 +53,22 @@ try:  # cupy's raw memcpy issues a copy in ~1-2 us of host time, against ~5-8 us
     import cupy as _cupy
 except Exception:  # pragma: no cover - cupy is an optional extra
     _cupy = None
+
+
+def chunk_pages(num_pages: int, per_chunk: int, to_host: bool) -> list[int]:
+    """Pages of each staging chunk, in order: full chunks, and a short chunk where the pipeline is exposed.
+
+    A store starts with a gather that no copy overlaps, so its first chunk is short. A load that needs several
+    chunks ends with a scatter that no copy overlaps, so its last chunk is short (a load that fits one chunk is
+    not split: the extra copy and launch would cost about what the shorter scatter saves). The short chunk is
+    1 / :data:`EDGE_CHUNK_DIVISOR` of a full one.
+    """
+    edge = max(1, per_chunk // EDGE_CHUNK_DIVISOR)
+    if num_pages <= (edge if to_host else per_chunk):
+        return [num_pages] if num_pages else []
+    full, rest = divmod(num_pages - edge, per_chunk)
+    body = [per_chunk] * full + ([rest] if rest else [])
+    return [edge] + body if to_host else body + [edge]
 
 
 def _runs(block_ids: np.ndarray) -> list[tuple[int, int]]:
@@ -169,15 +187,10 @@ class StagedTransfer:
         pages_per_chunk = self.staging_bytes // span_geo.block_bytes
         done = None
         first = 0
-        # stores start with a small chunk: the first copy waits on the first gather; loads end on a scatter,
-        # which a small first chunk does not shorten
-        n = max(1, pages_per_chunk // 4) if to_host else pages_per_chunk
-        while first < host_ids.size:
-            n = min(n, host_ids.size - first)
+        for n in chunk_pages(host_ids.size, pages_per_chunk, to_host):
             chunk_slots = slots[first * page:(first + n) * page]
             done = self._chunk(direction, work, chunk_slots, host_ids[first:first + n], span, span_geo, to_host)
             first += n
-            n = pages_per_chunk
         return done
 
     def _span_geometry(self, num_layers: int) -> KVGeometry:

@@ -53,6 +53,10 @@ BURST_BYTES = 4 * 1024 * 1024
 BURST_PROGRAMS = 32
 # Longest contiguous run one lane group copies; longer rows are split into chunks of this many bytes.
 MAX_CHUNK_BYTES = 2048
+# PTX cache hints of the copy's stores and loads (Triton's ``cache_modifier`` / ``eviction_policy`` strings; "" is
+# the default). Every launch reads them, so a benchmark may set them to compare variants.
+STORE_CACHE = ""
+LOAD_EVICT = ""
 
 
 # Integer arguments are not specialised on their values (Triton would otherwise compile a variant for n_layers == 1,
@@ -79,6 +83,8 @@ def _copy_pages_kernel(
     CHUNK: tl.constexpr,  # words per contiguous chunk: a power of two dividing ROW_WORDS
     SEGS: tl.constexpr,  # chunks per tile and buffer (power of two)
     ALIGN: tl.constexpr,  # dev_offsets unit, in words
+    ST_CACHE: tl.constexpr,  # cache modifier of the data stores (STORE_CACHE)
+    LD_EVICT: tl.constexpr,  # eviction policy of the data loads (LOAD_EVICT)
 ):
     CHUNKS_PER_ROW: tl.constexpr = ROW_WORDS // CHUNK
     pid = tl.program_id(0)
@@ -105,9 +111,11 @@ def _copy_pages_kernel(
         blk_ptrs = blocks + blk_word[:, :, None] + word[None, None, :]
         mask = seg_ok[None, :, None]  # broadcast over K/V and the chunk's words
         if TO_BLOCKS:
-            tl.store(blk_ptrs, tl.load(dev_ptrs, mask=mask), mask=mask)
+            words = tl.load(dev_ptrs, mask=mask, eviction_policy=LD_EVICT)
+            tl.store(blk_ptrs, words, mask=mask, cache_modifier=ST_CACHE)
         else:
-            tl.store(dev_ptrs, tl.load(blk_ptrs, mask=mask), mask=mask)
+            words = tl.load(blk_ptrs, mask=mask, eviction_policy=LD_EVICT)
+            tl.store(dev_ptrs, words, mask=mask, cache_modifier=ST_CACHE)
 
 
 def default_programs(nbytes: int) -> int:
@@ -150,7 +158,8 @@ def launch_copy_pages(
     grid = (max(1, min(num_programs, n_items)),)
     pointers = (kv.base, kv.offsets, as_words(blocks, word_bytes), slots, block_ids)
     args = (*pointers, n_rows, span.start, span.count, *strides, blocks_layer0)
-    consts = (to_blocks, geo.kv_count, geo.page_size, row_words, chunk, segs, kv.align_words)
+    consts = (to_blocks, geo.kv_count, geo.page_size, row_words, chunk, segs, kv.align_words, STORE_CACHE,
+              LOAD_EVICT)
     _launch(grid, args, pointers, consts, num_warps)
 
 
@@ -159,7 +168,7 @@ def launch_copy_pages(
 # call the compiled kernel directly. Triton specialises pointers on 16-byte alignment (ints are not specialised,
 # see do_not_specialize), so the key is the constexprs, the warps, the device and the pointers' alignment.
 _compiled: dict[tuple, object] = {}
-_CONST_NAMES = ("TO_BLOCKS", "KV", "PAGE", "ROW_WORDS", "CHUNK", "SEGS", "ALIGN")
+_CONST_NAMES = ("TO_BLOCKS", "KV", "PAGE", "ROW_WORDS", "CHUNK", "SEGS", "ALIGN", "ST_CACHE", "LD_EVICT")
 
 
 def _launch(grid: tuple, args: tuple, pointers: tuple, consts: tuple, num_warps: int) -> None:
