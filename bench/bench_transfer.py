@@ -262,7 +262,7 @@ def run_gemm(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
     s36 = Setup("qwen3_8b", 36, 16, 200_000, 16384, host_bytes)
     slots36 = random_slots(1024, 16, s36.num_slots, generator=gen)
     blocks36 = torch.randperm(1024)[:1024].cuda()
-    for p, w, t in SWEEP_CONFIGS + [(1, 8, 64), (2, 8, 64)]:
+    for p, w, t in SWEEP_CONFIGS + GEMM_EXTRA + [(1, 8, 64), (2, 8, 64)]:
         fns[f"kvtier_p{p}_w{w}_t{t}"] = (lambda p=p, w=w, t=t: load_pages(
             s36.kv, s36.host("layer_first"), slots36, blocks36, layout="layer_first", layers=0, num_programs=p,
             num_warps=w, tile_bytes=t * 1024, check=False), 16384 * s36.geo.row_bytes * 2)
@@ -457,8 +457,10 @@ def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
     if hicache is None:
         return
     out = []
-    default = _parse_variant(f"{direct_mod.DEFAULT_PROGRAMS}:{direct_mod.NUM_WARPS}:{direct_mod.TILE_BYTES // 1024}")
-    variants = [default] + [_parse_variant(t) for t in HICACHE_VARIANTS]
+    def variants_for(to_host: bool) -> list:
+        tile = (direct_mod.STORE_TILE_BYTES if to_host else direct_mod.LOAD_TILE_BYTES) // 1024
+        out = [_parse_variant(f"{direct_mod.DEFAULT_PROGRAMS}:{direct_mod.NUM_WARPS}:{tile}")]
+        return out + [v for v in map(_parse_variant, HICACHE_VARIANTS) if v["name"] != out[0]["name"]]
     tokens = 16384
     for page in PAGES:
         s = Setup("qwen3_8b", 36, page, 200_000, tokens, host_bytes)
@@ -470,6 +472,7 @@ def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
                     "consecutive": torch.arange(pages)}
         for to_host in (True, False):
             op = store_pages if to_host else load_pages
+            variants = variants_for(to_host)
             fns = {}
             for pat, blocks in patterns.items():
                 blocks_dev = blocks.to(torch.int64).cuda()
@@ -481,6 +484,7 @@ def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
                 for k, fn in fns.items():
                     times[k].append(time_gpu_ms(fn, reps=20)["median_ms"])
             entry = {"page": page, "direction": "d2h" if to_host else "h2d", "rounds": HICACHE_ROUNDS,
+                     "default": variants[0]["name"],
                      "gbps": {k: gbps(nbytes, sorted(v)[len(v) // 2]) for k, v in times.items()},
                      "round_gbps": {k: [gbps(nbytes, t) for t in v] for k, v in times.items()}}
             entry["ratio"] = {k[len("kvtier_"):]: round(g / entry["gbps"][f"sglang_hicache_{k.rsplit('_', 1)[1]}"], 4)
@@ -489,7 +493,7 @@ def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
             print("hicache", page, entry["direction"], entry["gbps"], entry["ratio"], flush=True)
         del s
         torch.cuda.empty_cache()
-    res["hicache_alternating"] = {"default": default["name"], "entries": out}
+    res["hicache_alternating"] = {"entries": out}
 
 
 def run_latency(res: dict, host_bytes: torch.Tensor, gen) -> None:
@@ -544,9 +548,8 @@ def summarize(res: dict) -> dict:
         summ["hicache_ratio_min"] = round(min(ratios), 3) if ratios else None
     if "hicache_alternating" in res:
         alt = res["hicache_alternating"]
-        dflt = alt["default"]
         for pat in ("random", "consecutive"):
-            summ[f"hicache_ratio_by_case_{pat}"] = {f"{e['direction']}_p{e['page']}": e["ratio"][f"{dflt}_{pat}"]
+            summ[f"hicache_ratio_by_case_{pat}"] = {f"{e['direction']}_p{e['page']}": e["ratio"][f"{e['default']}_{pat}"]
                                                    for e in alt["entries"]}
         # the bar: identical work (same slots, host bytes and random host pages), alternating rounds
         summ["hicache_ratio_min_sizes"] = summ.get("hicache_ratio_min")
@@ -615,7 +618,9 @@ def main() -> None:
     sections = args.sections.split(",")
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    res = {"env": env_info(), "defaults": {"programs": direct_mod.DEFAULT_PROGRAMS, "tile_bytes": direct_mod.TILE_BYTES,
+    res = {"env": env_info(), "defaults": {"programs": direct_mod.DEFAULT_PROGRAMS,
+                                           "store_tile_bytes": direct_mod.STORE_TILE_BYTES,
+                                           "load_tile_bytes": direct_mod.LOAD_TILE_BYTES,
                                            "num_warps": direct_mod.NUM_WARPS}}
     hicache, why = load_hicache()
     res["hicache"] = {"loaded": hicache is not None, "error": why,

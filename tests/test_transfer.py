@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from kvtier.geometry import KVGeometry
 from kvtier.kernels import StagedTransfer, copy_pages_ref, load_pages, store_pages
+from kvtier.kernels import staged as staged_mod
+from kvtier.kernels.staged import chunk_pages
 from tests.kv_helpers import as_bytes, make_host, make_kv, snapshot
 
 # CPU tensors run through the Triton interpreter, which is on only where CUDA is absent (tests/conftest.py).
@@ -174,3 +176,17 @@ def test_transfers_run_on_the_given_stream(stream_kind: str) -> None:
     assert not done.query(), "the store did not queue behind the side stream's work"
     done.synchronize()
     assert torch.equal(as_bytes(host), as_bytes(expect))
+
+
+@given(num_pages=st.integers(0, 200), per_chunk=st.integers(1, 40), to_host=st.booleans())
+def test_chunk_plan_covers_every_page_once(num_pages: int, per_chunk: int, to_host: bool) -> None:
+    """Staging chunks cover the pages in order with no gap or overlap, none larger than a staging buffer; the
+    short chunk sits where the pipeline is exposed (first for stores, last for multi-chunk loads)."""
+    plan = chunk_pages(num_pages, per_chunk, to_host)
+    assert sum(plan) == num_pages
+    assert all(1 <= n <= per_chunk for n in plan)
+    edge = max(1, per_chunk // staged_mod.EDGE_CHUNK_DIVISOR)
+    if len(plan) > 1:
+        assert plan[0 if to_host else -1] == edge
+    if not to_host and num_pages <= per_chunk:
+        assert len(plan) <= 1, "a load that fits one staging buffer is not split"
