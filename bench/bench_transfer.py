@@ -458,7 +458,7 @@ def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
         return
     out = []
     def variants_for(to_host: bool) -> list:
-        tile = (direct_mod.STORE_TILE_BYTES if to_host else direct_mod.LOAD_TILE_BYTES) // 1024
+        tile = direct_mod.TILE_BYTES // 1024
         out = [_parse_variant(f"{direct_mod.DEFAULT_PROGRAMS}:{direct_mod.NUM_WARPS}:{tile}")]
         return out + [v for v in map(_parse_variant, HICACHE_VARIANTS) if v["name"] != out[0]["name"]]
     tokens = 16384
@@ -619,8 +619,7 @@ def main() -> None:
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"env": env_info(), "defaults": {"programs": direct_mod.DEFAULT_PROGRAMS,
-                                           "store_tile_bytes": direct_mod.STORE_TILE_BYTES,
-                                           "load_tile_bytes": direct_mod.LOAD_TILE_BYTES,
+                                           "tile_bytes": direct_mod.TILE_BYTES,
                                            "num_warps": direct_mod.NUM_WARPS}}
     hicache, why = load_hicache()
     res["hicache"] = {"loaded": hicache is not None, "error": why,

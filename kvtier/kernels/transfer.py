@@ -40,20 +40,19 @@ from kvtier.kernels.paged_kv import PagedKV, as_words
 # Host reads are latency bound over PCIe (and IOMMU misses on scattered blocks: page 1, page_first), so a program
 # needs many loads in flight; 32 warps of 64 B per thread get them with 4 SMs. Scattered host writes (D2H, page 1,
 # page_first) also need many warps: 8 warps per program leave them at 32-37 GB/s.
-# Loads (H2D) take 32 KiB tiles, stores 64 KiB: alternating against SGLang's HiCache kernel on identical work over
-# two H200 runs (2026-11-30, bench/results/probes/hicache_variants_h200.json and transfer_h200.json's
-# "hicache_alternating"), 4 x 32 x 32 KiB loaded 0.14 GB/s faster on average than 64 KiB tiles (51.0-51.2 GB/s)
-# and stored 0.2-0.3 GB/s slower. Store cache hints (.cs, .cg) and evict_first loads changed nothing measurable.
+# Against SGLang's HiCache kernel on identical work (2026-11-30, "hicache_alternating" in transfer_h200.json and
+# bench/results/probes/hicache_variants_h200.json), 32 KiB tiles loaded ~0.14 GB/s faster on average, but a default
+# of 32 KiB for loads slowed the GEMM beside them by 7.7% (64 KiB: 2.7%) and page-1 `page_first` loads to 45 GB/s
+# (bench/results/probes/transfer_h200_load_tile32.json):
+# both directions keep 64 KiB. Store cache hints (.cs, .cg) and evict_first loads changed nothing measurable.
 # DEFAULT_PROGRAMS: persistent programs (one SM each) for bulk transfers.
-# STORE_TILE_BYTES / LOAD_TILE_BYTES: bytes one program loads before it stores (K and V together): the bytes it
-#   keeps in flight, for stores (D2H) and loads (H2D).
+# TILE_BYTES: bytes one program loads before it stores (K and V together): the bytes it keeps in flight.
 # NUM_WARPS: warps per program; 32 warps hold a 64 KiB tile in 64 B per thread (4 x 16-byte vectors).
 # BURST_*: a transfer this small holds its SMs for microseconds, so it may take more of them to cut latency
 #   (one 16-token page of 36 layers is 36 tiles: at most two round trips per program with 32 programs,
 #   nine with 4).
 DEFAULT_PROGRAMS = 4
-STORE_TILE_BYTES = 64 * 1024
-LOAD_TILE_BYTES = 32 * 1024
+TILE_BYTES = 64 * 1024
 NUM_WARPS = 32
 BURST_BYTES = 4 * 1024 * 1024
 BURST_PROGRAMS = 32
@@ -228,7 +227,7 @@ class on_stream:
 
 def store_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *,
                 layout: str = "page_first", layers: Union[None, int, range] = None,
-                num_programs: Optional[int] = None, stream=None, tile_bytes: int = STORE_TILE_BYTES,
+                num_programs: Optional[int] = None, stream=None, tile_bytes: int = TILE_BYTES,
                 num_warps: int = NUM_WARPS, check: bool = True) -> None:
     """Copy pages from device slots into host blocks (D2H), asynchronously on ``stream``.
 
@@ -243,8 +242,7 @@ def store_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids:
         num_programs: persistent programs (SMs) to use; default :data:`DEFAULT_PROGRAMS`, or up to
             :data:`BURST_PROGRAMS` for transfers of at most :data:`BURST_BYTES` (see :func:`default_programs`).
         stream: torch (or CuPy) stream to launch on; default the current stream.
-        tile_bytes: bytes each program keeps in flight (default :data:`STORE_TILE_BYTES`, for loads
-            :data:`LOAD_TILE_BYTES`); num_warps: warps per program.
+        tile_bytes: bytes each program keeps in flight; num_warps: warps per program.
         check: validate indices (range, distinct destinations) before launching; costs a device sync when the
             indices live on the GPU. Shapes, dtypes, devices and pinning are always checked.
 
@@ -256,7 +254,7 @@ def store_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids:
 
 def load_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *,
                layout: str = "page_first", layers: Union[None, int, range] = None,
-               num_programs: Optional[int] = None, stream=None, tile_bytes: int = LOAD_TILE_BYTES,
+               num_programs: Optional[int] = None, stream=None, tile_bytes: int = TILE_BYTES,
                num_warps: int = NUM_WARPS, check: bool = True) -> None:
     """Copy pages from host blocks into device slots (H2D), asynchronously on ``stream``.
 
