@@ -38,6 +38,7 @@ def transfer_table() -> str:
     if res is None:
         return "_no results yet_"
     s = res["summary"]
+    lat = s["one_page_all_layers_us_detail"]
     rows = [r for r in res["sizes"] if r["geometry"] == "qwen3_8b" and r["bytes"] == 64 * MiB]
     default = f"kvtier_direct_p{s['direct_programs']}"
     lines = [
@@ -58,33 +59,33 @@ def transfer_table() -> str:
         f"| torch gather + one copy | {_cell(rows, 'torch_gather_copy', 'd2h')} | "
         f"{_cell(rows, 'torch_gather_copy', 'h2d')} |",
     ]
-    alt = res.get("hicache_alternating") or res.get("followup", {}).get("hicache_alternating", [])
+    alt = res.get("hicache_alternating")
     if alt:
-        lo = min(e["ratio_random"] for e in alt)
-        hi = max(e["ratio_random"] for e in alt)
-        lines.append(f"| kvtier direct / HiCache, 5 alternating rounds, pages 1/16/64, both directions | "
-                     f"ratio {lo:.3f}–{hi:.3f} | |")
+        by_case = s["hicache_ratio_by_case_random"]
+        lines.append(f"| kvtier direct / HiCache on identical work (same slots, host bytes, random host pages), "
+                     f"{alt['entries'][0]['rounds']} alternating rounds, pages 1/16/64, D2H / H2D | "
+                     f"ratio {min(v for k, v in by_case.items() if k.startswith('d2h')):.4f}–"
+                     f"{max(v for k, v in by_case.items() if k.startswith('d2h')):.4f} | "
+                     f"ratio {min(v for k, v in by_case.items() if k.startswith('h2d')):.4f}–"
+                     f"{max(v for k, v in by_case.items() if k.startswith('h2d')):.4f} |")
+    bidir_ce = res.get("staged_sweep", [{}])[0] if res.get("staged_sweep") else None
     lines += [
         "",
-        "| other measurements (same session; staged figures with the current staging defaults from the follow-up "
-        "runs in the JSON) | value |",
+        "| other measurements (same run) | value |",
         "|---|---|",
         f"| staged, all 36 layers, `page_first`, page 16, 1024 tokens: store / load | {s['staged_d2h_gbps']} / "
         f"{s['staged_h2d_gbps']} GB/s |",
         f"| staged store and load at once, combined | {s['bidirectional_gbps']} GB/s |",
-        *(["| same, spread over the follow-up runs (current defaults): store / load / combined | "
-           + " / ".join("{:.1f}–{:.1f}".format(*s["staged_spread_current_defaults"][k])
-                        for k in ("store_gbps", "load_gbps", "combined_gbps")) + " GB/s |",
-           f"| copy engine, contiguous, same bytes: store / load / combined | "
-           f"{s['copy_engine_bidir_workload']['store_gbps']} / {s['copy_engine_bidir_workload']['load_gbps']} / "
-           f"{s['copy_engine_bidir_workload']['combined_gbps']} GB/s |"]
-          if "staged_spread_current_defaults" in s else []),
+        *([f"| copy engine, contiguous, same bytes: store / load / combined | {bidir_ce['store_gbps']} / "
+           f"{bidir_ce['load_gbps']} / {bidir_ce['combined_gbps']} GB/s |"] if bidir_ce else []),
         f"| 8192³ bf16 GEMM slowdown beside back-to-back H2D: kvtier direct default / HiCache | "
         f"+{s['gemm_slowdown_pct']}% / +{s['gemm_slowdown_hicache_pct']}% |",
         f"| one 16-token page × 36 layers, all-layer call, Qwen3-8B (PCIe floor "
-        f"{s['one_page_all_layers_pcie_floor_us']} µs) / TP-sharded 1x128 | {s['one_page_all_layers_us']} µs / "
-        f"{s['one_page_all_layers_us_tp_1x128']} µs |",
-        f"| host time to issue one direct call | {res['overhead']['store_pages_check_false_us']} µs |",
+        f"{lat['qwen3_8b']['pcie_floor_us']} µs) / TP-sharded 1x128 (floor {lat['tp_1x128']['pcie_floor_us']} µs) "
+        f"| {s['one_page_all_layers_us']} µs / "
+        f"{max(lat['tp_1x128']['h2d_pdefault_us'], lat['tp_1x128']['d2h_pdefault_us'])} µs |",
+        f"| host time to issue one direct call (varies 32–70 µs between runs and machines) | "
+        f"{res['overhead']['store_pages_check_false_us']} µs |",
     ]
     return "\n".join(lines)
 

@@ -27,9 +27,9 @@ from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
 from kvtier.kernels.paged_kv import PagedKV, as_words
 
 # Tuned on one H200 (PCIe Gen5 x16, 2026-11-29): bench/bench_transfer.py --sections sweep (results in
-# bench/results/transfer_h200.json, "sweep"). The SM path tops out at ~52.4 GB/s D2H and ~51.1 GB/s H2D there (the
-# copy engine reaches ~55). One layer of 64 MiB, Qwen3-8B, 36-layer host layouts, random blocks; GB/s at pages
-# 1 / 16 / 64, D2H/H2D:
+# bench/results/probes/transfer_h200_2026-11-29.json, "sweep"). The SM path tops out at ~52.4 GB/s D2H and
+# ~51.1 GB/s H2D there (the copy engine reaches ~55). One layer of 64 MiB, Qwen3-8B, 36-layer host layouts,
+# random blocks; GB/s at pages 1 / 16 / 64, D2H/H2D:
 #   programs x warps x tile   layer_first                          page_first
 #   4 x 8 x 64 KiB            51.4/45.9  52.5/49.8  51.9/49.8      32.1/34.2  52.2/48.2  51.8/49.5
 #   4 x 16 x 128 KiB          51.8/50.7  51.2/51.1  52.0/51.0      36.7/45.2  52.2/51.0  52.2/51.0
