@@ -430,23 +430,27 @@ HICACHE_VARIANTS: list = []  # extra direct configs for the alternating comparis
 
 
 def _parse_variant(text: str) -> dict:
-    """``programs:warps:tile_kib[:store_cache[:load_evict]]`` -> kwargs and module hints of one direct config."""
-    parts = text.split(":")
+    """``programs:warps:tile_kib[:store_cache[:load_evict[:rw]]]`` -> kwargs and module switches of one direct
+    config (``rw``: transfer.ROW_WARPS on)."""
+    parts = text.split(":") + [""] * 3
     v = {"programs": int(parts[0]), "warps": int(parts[1]), "tile_kib": int(parts[2]),
-         "store_cache": parts[3] if len(parts) > 3 else "", "load_evict": parts[4] if len(parts) > 4 else ""}
-    v["name"] = "p{programs}_w{warps}_t{tile_kib}{sc}{le}".format(
-        **v, sc=f"_st{v['store_cache']}" if v["store_cache"] else "", le=f"_{v['load_evict']}" if v["load_evict"] else "")
+         "store_cache": parts[3], "load_evict": parts[4], "row_warps": parts[5] == "rw"}
+    sc = f"_st{v['store_cache']}" if v["store_cache"] else ""
+    le = f"_{v['load_evict']}" if v["load_evict"] else ""
+    v["name"] = f"p{v['programs']}_w{v['warps']}_t{v['tile_kib']}{sc}{le}{'_rw' if v['row_warps'] else ''}"
     return v
 
 
 def _direct_variant_fn(op, s: Setup, host, slots, blocks_dev, v: dict):
     def run():
         direct_mod.STORE_CACHE, direct_mod.LOAD_EVICT = v["store_cache"], v["load_evict"]
+        direct_mod.ROW_WARPS = v["row_warps"]
         try:
             op(s.kv, host, slots, blocks_dev, layout="layer_first", layers=0, num_programs=v["programs"],
                tile_bytes=v["tile_kib"] * 1024, num_warps=v["warps"], check=False)
         finally:
             direct_mod.STORE_CACHE = direct_mod.LOAD_EVICT = ""
+            direct_mod.ROW_WARPS = False
     return run
 
 
@@ -549,8 +553,8 @@ def summarize(res: dict) -> dict:
     if "hicache_alternating" in res:
         alt = res["hicache_alternating"]
         for pat in ("random", "consecutive"):
-            summ[f"hicache_ratio_by_case_{pat}"] = {f"{e['direction']}_p{e['page']}": e["ratio"][f"{e['default']}_{pat}"]
-                                                   for e in alt["entries"]}
+            summ[f"hicache_ratio_by_case_{pat}"] = {
+                f"{e['direction']}_p{e['page']}": e["ratio"][f"{e['default']}_{pat}"] for e in alt["entries"]}
         # the bar: identical work (same slots, host bytes and random host pages), alternating rounds
         summ["hicache_ratio_min_sizes"] = summ.get("hicache_ratio_min")
         summ["hicache_ratio_min"] = min(summ["hicache_ratio_by_case_random"].values())
@@ -607,7 +611,8 @@ def main() -> None:
     ap.add_argument("--sweep-configs", default="", help="direct configs for the sweep: p:w:t,p:w:t (tile KiB)")
     ap.add_argument("--gemm-configs", default="", help="extra direct configs beside the GEMM: p:w:t,p:w:t")
     ap.add_argument("--hicache-variants", default="",
-                    help="extra direct configs against HiCache: p:w:t[:store_cache[:load_evict]],... (e.g. 4:32:64:.cs)")
+                    help="extra direct configs against HiCache: p:w:t[:store_cache[:load_evict[:rw]]],... "
+                         "(e.g. 4:32:64:.cs or 4:32:64:::rw)")
     ap.add_argument("--hicache-rounds", type=int, default=7)
     args = ap.parse_args()
     globals()["HICACHE_ROUNDS"] = args.hicache_rounds

@@ -62,6 +62,10 @@ MAX_CHUNK_BYTES = 2048
 # the default). Every launch reads them, so a benchmark may set them to compare variants.
 STORE_CACHE = ""
 LOAD_EVICT = ""
+# Experiment (default off, not yet measured): shape the tile so that each warp copies whole chunks (a 2 KiB row in
+# four 512 B instructions, as SGLang's HiCache kernel does) instead of 512 B of four different rows; host writes
+# then arrive row by row. Read at every launch, like the hints above.
+ROW_WARPS = False
 
 
 # Integer arguments are not specialised on their values (Triton would otherwise compile a variant for n_layers == 1,
@@ -90,6 +94,8 @@ def _copy_pages_kernel(
     ALIGN: tl.constexpr,  # dev_offsets unit, in words
     ST_CACHE: tl.constexpr,  # cache modifier of the data stores (STORE_CACHE)
     LD_EVICT: tl.constexpr,  # eviction policy of the data loads (LOAD_EVICT)
+    ROW_WARPS: tl.constexpr,  # tile shape that keeps each chunk within one warp (ROW_WARPS)
+    LANE: tl.constexpr,  # words one warp moves per instruction (32 lanes x 16 B), at most CHUNK
 ):
     CHUNKS_PER_ROW: tl.constexpr = ROW_WORDS // CHUNK
     pid = tl.program_id(0)
@@ -99,6 +105,7 @@ def _copy_pages_kernel(
     kv = tl.arange(0, KV)
     lane_seg = tl.arange(0, SEGS)
     word = tl.arange(0, CHUNK)
+    part_word = (tl.arange(0, CHUNK // LANE) * LANE)[None, None, :, None] + tl.arange(0, LANE)[None, None, None, :]
     for item in range(pid, n_layers * n_tiles, nprog):
         layer = (layer_start + item // n_tiles).to(tl.int64)
         seg = (item % n_tiles).to(tl.int64) * SEGS + lane_seg  # [SEGS] chunk index over all rows
@@ -112,9 +119,14 @@ def _copy_pages_kernel(
         blk_row = block * stride_block + (layer - blocks_layer0) * stride_layer + row % PAGE
         blk_row = blk_row[None, :] + (kv * stride_kv)[:, None]  # [KV, SEGS]
         blk_word = blk_row * ROW_WORDS + col[None, :]  # [KV, SEGS]
-        dev_ptrs = dev_base + dev_word[:, :, None] + word[None, None, :]
-        blk_ptrs = blocks + blk_word[:, :, None] + word[None, None, :]
-        mask = seg_ok[None, :, None]  # broadcast over K/V and the chunk's words
+        if ROW_WARPS:  # [SEGS, KV, CHUNK // LANE, LANE]: Triton gives each warp whole chunks, in order
+            dev_ptrs = dev_base + tl.trans(dev_word)[:, :, None, None] + part_word
+            blk_ptrs = blocks + tl.trans(blk_word)[:, :, None, None] + part_word
+            mask = seg_ok[:, None, None, None]
+        else:  # [KV, SEGS, CHUNK]: Triton spreads a chunk over CHUNK / LANE warps
+            dev_ptrs = dev_base + dev_word[:, :, None] + word[None, None, :]
+            blk_ptrs = blocks + blk_word[:, :, None] + word[None, None, :]
+            mask = seg_ok[None, :, None]  # broadcast over K/V and the chunk's words
         if TO_BLOCKS:
             words = tl.load(dev_ptrs, mask=mask, eviction_policy=LD_EVICT)
             tl.store(blk_ptrs, words, mask=mask, cache_modifier=ST_CACHE)
@@ -163,8 +175,9 @@ def launch_copy_pages(
     grid = (max(1, min(num_programs, n_items)),)
     pointers = (kv.base, kv.offsets, as_words(blocks, word_bytes), slots, block_ids)
     args = (*pointers, n_rows, span.start, span.count, *strides, blocks_layer0)
+    lane = min(chunk, 32 * max(16 // word_bytes, 1))  # 32 lanes x one 16-byte vector
     consts = (to_blocks, geo.kv_count, geo.page_size, row_words, chunk, segs, kv.align_words, STORE_CACHE,
-              LOAD_EVICT)
+              LOAD_EVICT, ROW_WARPS, lane)
     _launch(grid, args, pointers, consts, num_warps)
 
 
@@ -173,7 +186,8 @@ def launch_copy_pages(
 # call the compiled kernel directly. Triton specialises pointers on 16-byte alignment (ints are not specialised,
 # see do_not_specialize), so the key is the constexprs, the warps, the device and the pointers' alignment.
 _compiled: dict[tuple, object] = {}
-_CONST_NAMES = ("TO_BLOCKS", "KV", "PAGE", "ROW_WORDS", "CHUNK", "SEGS", "ALIGN", "ST_CACHE", "LD_EVICT")
+_CONST_NAMES = ("TO_BLOCKS", "KV", "PAGE", "ROW_WORDS", "CHUNK", "SEGS", "ALIGN", "ST_CACHE", "LD_EVICT",
+                "ROW_WARPS", "LANE")
 
 
 def _launch(grid: tuple, args: tuple, pointers: tuple, consts: tuple, num_warps: int) -> None:
