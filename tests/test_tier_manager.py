@@ -289,9 +289,11 @@ def test_gpu_layerwise_never_reads_stale_bytes(backend, wait):
         assert not all(fresh)
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layerwise):
-    """``auto``: stores always staged; a load copy of >= AUTO_STAGED_LOAD_BYTES staged, a smaller one direct."""
+def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layerwise, layout):
+    """``auto``: stores always staged; a load copy of >= AUTO_STAGED_LOAD_BYTES staged, a smaller one direct;
+    layerwise loads from a ``page_first`` pool always direct (a layer there is a slice of every block)."""
     import kvtier.tier.manager as manager
 
     calls = []
@@ -299,7 +301,7 @@ def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layer
         real = getattr(manager.StagedTransfer, name)
         monkeypatch.setattr(manager.StagedTransfer, name,
                             lambda self, *a, _real=real, _name=name, **k: calls.append(_name) or _real(self, *a, **k))
-    tier = make_tier(mode="auto")
+    tier = make_tier(mode="auto", layout=layout)
     toks = _tokens(4 * P)
     src = page_slots(0, 4, P)
     want = slot_bytes(tier, src)
@@ -307,7 +309,8 @@ def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layer
     assert calls == ["store"]
     per_copy = 4 * TINY.block_bytes // (TINY.num_layers if layerwise else 1)
     load = tier.load_layerwise if layerwise else tier.load
-    for threshold, staged in ((per_copy + 1, False), (per_copy, True)):
+    never = layerwise and layout == "page_first"
+    for threshold, staged in ((per_copy + 1, False), (per_copy, not never)):
         calls.clear()
         monkeypatch.setattr(manager, "AUTO_STAGED_LOAD_BYTES", threshold)
         dst = page_slots(8 if staged else 16, 4, P)

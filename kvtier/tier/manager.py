@@ -29,7 +29,8 @@ Transfer modes (``TierConfig.transfer_mode``): ``direct`` and ``staged`` use tha
 stores through the staged path (copy engine: leaves the SMs to the forward pass, and a D2H on the copy engine can
 overlap an H2D) and loads through the staged path too when one copy (a whole load, or one layer of a layerwise
 load) moves at least :data:`AUTO_STAGED_LOAD_BYTES`; smaller loads take the direct kernel (no staging hop, lowest
-latency). Measured on an H200 (bench/results/layerwise_h200.json): a layerwise load of an 8k-token prefix
+latency), and so do layerwise loads from a ``page_first`` pool (one layer is a slice of every block there: the
+copy engine would need a copy per block and layer). Measured on an H200 (bench/results/layerwise_h200.json): a layerwise load of an 8k-token prefix
 through the direct kernel slowed a concurrent Qwen3-8B-sized forward by 18-23% (the kernel holds its SMs for the
 whole load); through the copy engine by 5-10%.
 """
@@ -405,7 +406,7 @@ class KVTier(HostTier):
             stream = ex.stream("load")
             task.producer_index = self.counter.update_producer(stream)
             layer_ids = ids
-            mode = self._mode(False, copied * self.pool.block_bytes // self.geometry.num_layers)
+            mode = self._mode(False, copied * self.pool.block_bytes // self.geometry.num_layers, per_layer=True)
             if self.kv.is_cuda and mode == "direct":  # one index upload for all layers, on the stream
                 with torch.cuda.device(self.kv.device), torch.cuda.stream(stream):
                     layer_ids = torch.from_numpy(ids).to(self.kv.device, non_blocking=True)
@@ -422,11 +423,15 @@ class KVTier(HostTier):
                                             copied * self.pool.block_bytes)
         return task
 
-    def _mode(self, to_host: bool, nbytes: int) -> str:
+    def _mode(self, to_host: bool, nbytes: int, per_layer: bool = False) -> str:
         """The path for one copy of ``nbytes``: the configured mode, or in ``auto`` staged for stores and for
-        loads of at least :data:`AUTO_STAGED_LOAD_BYTES`, direct for smaller loads."""
+        loads of at least :data:`AUTO_STAGED_LOAD_BYTES`, direct for smaller loads. ``auto`` also loads one
+        layer at a time (``per_layer``) from a ``page_first`` pool directly: a layer is a slice of every block
+        there, so the staged path would issue one copy-engine copy per block and layer (host-bound)."""
         mode = self.config.transfer_mode
         if mode == "auto":
+            if per_layer and self.layout == "page_first":
+                return "direct"
             return "staged" if to_host or nbytes >= AUTO_STAGED_LOAD_BYTES else "direct"
         return mode
 
