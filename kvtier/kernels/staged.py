@@ -9,7 +9,10 @@ bandwidth of either (~101 GB/s on an H200 against ~55 one way).
 
 Copies are issued per run of consecutive block ids: a host pool that hands out contiguous blocks for a prefix (as
 kvtier's does) makes a run per request; random block ids degrade to one copy per block (and per layer and K/V for
-``layer_first``), where the per-copy cost (~2-5 us issue) shows for small blocks.
+``layer_first``), where the per-copy cost (~2-5 us issue) shows for small blocks. In ``page_first`` a span of
+fewer than all layers is a slice of every block, so it too costs one copy per block: one layer of 64 MiB moved at
+0.04 (page 1) to 5 (page 64) GB/s on an H200 (bench/results/transfer_h200.json, ``sizes``); use the direct kernel
+there (kvtier's tier does in ``auto`` mode). One 2-D copy per run of blocks (``cudaMemcpy2DAsync``) would fix it.
 """
 
 from __future__ import annotations
