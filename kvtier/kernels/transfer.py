@@ -40,11 +40,11 @@ from kvtier.kernels.paged_kv import PagedKV, as_words
 # Host reads are latency bound over PCIe (and IOMMU misses on scattered blocks: page 1, page_first), so a program
 # needs many loads in flight; 32 warps of 64 B per thread get them with 4 SMs. Scattered host writes (D2H, page 1,
 # page_first) also need many warps: 8 warps per program leave them at 32-37 GB/s.
-# Against SGLang's HiCache kernel on identical work (2026-11-30, "hicache_alternating" in probes/transfer_h200_run2.json,
-# and probes/hicache_variants_h200.json under bench/results), 32 KiB tiles loaded 0.1-0.3 GB/s faster, but as the default
-# for loads they slowed the GEMM beside them by 7.7% (64 KiB: 2.2-2.7%) and page-1 `page_first` loads to 45 GB/s
-# (bench/results/probes/transfer_h200_load_tile32.json):
-# both directions keep 64 KiB. Store cache hints (.cs, .cg) and evict_first loads changed nothing measurable.
+# Against SGLang's HiCache kernel on identical work (2026-11-30; "hicache_alternating" in
+# bench/results/probes/transfer_h200_run2.json and hicache_variants_h200.json), 32 KiB tiles loaded 0.1-0.3 GB/s
+# faster, but as the default for loads they slowed the GEMM beside them by 7.7% (64 KiB: 2.2-2.7%) and page-1
+# `page_first` loads to 45 GB/s (bench/results/probes/transfer_h200_load_tile32.json): both directions keep
+# 64 KiB. Store cache hints (.cs, .cg) and evict_first loads changed nothing measurable.
 # DEFAULT_PROGRAMS: persistent programs (one SM each) for bulk transfers.
 # TILE_BYTES: bytes one program loads before it stores (K and V together): the bytes it keeps in flight.
 # NUM_WARPS: warps per program; 32 warps hold a 64 KiB tile in 64 B per thread (4 x 16-byte vectors).
