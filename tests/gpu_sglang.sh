@@ -81,7 +81,10 @@ SITE=${KVTIER_SITE:-/tmp/site}
 BOOT=${KVTIER_BOOT:-/tmp/kvtier_boot}
 say() { printf '\n=== %s\n' "$*"; }
 
-say "kvtier SGLang GPU tests: $(date -u +%FT%TZ) on $(hostname), repo $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+# A copied working tree may carry stale git metadata: name the code by the hash of its sources too
+# (reproduce: find kvtier tests -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum).
+code_sha=$(find kvtier tests -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)
+say "kvtier SGLang GPU tests: $(date -u +%FT%TZ) on $(hostname), repo $(git rev-parse --short HEAD 2>/dev/null || echo '?'), sources sha1 $code_sha"
 shopt -s nullglob
 wheels=("$WHEELS"/*.whl)
 if [ ${#wheels[@]} -eq 0 ] || ! ls "$WHEELS"/sglang-0.5.23-*.whl >/dev/null 2>&1; then
