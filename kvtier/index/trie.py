@@ -52,8 +52,8 @@ import numpy as np
 from ._config import NUMBA_CACHE
 from ._heap import hp_pop, hp_push, hp_remove
 from ._simd import diff16, prefetch
-from ._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, GEN, HASH, HEAP, HINT, HITS, HKEY, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH, M_INDEXED,
-                     M_LIMIT, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
+from ._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, GEN, HASH, HINT, HITS, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH,
+                     M_INDEXED, M_LIMIT, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
                      TABLE_MAX_LOAD_NUM, TICK, TIER, blob_views)
 from ._table import EMPTY, tb_delete, tb_home, tb_insert, tb_node, tb_tag
 from .xxh64 import xxh64_token_range
@@ -545,9 +545,6 @@ def tr_lock(i32, i64, meta, node, gen, delta):
     hpos = i32[HPOS]
     parent = i32[PARENT]
     nchild = i32[NCHILD]
-    heap = i32[HEAP]
-    tick_arr = i64[TICK]
-    hkey = i64[HKEY]
     x = node
     while x >= 0:
         if delta > 0:
@@ -570,11 +567,7 @@ def tr_lock(i32, i64, meta, node, gen, delta):
 def tr_evict(i32, i64, i8, table, meta, n):
     """Free up to n pages, least-recently used unlocked leaf first; returns their block ids in order."""
     out = np.empty(max(0, min(n, meta[M_TOTAL])), dtype=np.int64)
-    hpos = i32[HPOS]
-    heap = i32[HEAP]
-    tick_arr = i64[TICK]
     block = i64[BLOCK]
-    hkey = i64[HKEY]
     k = 0
     while k < out.shape[0]:
         x = hp_pop(i32, i64, meta)
