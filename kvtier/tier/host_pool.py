@@ -218,7 +218,6 @@ class HostBlockPool:
             return
         self._destroyed = True
         self._unregister()
-        self.pinned_bytes = 0
         self.host = self._flat = self._raw = None  # type: ignore[assignment]
 
     def __del__(self) -> None:

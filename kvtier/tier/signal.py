@@ -168,7 +168,6 @@ class LayerDoneCounter:
         self._ev = pick_backend(device, backend)
         self.events = [[self._ev.new_event() for _ in range(num_layers)] for _ in range(num_slots)]
         self._recorded = [0] * num_slots  # slot -> layers recorded by its current producer (host-side count)
-        self._used = [False] * num_slots  # slot -> has been produced at least once (its events mean something)
         self.producer_index = -1
         self.consumer_index = -1
 
@@ -186,12 +185,11 @@ class LayerDoneCounter:
         """Advance to the next slot and return it; ``stream`` (the load stream) waits GPU-side for the slot's
         previous use to finish."""
         slot = (self.producer_index + 1) % self.num_slots
-        if self._used[slot] and self._recorded[slot]:
+        if self._recorded[slot]:  # its previous load recorded events: wait for the last one
             self._ev.stream_wait(stream, self.events[slot][self._recorded[slot] - 1])
         for ev in self.events[slot]:
             self._ev.clear(ev)
         self._recorded[slot] = 0
-        self._used[slot] = True
         self.producer_index = slot
         return slot
 
@@ -242,5 +240,4 @@ class LayerDoneCounter:
             for ev in self.events[slot]:
                 self._ev.clear(ev)
         self._recorded = [0] * self.num_slots
-        self._used = [False] * self.num_slots
         self.producer_index = self.consumer_index = -1
