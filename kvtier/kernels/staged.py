@@ -176,8 +176,7 @@ class StagedTransfer:
         if self.layout != "layer_first" or span.count == 1:
             return [span]
         geo = self.kv.geometry
-        per_chunk_all = max(1, self.staging_bytes // self._span_geometry(span.count).block_bytes)
-        per_chunk_one = max(1, self.staging_bytes // self._span_geometry(1).block_bytes)
+        per_chunk_all, per_chunk_one = self._pages_per_chunk(span.count), self._pages_per_chunk(1)
         cost_all = -(-num_pages // per_chunk_all) * (span.count * geo.kv_count * _COPY_US + _LAUNCH_US)
         cost_one = span.count * -(-num_pages // per_chunk_one) * (geo.kv_count * _COPY_US + _LAUNCH_US)
         if cost_all <= cost_one:
@@ -189,14 +188,17 @@ class StagedTransfer:
         """Stage ``span``'s layers of every page, chunk by chunk; returns the last chunk's completion event."""
         page = self.kv.geometry.page_size
         span_geo = self._span_geometry(span.count)
-        pages_per_chunk = self.staging_bytes // span_geo.block_bytes
         done = None
         first = 0
-        for n in chunk_pages(host_ids.size, pages_per_chunk, to_host):
+        for n in chunk_pages(host_ids.size, self._pages_per_chunk(span.count), to_host):
             chunk_slots = slots[first * page:(first + n) * page]
             done = self._chunk(direction, work, chunk_slots, host_ids[first:first + n], span, span_geo, to_host)
             first += n
         return done
+
+    def _pages_per_chunk(self, num_layers: int) -> int:
+        """Pages of ``num_layers`` layers one staging buffer holds (>= 1: it holds at least a whole block)."""
+        return self.staging_bytes // self._span_geometry(num_layers).block_bytes
 
     def _span_geometry(self, num_layers: int) -> KVGeometry:
         """The geometry of a staging chunk holding ``num_layers`` layers (cached: built on every call otherwise)."""
