@@ -71,13 +71,14 @@ def transfer_table() -> str:
     bidir_ce = res.get("staged_sweep", [{}])[0] if res.get("staged_sweep") else None
     lines += [
         "",
-        "| other measurements (same run) | value |",
+        "| other measurements (same run as above, unless the row names another) | value |",
         "|---|---|",
         f"| staged, all 36 layers, `page_first`, page 16, 1024 tokens: store / load | {s['staged_d2h_gbps']} / "
         f"{s['staged_h2d_gbps']} GB/s |",
         f"| staged store and load at once, combined | {s['bidirectional_gbps']} GB/s |",
         *([f"| copy engine, contiguous, same bytes: store / load / combined | {bidir_ce['store_gbps']} / "
            f"{bidir_ce['load_gbps']} / {bidir_ce['combined_gbps']} GB/s |"] if bidir_ce else []),
+        *_staged_probe_rows(),
         f"| 8192³ bf16 GEMM slowdown beside back-to-back H2D: kvtier direct default / HiCache | "
         f"+{s['gemm_slowdown_pct']}% / +{s['gemm_slowdown_hicache_pct']}% |",
         f"| one 16-token page × 36 layers, all-layer call, Qwen3-8B (PCIe floor "
@@ -88,6 +89,17 @@ def transfer_table() -> str:
         f"{res['overhead']['store_pages_check_false_us']} µs |",
     ]
     return "\n".join(lines)
+
+
+def _staged_probe_rows() -> list:
+    """Rows from bench/probe_staged.py's run (another process, same session), if committed."""
+    probe = _load("probes/probe_staged_h200.json")
+    if probe is None:
+        return []
+    g = probe["gbps"]
+    return [f"| staged load alone, 1024 tokens, {probe['rounds']} alternating rounds, separate run "
+            f"(`bench/probe_staged.py`): short last chunk (default) / without / one contiguous copy-engine copy | {g['default']} / "
+            f"{g['no_short_tail']} / {g['copy_engine_contiguous']} GB/s |"]
 
 
 def index_table() -> str:
