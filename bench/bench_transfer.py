@@ -45,7 +45,7 @@ PAGES = (1, 16, 64)
 PROGRAMS = (1, 2, 4, 8, 16)
 REPS = 20
 GEMM_METHODS = ["kvtier_direct_default", "kvtier_staged_contig", "sglang_hicache"]
-GEMM_EXTRA: list = []  # (programs, warps, tile KiB) to put beside the GEMM too; set by --gemm-configs
+GEMM_EXTRA: list = []  # direct configs (see _parse_variant) to put beside the GEMM too; set by --gemm-configs
 
 
 # --- peers ---
@@ -193,9 +193,9 @@ def check_direct(s: Setup, layout: str, gen: torch.Generator) -> bool:
 
 # --- sections ---
 
-SWEEP_CONFIGS = [(p, w, t) for p, w, t in ((2, 16, 128), (3, 8, 64), (3, 16, 128), (4, 8, 64), (4, 8, 128),
-                                             (4, 16, 128), (4, 32, 128), (4, 16, 256), (6, 8, 64), (8, 8, 64),
-                                             (8, 16, 128))]
+# direct configs, programs:warps:tile_kib[:store_cache[:load_evict[:rw]]] (see _parse_variant)
+SWEEP_CONFIGS = ["2:16:128", "3:8:64", "3:16:128", "4:8:64", "4:8:128", "4:16:128", "4:32:128", "4:16:256",
+                 "6:8:64", "8:8:64", "8:16:128"]
 
 
 def run_sweep(res: dict, host_bytes: torch.Tensor, gen) -> None:
@@ -209,17 +209,17 @@ def run_sweep(res: dict, host_bytes: torch.Tensor, gen) -> None:
         nbytes = tokens * s.geo.row_bytes * 2
         for layout in ("page_first", "layer_first"):
             host = s.host(layout)
-            for p, warps, tile_kib in SWEEP_CONFIGS:
-                row = {"page": page, "layout": layout, "programs": p, "warps": warps, "tile_kib": tile_kib}
+            for v in map(_parse_variant, SWEEP_CONFIGS):
+                row = {"page": page, "layout": layout, "config": v["name"], "programs": v["programs"],
+                       "warps": v["warps"], "tile_kib": v["tile_kib"], "row_warps": v["row_warps"]}
                 for name, op in (("d2h", store_pages), ("h2d", load_pages)):
-                    t = time_gpu_ms(lambda: op(s.kv, host, slots, blocks, layout=layout, layers=0, num_programs=p,
-                                               tile_bytes=tile_kib * 1024, num_warps=warps, check=False), reps=10)
+                    t = time_gpu_ms(_direct_variant_fn(op, s, host, slots, blocks, v, layout), reps=10)
                     row[f"{name}_gbps"] = gbps(nbytes, t["median_ms"])
                 rows.append(row)
     res["sweep"] = rows
-    for p, w, t in SWEEP_CONFIGS:
-        sel = [r for r in rows if (r["programs"], r["warps"], r["tile_kib"]) == (p, w, t)]
-        print(f"sweep p{p} w{w} t{t}: d2h min {min(r['d2h_gbps'] for r in sel)} h2d min "
+    for name in dict.fromkeys(r["config"] for r in rows):
+        sel = [r for r in rows if r["config"] == name]
+        print(f"sweep {name}: d2h min {min(r['d2h_gbps'] for r in sel)} h2d min "
               f"{min(r['h2d_gbps'] for r in sel)}", flush=True)
 
 
@@ -262,14 +262,13 @@ def run_gemm(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
     s36 = Setup("qwen3_8b", 36, 16, 200_000, 16384, host_bytes)
     slots36 = random_slots(1024, 16, s36.num_slots, generator=gen)
     blocks36 = torch.randperm(1024)[:1024].cuda()
-    for p, w, t in SWEEP_CONFIGS + GEMM_EXTRA + [(1, 8, 64), (2, 8, 64)]:
-        fns[f"kvtier_p{p}_w{w}_t{t}"] = (lambda p=p, w=w, t=t: load_pages(
-            s36.kv, s36.host("layer_first"), slots36, blocks36, layout="layer_first", layers=0, num_programs=p,
-            num_warps=w, tile_bytes=t * 1024, check=False), 16384 * s36.geo.row_bytes * 2)
+    for v in map(_parse_variant, GEMM_EXTRA):
+        fns[f"kvtier_{v['name']}"] = (_direct_variant_fn(load_pages, s36, s36.host("layer_first"), slots36, blocks36,
+                                                         v), 16384 * s36.geo.row_bytes * 2)
     fns["kvtier_direct_default"] = (lambda: load_pages(s36.kv, s36.host("layer_first"), slots36, blocks36,
                                                        layout="layer_first", layers=0, check=False),
                                     16384 * s36.geo.row_bytes * 2)
-    methods = GEMM_METHODS + [f"kvtier_p{p}_w{w}_t{t}" for p, w, t in GEMM_EXTRA]
+    methods = GEMM_METHODS + [f"kvtier_{_parse_variant(c)['name']}" for c in GEMM_EXTRA]
     alone_all = []
     for meth in methods:
         if meth not in fns:
@@ -441,12 +440,14 @@ def _parse_variant(text: str) -> dict:
     return v
 
 
-def _direct_variant_fn(op, s: Setup, host, slots, blocks_dev, v: dict):
+def _direct_variant_fn(op, s: Setup, host, slots, blocks_dev, v: dict, layout: str = "layer_first"):
+    """One call of ``op`` (store_pages / load_pages) on layer 0 with config ``v``, its module switches set for the
+    call only."""
     def run():
         direct_mod.STORE_CACHE, direct_mod.LOAD_EVICT = v["store_cache"], v["load_evict"]
         direct_mod.ROW_WARPS = v["row_warps"]
         try:
-            op(s.kv, host, slots, blocks_dev, layout="layer_first", layers=0, num_programs=v["programs"],
+            op(s.kv, host, slots, blocks_dev, layout=layout, layers=0, num_programs=v["programs"],
                tile_bytes=v["tile_kib"] * 1024, num_warps=v["warps"], check=False)
         finally:
             direct_mod.STORE_CACHE = direct_mod.LOAD_EVICT = ""
@@ -608,8 +609,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/transfer_h200.json")
     ap.add_argument("--sections", default="sizes,gemm,bidir,latency,overhead")
-    ap.add_argument("--sweep-configs", default="", help="direct configs for the sweep: p:w:t,p:w:t (tile KiB)")
-    ap.add_argument("--gemm-configs", default="", help="extra direct configs beside the GEMM: p:w:t,p:w:t")
+    ap.add_argument("--sweep-configs", default="",
+                    help="direct configs for the sweep: p:w:t[:store_cache[:load_evict[:rw]]],... (tile KiB)")
+    ap.add_argument("--gemm-configs", default="", help="extra direct configs beside the GEMM, as --sweep-configs")
     ap.add_argument("--hicache-variants", default="",
                     help="extra direct configs against HiCache: p:w:t[:store_cache[:load_evict[:rw]]],... "
                          "(e.g. 4:32:64:.cs or 4:32:64:::rw)")
@@ -617,9 +619,9 @@ def main() -> None:
     args = ap.parse_args()
     globals()["HICACHE_ROUNDS"] = args.hicache_rounds
     HICACHE_VARIANTS.extend(c for c in args.hicache_variants.split(",") if c)
-    GEMM_EXTRA.extend(tuple(int(x) for x in c.split(":")) for c in args.gemm_configs.split(",") if c)
+    GEMM_EXTRA.extend(c for c in args.gemm_configs.split(",") if c)
     if args.sweep_configs:
-        SWEEP_CONFIGS[:] = [tuple(int(x) for x in c.split(":")) for c in args.sweep_configs.split(",") if c]
+        SWEEP_CONFIGS[:] = [c for c in args.sweep_configs.split(",") if c]
     sections = args.sections.split(",")
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
