@@ -193,7 +193,7 @@ def check_direct(s: Setup, layout: str, gen: torch.Generator) -> bool:
 
 # --- sections ---
 
-# direct configs, programs:warps:tile_kib[:store_cache[:load_evict[:rw]]] (see _parse_variant)
+# direct configs, programs:warps:tile_kib (see _parse_variant)
 SWEEP_CONFIGS = ["2:16:128", "3:8:64", "3:16:128", "4:8:64", "4:8:128", "4:16:128", "4:32:128", "4:16:256",
                  "6:8:64", "8:8:64", "8:16:128"]
 
@@ -211,7 +211,7 @@ def run_sweep(res: dict, host_bytes: torch.Tensor, gen) -> None:
             host = s.host(layout)
             for v in map(_parse_variant, SWEEP_CONFIGS):
                 row = {"page": page, "layout": layout, "config": v["name"], "programs": v["programs"],
-                       "warps": v["warps"], "tile_kib": v["tile_kib"], "row_warps": v["row_warps"]}
+                       "warps": v["warps"], "tile_kib": v["tile_kib"]}
                 for name, op in (("d2h", store_pages), ("h2d", load_pages)):
                     t = time_gpu_ms(_direct_variant_fn(op, s, host, slots, blocks, v, layout), reps=10)
                     row[f"{name}_gbps"] = gbps(nbytes, t["median_ms"])
@@ -429,30 +429,15 @@ HICACHE_VARIANTS: list = []  # extra direct configs for the alternating comparis
 
 
 def _parse_variant(text: str) -> dict:
-    """``programs:warps:tile_kib[:store_cache[:load_evict[:rw]]]`` -> kwargs and module switches of one direct
-    config (``rw``: transfer.ROW_WARPS on)."""
-    parts = text.split(":") + [""] * 3
-    v = {"programs": int(parts[0]), "warps": int(parts[1]), "tile_kib": int(parts[2]),
-         "store_cache": parts[3], "load_evict": parts[4], "row_warps": parts[5] == "rw"}
-    sc = f"_st{v['store_cache']}" if v["store_cache"] else ""
-    le = f"_{v['load_evict']}" if v["load_evict"] else ""
-    v["name"] = f"p{v['programs']}_w{v['warps']}_t{v['tile_kib']}{sc}{le}{'_rw' if v['row_warps'] else ''}"
-    return v
+    """``programs:warps:tile_kib`` -> the kwargs of one direct config, and its name."""
+    p, w, t = (int(x) for x in text.split(":"))
+    return {"programs": p, "warps": w, "tile_kib": t, "name": f"p{p}_w{w}_t{t}"}
 
 
 def _direct_variant_fn(op, s: Setup, host, slots, blocks_dev, v: dict, layout: str = "layer_first"):
-    """One call of ``op`` (store_pages / load_pages) on layer 0 with config ``v``, its module switches set for the
-    call only."""
-    def run():
-        direct_mod.STORE_CACHE, direct_mod.LOAD_EVICT = v["store_cache"], v["load_evict"]
-        direct_mod.ROW_WARPS = v["row_warps"]
-        try:
-            op(s.kv, host, slots, blocks_dev, layout=layout, layers=0, num_programs=v["programs"],
-               tile_bytes=v["tile_kib"] * 1024, num_warps=v["warps"], check=False)
-        finally:
-            direct_mod.STORE_CACHE = direct_mod.LOAD_EVICT = ""
-            direct_mod.ROW_WARPS = False
-    return run
+    """One call of ``op`` (store_pages / load_pages) on layer 0 with config ``v``."""
+    return lambda: op(s.kv, host, slots, blocks_dev, layout=layout, layers=0, num_programs=v["programs"],
+                      tile_bytes=v["tile_kib"] * 1024, num_warps=v["warps"], check=False)
 
 
 def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
@@ -610,11 +595,10 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/transfer_h200.json")
     ap.add_argument("--sections", default="sizes,gemm,bidir,latency,overhead")
     ap.add_argument("--sweep-configs", default="",
-                    help="direct configs for the sweep: p:w:t[:store_cache[:load_evict[:rw]]],... (tile KiB)")
+                    help="direct configs for the sweep: p:w:t,p:w:t (tile KiB)")
     ap.add_argument("--gemm-configs", default="", help="extra direct configs beside the GEMM, as --sweep-configs")
     ap.add_argument("--hicache-variants", default="",
-                    help="extra direct configs against HiCache: p:w:t[:store_cache[:load_evict[:rw]]],... "
-                         "(e.g. 4:32:64:.cs or 4:32:64:::rw)")
+                    help="extra direct configs against HiCache, as --sweep-configs")
     ap.add_argument("--hicache-rounds", type=int, default=7)
     args = ap.parse_args()
     globals()["HICACHE_ROUNDS"] = args.hicache_rounds

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from kvtier.geometry import KVGeometry
 from kvtier.kernels import StagedTransfer, copy_pages_ref, load_pages, store_pages
 from kvtier.kernels import staged as staged_mod
-from kvtier.kernels import transfer as transfer_mod
 from kvtier.kernels.staged import chunk_pages
 from tests.kv_helpers import as_bytes, make_host, make_kv, snapshot
 
@@ -41,7 +40,6 @@ class Case:
     staging_pages: int
     num_buffers: int
     seed: int
-    row_warps: bool = False  # transfer.ROW_WARPS: the tile shape that keeps each chunk within one warp
 
 
 @st.composite
@@ -68,8 +66,7 @@ def cases(draw, budget: int = BUDGET_BYTES) -> Case:
                 mode=draw(st.sampled_from(["direct", "staged"])), num_pages=draw(st.integers(1, max_pages)),
                 spare_blocks=draw(st.integers(0, 3)), layers=layers, num_programs=draw(st.integers(1, 5)),
                 tile_bytes=draw(st.sampled_from([256, 4096, 65536])), staging_pages=draw(st.integers(1, 3)),
-                num_buffers=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**31 - 1)),
-                row_warps=draw(st.booleans()))
+                num_buffers=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**31 - 1)))
 
 
 def _layer_range(layers, num_layers: int) -> range:
@@ -79,14 +76,6 @@ def _layer_range(layers, num_layers: int) -> range:
 
 
 def run_round_trip(case: Case, device: str) -> None:
-    saved, transfer_mod.ROW_WARPS = transfer_mod.ROW_WARPS, case.row_warps
-    try:
-        _round_trip(case, device)
-    finally:
-        transfer_mod.ROW_WARPS = saved
-
-
-def _round_trip(case: Case, device: str) -> None:
     geo, page = case.geo, case.geo.page_size
     gen = torch.Generator().manual_seed(case.seed)
     n = case.num_pages
@@ -153,11 +142,10 @@ def test_round_trip_is_byte_exact(device: str, case: Case) -> None:
     KVGeometry(2, 3, 64, torch.float16, page_size=1),  # 384 B rows: chunks of 128 B
     KVGeometry(2, 1, 36, torch.uint8, page_size=3),  # 36 B rows: 4-byte words, non power-of-two page
 ], ids=["qwen3", "mla_fp8", "odd_heads", "narrow_rows"])
-@pytest.mark.parametrize("row_warps", [False, True], ids=["chunk_warps", "row_warps"])
-def test_round_trip_fixed_shapes(device: str, layout: str, mode: str, geo: KVGeometry, row_warps: bool) -> None:
-    """Shapes that straddle chunk boundaries or force narrow words, every layout, mode and tile shape."""
+def test_round_trip_fixed_shapes(device: str, layout: str, mode: str, geo: KVGeometry) -> None:
+    """Shapes that straddle chunk boundaries or force narrow words, every layout and mode."""
     case = Case(geo=geo, layout=layout, mode=mode, num_pages=3, spare_blocks=2, layers=None, num_programs=3,
-                tile_bytes=4096, staging_pages=2, num_buffers=2, seed=7, row_warps=row_warps)
+                tile_bytes=4096, staging_pages=2, num_buffers=2, seed=7)
     run_round_trip(case, device)
 
 

@@ -44,7 +44,10 @@ from kvtier.kernels.paged_kv import PagedKV, as_words
 # bench/results/probes/transfer_h200_run2.json and hicache_variants_h200.json), 32 KiB tiles loaded 0.1-0.3 GB/s
 # faster, but as the default for loads they slowed the GEMM beside them by 7.7% (64 KiB: 2.2-2.7%) and page-1
 # `page_first` loads to 45 GB/s (bench/results/probes/transfer_h200_load_tile32.json): both directions keep
-# 64 KiB. Store cache hints (.cs, .cg) and evict_first loads changed nothing measurable.
+# 64 KiB. Store cache hints (.cs, .cg) and evict_first loads changed nothing measurable; nor did a tile shaped so
+# that one warp copies a whole row, as HiCache does (2026-11-30, bench/results/probes/row_warps_h200.json: within
+# +-0.5 GB/s either way, and 9% GEMM slowdown against 3.6% in the same run). Both kernels sit at the SM path's
+# ceiling, below the copy engine's (not verified: SM writes to host likely leave in smaller PCIe packets).
 # DEFAULT_PROGRAMS: persistent programs (one SM each) for bulk transfers.
 # TILE_BYTES: bytes one program loads before it stores (K and V together): the bytes it keeps in flight.
 # NUM_WARPS: warps per program; 32 warps hold a 64 KiB tile in 64 B per thread (4 x 16-byte vectors).
@@ -58,16 +61,6 @@ BURST_BYTES = 4 * 1024 * 1024
 BURST_PROGRAMS = 32
 # Longest contiguous run one lane group copies; longer rows are split into chunks of this many bytes.
 MAX_CHUNK_BYTES = 2048
-# PTX cache hints of the copy's stores and loads (Triton's ``cache_modifier`` / ``eviction_policy`` strings; "" is
-# the default). Every launch reads them, so a benchmark may set them to compare variants.
-STORE_CACHE = ""
-LOAD_EVICT = ""
-# Experiment (default off, not yet measured): shape the tile so that each warp copies whole chunks (a 2 KiB row in
-# four 512 B instructions, as SGLang's HiCache kernel does) instead of 512 B of four different rows; host writes
-# then arrive row by row. Read at every launch, like the hints above.
-ROW_WARPS = False
-
-
 # Integer arguments are not specialised on their values (Triton would otherwise compile a variant for n_layers == 1,
 # for multiples of 16, ...): one compiled kernel per geometry and direction, no compile stalls mid-serving.
 @triton.jit(do_not_specialize=["n_rows", "layer_start", "n_layers", "stride_block", "stride_layer", "stride_kv",
@@ -92,10 +85,6 @@ def _copy_pages_kernel(
     CHUNK: tl.constexpr,  # words per contiguous chunk: a power of two dividing ROW_WORDS
     SEGS: tl.constexpr,  # chunks per tile and buffer (power of two)
     ALIGN: tl.constexpr,  # dev_offsets unit, in words
-    ST_CACHE: tl.constexpr,  # cache modifier of the data stores (STORE_CACHE)
-    LD_EVICT: tl.constexpr,  # eviction policy of the data loads (LOAD_EVICT)
-    ROW_WARPS: tl.constexpr,  # tile shape that keeps each chunk within one warp (ROW_WARPS)
-    LANE: tl.constexpr,  # words one warp moves per instruction (32 lanes x 16 B), at most CHUNK
 ):
     CHUNKS_PER_ROW: tl.constexpr = ROW_WORDS // CHUNK
     pid = tl.program_id(0)
@@ -105,7 +94,6 @@ def _copy_pages_kernel(
     kv = tl.arange(0, KV)
     lane_seg = tl.arange(0, SEGS)
     word = tl.arange(0, CHUNK)
-    part_word = (tl.arange(0, CHUNK // LANE) * LANE)[None, None, :, None] + tl.arange(0, LANE)[None, None, None, :]
     for item in range(pid, n_layers * n_tiles, nprog):
         layer = (layer_start + item // n_tiles).to(tl.int64)
         seg = (item % n_tiles).to(tl.int64) * SEGS + lane_seg  # [SEGS] chunk index over all rows
@@ -119,20 +107,13 @@ def _copy_pages_kernel(
         blk_row = block * stride_block + (layer - blocks_layer0) * stride_layer + row % PAGE
         blk_row = blk_row[None, :] + (kv * stride_kv)[:, None]  # [KV, SEGS]
         blk_word = blk_row * ROW_WORDS + col[None, :]  # [KV, SEGS]
-        if ROW_WARPS:  # [SEGS, KV, CHUNK // LANE, LANE]: Triton gives each warp whole chunks, in order
-            dev_ptrs = dev_base + tl.trans(dev_word)[:, :, None, None] + part_word
-            blk_ptrs = blocks + tl.trans(blk_word)[:, :, None, None] + part_word
-            mask = seg_ok[:, None, None, None]
-        else:  # [KV, SEGS, CHUNK]: Triton spreads a chunk over CHUNK / LANE warps
-            dev_ptrs = dev_base + dev_word[:, :, None] + word[None, None, :]
-            blk_ptrs = blocks + blk_word[:, :, None] + word[None, None, :]
-            mask = seg_ok[None, :, None]  # broadcast over K/V and the chunk's words
+        dev_ptrs = dev_base + dev_word[:, :, None] + word[None, None, :]  # [KV, SEGS, CHUNK]
+        blk_ptrs = blocks + blk_word[:, :, None] + word[None, None, :]
+        mask = seg_ok[None, :, None]  # broadcast over K/V and the chunk's words
         if TO_BLOCKS:
-            words = tl.load(dev_ptrs, mask=mask, eviction_policy=LD_EVICT)
-            tl.store(blk_ptrs, words, mask=mask, cache_modifier=ST_CACHE)
+            tl.store(blk_ptrs, tl.load(dev_ptrs, mask=mask), mask=mask)
         else:
-            words = tl.load(blk_ptrs, mask=mask, eviction_policy=LD_EVICT)
-            tl.store(dev_ptrs, words, mask=mask, cache_modifier=ST_CACHE)
+            tl.store(dev_ptrs, tl.load(blk_ptrs, mask=mask), mask=mask)
 
 
 def default_programs(nbytes: int) -> int:
@@ -175,9 +156,7 @@ def launch_copy_pages(
     grid = (max(1, min(num_programs, n_items)),)
     pointers = (kv.base, kv.offsets, as_words(blocks, word_bytes), slots, block_ids)
     args = (*pointers, n_rows, span.start, span.count, *strides, blocks_layer0)
-    lane = min(chunk, 32 * max(16 // word_bytes, 1))  # 32 lanes x one 16-byte vector
-    consts = (to_blocks, geo.kv_count, geo.page_size, row_words, chunk, segs, kv.align_words, STORE_CACHE,
-              LOAD_EVICT, ROW_WARPS, lane)
+    consts = (to_blocks, geo.kv_count, geo.page_size, row_words, chunk, segs, kv.align_words)
     _launch(grid, args, pointers, consts, num_warps)
 
 
@@ -186,8 +165,7 @@ def launch_copy_pages(
 # call the compiled kernel directly. Triton specialises pointers on 16-byte alignment (ints are not specialised,
 # see do_not_specialize), so the key is the constexprs, the warps, the device and the pointers' alignment.
 _compiled: dict[tuple, object] = {}
-_CONST_NAMES = ("TO_BLOCKS", "KV", "PAGE", "ROW_WORDS", "CHUNK", "SEGS", "ALIGN", "ST_CACHE", "LD_EVICT",
-                "ROW_WARPS", "LANE")
+_CONST_NAMES = ("TO_BLOCKS", "KV", "PAGE", "ROW_WORDS", "CHUNK", "SEGS", "ALIGN")
 
 
 def _launch(grid: tuple, args: tuple, pointers: tuple, consts: tuple, num_warps: int) -> None:
