@@ -79,6 +79,7 @@ def transfer_table() -> str:
         *([f"| copy engine, contiguous, same bytes: store / load / combined | {bidir_ce['store_gbps']} / "
            f"{bidir_ce['load_gbps']} / {bidir_ce['combined_gbps']} GB/s |"] if bidir_ce else []),
         *_staged_probe_rows(),
+        *_copy2d_probe_rows(),
         f"| 8192³ bf16 GEMM slowdown beside back-to-back H2D: kvtier direct default / HiCache | "
         f"+{s['gemm_slowdown_pct']}% / +{s['gemm_slowdown_hicache_pct']}% |",
         f"| one 16-token page × 36 layers, all-layer call, Qwen3-8B (PCIe floor "
@@ -100,6 +101,27 @@ def _staged_probe_rows() -> list:
     return [f"| staged load alone, 1024 tokens, {probe['rounds']} alternating rounds, separate run "
             f"(`bench/probe_staged.py`): short last chunk (default) / without / one contiguous copy-engine copy | {g['default']} / "
             f"{g['no_short_tail']} / {g['copy_engine_contiguous']} GB/s |"]
+
+
+def _copy2d_probe_rows() -> list:
+    """Rows from bench/probe_copy2d.py's run (2-D copy-engine copies against one copy per block), if committed."""
+    probe = _load("probes/probe_copy2d_h200.json")
+    if probe is None:
+        return []
+
+    def cells(layout, layers, blocks, method):
+        sel = sorted((c for c in probe["cases"] if (c["layout"], c["layers"], c["blocks"]) == (layout, layers, blocks)),
+                     key=lambda c: c["page"])
+        return " / ".join("/".join(f"{c['gbps'][f'{method}_{d}']:g}" for c in sel) for d in ("d2h", "h2d"))
+
+    rows = []
+    for layout, layers, blocks, what in (("page_first", 0, "consecutive", "one layer of 16384 tokens"),
+                                         ("layer_first", "all", "consecutive", "all 36 layers of 1024 tokens"),
+                                         ("layer_first", "all", "random", "all 36 layers of 1024 tokens")):
+        rows.append(f"| staged, {what}, `{layout}`, {blocks} blocks, pages 1/16/64, store / load GB/s, separate run "
+                    f"(`bench/probe_copy2d.py`): a 2-D copy per run of blocks (now) ; 1-D copies (before) | "
+                    f"{cells(layout, layers, blocks, 'copy_2d')} ; {cells(layout, layers, blocks, 'rows_1d')} |")
+    return rows
 
 
 def index_table() -> str:

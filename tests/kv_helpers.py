@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvtier.geometry import KVGeometry
@@ -22,8 +24,12 @@ def make_kv(geo: KVGeometry, num_slots: int, device: str, gen: torch.Generator) 
 
 
 def make_host(geo: KVGeometry, num_blocks: int, layout: str, device: str, gen: torch.Generator) -> torch.Tensor:
-    host = torch.empty(geo.host_shape(num_blocks, layout), dtype=geo.dtype, pin_memory=(device == "cuda"))
-    return random_bytes_(host, gen)
+    """Random host blocks: a view 64 bytes into a larger allocation, so code that ignores a view's offset fails."""
+    shape = geo.host_shape(num_blocks, layout)
+    pad = 64 // geo.itemsize
+    whole = torch.empty(math.prod(shape) + 2 * pad, dtype=geo.dtype, pin_memory=(device == "cuda"))
+    random_bytes_(whole, gen)
+    return whole[pad:pad + math.prod(shape)].view(shape)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -289,13 +289,16 @@ def test_gpu_layerwise_never_reads_stale_bytes(backend, wait):
         assert not all(fresh)
 
 
+@pytest.mark.parametrize("short_slices", [False, True], ids=["long_slices", "short_slices"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layerwise, layout):
+def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layerwise, layout, short_slices):
     """``auto``: stores always staged; a load copy of >= AUTO_STAGED_LOAD_BYTES staged, a smaller one direct;
-    layerwise loads from a ``page_first`` pool always direct (a layer there is a slice of every block)."""
+    layerwise loads from a ``page_first`` pool direct when a block's layer slice is shorter than
+    AUTO_STAGED_MIN_SLICE_BYTES."""
     import kvtier.tier.manager as manager
 
+    monkeypatch.setattr(manager, "AUTO_STAGED_MIN_SLICE_BYTES", TINY.page_bytes + 1 if short_slices else 1)
     calls = []
     for name in ("store", "load"):
         real = getattr(manager.StagedTransfer, name)
@@ -309,7 +312,7 @@ def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layer
     assert calls == ["store"]
     per_copy = 4 * TINY.block_bytes // (TINY.num_layers if layerwise else 1)
     load = tier.load_layerwise if layerwise else tier.load
-    never = layerwise and layout == "page_first"
+    never = layerwise and layout == "page_first" and short_slices
     for threshold, staged in ((per_copy + 1, False), (per_copy, not never)):
         calls.clear()
         monkeypatch.setattr(manager, "AUTO_STAGED_LOAD_BYTES", threshold)

@@ -7,12 +7,11 @@ overlaps the copy of chunk c. The SMs only do device-to-device work (microsecond
 the copy engines, one per direction, so a store and a load can run at the same time at close to twice the
 bandwidth of either (~101 GB/s on an H200 against ~55 one way).
 
-Copies are issued per run of consecutive block ids: a host pool that hands out contiguous blocks for a prefix (as
-kvtier's does) makes a run per request; random block ids degrade to one copy per block (and per layer and K/V for
-``layer_first``), where the per-copy cost (~2-5 us issue) shows for small blocks. In ``page_first`` a span of
-fewer than all layers is a slice of every block, so it too costs one copy per block: one layer of 64 MiB moved at
-0.04 (page 1) to 5 (page 64) GB/s on an H200 (bench/results/transfer_h200.json, ``sizes``); use the direct kernel
-there (kvtier's tier does in ``auto`` mode). One 2-D copy per run of blocks (``cudaMemcpy2DAsync``) would fix it.
+Copies are issued per run of consecutive block ids, one ``cudaMemcpy2DAsync`` each: a ``page_first`` run is a
+row per block (or one row of whole blocks when every layer moves), a ``layer_first`` run a row per (layer, K/V)
+plane. A host pool that hands out contiguous blocks for a prefix (as kvtier's does) makes a run per request; random
+block ids degrade to one copy per block, where the per-copy cost (~2-5 us issue) shows for small blocks. Without
+cupy, or where the rows cross a host registration, a 2-D copy becomes one copy per row.
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ EDGE_CHUNK_DIVISOR = 4
 # Host time to issue one copy-engine copy and one gather launch (H200 host, cupy memcpyAsync): weighs chunk shapes.
 _COPY_US = 2.0
 _LAUNCH_US = 15.0
+_CUDA_DEV_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
 
 try:  # cupy's raw memcpy issues a copy in ~1-2 us of host time, against ~5-8 us for torch's copy_ on views
     import cupy as _cupy
@@ -123,6 +123,7 @@ class StagedTransfer:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.num_blocks = check_blocks_tensor(kv, host, layout, host_side=True)
         self.kv, self.host, self.layout = kv, host, layout
+        self._host_bytes = host.reshape(-1).view(torch.uint8)  # the copies address host blocks in bytes
         geo = kv.geometry
         self.staging_bytes = max(staging_bytes, geo.block_bytes)
         self.gather_programs, self.scatter_programs = gather_programs, scatter_programs
@@ -167,13 +168,14 @@ class StagedTransfer:
     def _chunk_spans(self, span: LayerSpan, num_pages: int) -> list[LayerSpan]:
         """The layer spans to stage one after the other: the whole span, or (``layer_first``) one layer at a time.
 
-        In ``layer_first`` a chunk of several layers costs one copy per (layer, K/V, run of blocks), and holds few
-        pages (a 16 MiB chunk is 7 pages of 36 Qwen3-8B layers): a large transfer then issues thousands of small
-        copies and becomes host bound. Layer by layer, a chunk holds hundreds of pages and costs one copy per
-        K/V and run, plus one more gather launch per layer. Pick whichever issues less (copies ~2 us of host time
-        each, launches ~15 us).
+        A run of blocks costs one 2-D copy whatever the span (:func:`_copy_2d`), so the whole span is staged at once.
+        Without cupy there is no 2-D copy: a ``layer_first`` chunk of several layers then costs one copy per
+        (layer, K/V, run of blocks) and holds few pages (a 16 MiB chunk is 7 pages of 36 Qwen3-8B layers), and a
+        large transfer issues thousands of small copies. Layer by layer, a chunk holds hundreds of pages and costs
+        one copy per K/V and run, plus one more gather launch per layer. Pick whichever issues less (copies ~2 us of
+        host time each, launches ~15 us).
         """
-        if self.layout != "layer_first" or span.count == 1:
+        if self.layout != "layer_first" or span.count == 1 or _cupy is not None:
             return [span]
         geo = self.kv.geometry
         per_chunk_all, per_chunk_one = self._pages_per_chunk(span.count), self._pages_per_chunk(1)
@@ -257,43 +259,90 @@ class StagedTransfer:
 
     def _copy_runs(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool,
                    stream) -> None:
-        """Copy-engine copies between the staging buffer and the host blocks, one per contiguous region."""
-        all_layers = span.count == self.kv.geometry.num_layers
-        l0, l1 = span.start, span.start + span.count
+        """Copy-engine copies between the staging buffer and the host blocks: one 2-D copy per run of blocks."""
+        for host_view, staging_view in self._run_views(staging, host_ids, span):
+            if to_host:
+                _copy_2d(host_view, staging_view, stream)
+            else:
+                _copy_2d(staging_view, host_view, stream)
+
+    def _run_views(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan):
+        """(host, staging) 2-D byte views of each run of consecutive host blocks: rows of equal width at a pitch.
+
+        ``page_first``: a row per block, the span's layers of it (one row of whole blocks when the span is all
+        layers). ``layer_first``: a row per (layer, K/V) plane of the span, the run's pages of it.
+        """
+        geo = self.kv.geometry
+        host_bytes = self._host_bytes
+        stg_bytes = staging.view(-1).view(torch.uint8)
+        layer_bytes = geo.page_bytes  # one layer of a page_first block, K and V
+        plane_page = geo.page_size * geo.row_bytes  # one page of a layer_first (layer, K/V) plane
+        n = host_ids.size
         for start, length in _runs(host_ids):
             h0 = int(host_ids[start])
             if self.layout == "page_first":
-                if all_layers:  # a run of whole blocks is one contiguous region
-                    pairs = [(self.host[h0:h0 + length], staging[start:start + length])]
-                else:  # within a block, a span of layers is contiguous
-                    pairs = [(self.host[h0 + j, l0:l1], staging[start + j]) for j in range(length)]
-            else:  # layer_first: a run of blocks is contiguous within each (layer, kv)
-                pairs = [(self.host[layer, k, h0:h0 + length], staging[layer - l0, k, start:start + length])
-                         for layer in range(l0, l1) for k in range(self.kv.geometry.kv_count)]
-            for host_view, staging_view in pairs:
-                if to_host:
-                    _copy(host_view, staging_view, stream)
+                width = span.count * layer_bytes
+                if span.count == geo.num_layers:  # whole blocks: one contiguous row
+                    shape, host_pitch, stg_pitch = (1, length * width), 0, 0
                 else:
-                    _copy(staging_view, host_view, stream)
+                    shape, host_pitch, stg_pitch = (length, width), geo.block_bytes, width
+                host_off, stg_off = h0 * geo.block_bytes + span.start * layer_bytes, start * width
+            else:
+                shape = (span.count * geo.kv_count, length * plane_page)
+                host_pitch, stg_pitch = self.num_blocks * plane_page, n * plane_page
+                host_off = span.start * geo.kv_count * host_pitch + h0 * plane_page
+                stg_off = start * plane_page
+            # as_strided offsets count from the storage's start, not the view's
+            yield (host_bytes.as_strided(shape, (host_pitch, 1), host_bytes.storage_offset() + host_off),
+                   stg_bytes.as_strided(shape, (stg_pitch, 1), stg_bytes.storage_offset() + stg_off))
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
-    """Asynchronous copy between two contiguous views of equal size (copy-engine copies on CUDA).
+def _copy_2d(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+    """Asynchronous copy between two 2-D byte views of equal shape, rows contiguous (copy engines on CUDA).
 
-    A copy may not span two separate host registrations (a chunk-registered pool), so it is split at their
-    boundaries (one piece in the common case).
+    One ``cudaMemcpy2DAsync`` when the rows fit its pitch limit and the host rows lie in one host registration;
+    otherwise one copy per row, each split at registration boundaries (a chunk-registered pool).
     """
     if stream is None:
         dst.copy_(src)
         return
+    height, width = dst.shape
+    if height == 1:
+        _copy(dst[0], src[0], stream)
+        return
     host = dst if dst.device.type == "cpu" else src
-    nbytes = dst.numel() * dst.element_size()
-    for off, length in split_at_registrations(host.data_ptr(), nbytes):
+    host_extent = (height - 1) * host.stride(0) + width
+    if (_cupy is not None and max(dst.stride(0), src.stride(0)) <= _max_pitch()
+            and len(split_at_registrations(host.data_ptr(), host_extent)) == 1):
+        _cupy.cuda.runtime.memcpy2DAsync(dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), width, height,
+                                         _cupy.cuda.runtime.memcpyDefault, stream.cuda_stream)
+        return
+    for row in range(height):
+        _copy(dst[row], src[row], stream)
+
+
+_MAX_PITCH: list[int] = []
+
+
+def _max_pitch() -> int:
+    """The device's largest pitch for 2-D copies (cudaDevAttrMaxPitch), read once."""
+    if not _MAX_PITCH:
+        _MAX_PITCH.append(_cupy.cuda.runtime.deviceGetAttribute(_CUDA_DEV_ATTR_MAX_PITCH,
+                                                                 _cupy.cuda.runtime.getDevice()))
+    return _MAX_PITCH[0]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+    """Asynchronous copy between two contiguous 1-D byte views of equal size (copy-engine copies on CUDA).
+
+    A copy may not span two separate host registrations (a chunk-registered pool), so it is split at their
+    boundaries (one piece in the common case).
+    """
+    host = dst if dst.device.type == "cpu" else src
+    for off, length in split_at_registrations(host.data_ptr(), dst.numel()):
         if _cupy is not None:
             _cupy.cuda.runtime.memcpyAsync(dst.data_ptr() + off, src.data_ptr() + off, length,
                                            _cupy.cuda.runtime.memcpyDefault, stream.cuda_stream)
         else:
-            d = dst.view(-1).view(torch.uint8)[off:off + length]
-            s = src.view(-1).view(torch.uint8)[off:off + length]
             with torch.cuda.stream(stream):
-                d.copy_(s, non_blocking=True)
+                dst[off:off + length].copy_(src[off:off + length], non_blocking=True)

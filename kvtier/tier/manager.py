@@ -29,8 +29,9 @@ Transfer modes (``TierConfig.transfer_mode``): ``direct`` and ``staged`` use tha
 stores through the staged path (copy engine: leaves the SMs to the forward pass, and a D2H on the copy engine can
 overlap an H2D) and loads through the staged path too when one copy (a whole load, or one layer of a layerwise
 load) moves at least :data:`AUTO_STAGED_LOAD_BYTES`; smaller loads take the direct kernel (no staging hop, lowest
-latency), and so do layerwise loads from a ``page_first`` pool (one layer is a slice of every block there: the
-copy engine would need a copy per block and layer). Measured on an H200 (bench/results/layerwise_h200.json): a layerwise load of an 8k-token prefix
+latency), and so do layerwise loads from a ``page_first`` pool whose layer slice of a block is shorter than
+:data:`AUTO_STAGED_MIN_SLICE_BYTES` (one layer is a row per block there, and the copy engine moves short rows
+slowly). Measured on an H200 (bench/results/layerwise_h200.json): a layerwise load of an 8k-token prefix
 through the direct kernel slowed a concurrent Qwen3-8B-sized forward by 18-23% (the kernel holds its SMs for the
 whole load); through the copy engine by 5-10%.
 """
@@ -53,12 +54,16 @@ from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
 from kvtier.tier.host_pool import HostBlockPool, synchronized
 from kvtier.tier.signal import LayerDoneCounter
 
-__all__ = ["KVTier", "TierTask", "TierStats", "AUTO_STAGED_LOAD_BYTES"]
+__all__ = ["KVTier", "TierTask", "TierStats", "AUTO_STAGED_LOAD_BYTES", "AUTO_STAGED_MIN_SLICE_BYTES"]
 
 # ``auto`` mode: loads of at least this many bytes per copy go through the copy engine (staged), smaller ones
 # through the direct kernel. 4 MiB is one 16-token page of 36 Qwen3-8B layers less than twice over: below it the
 # direct kernel's latency wins and the SMs are held for tens of microseconds only.
 AUTO_STAGED_LOAD_BYTES = 4 * 1024 * 1024
+# ``auto`` mode, layerwise loads from a ``page_first`` pool: one layer is a slice of every block, so the copy engine
+# moves it as one 2-D copy of a row per block. On an H200 that ran at 20 GB/s with 4 KiB rows (Qwen3-8B, page 1)
+# and at 54 GB/s with 64 KiB rows (page 16) (bench/results/probes/probe_copy2d_h200.json); shorter slices go direct.
+AUTO_STAGED_MIN_SLICE_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass
@@ -426,11 +431,11 @@ class KVTier(HostTier):
     def _mode(self, to_host: bool, nbytes: int, per_layer: bool = False) -> str:
         """The path for one copy of ``nbytes``: the configured mode, or in ``auto`` staged for stores and for
         loads of at least :data:`AUTO_STAGED_LOAD_BYTES`, direct for smaller loads. ``auto`` also loads one
-        layer at a time (``per_layer``) from a ``page_first`` pool directly: a layer is a slice of every block
-        there, so the staged path would issue one copy-engine copy per block and layer (host-bound)."""
+        layer at a time (``per_layer``) from a ``page_first`` pool directly when a block's layer slice is shorter
+        than :data:`AUTO_STAGED_MIN_SLICE_BYTES` (the copy engine's rows would be that short)."""
         mode = self.config.transfer_mode
         if mode == "auto":
-            if per_layer and self.layout == "page_first":
+            if per_layer and self.layout == "page_first" and self.geometry.page_bytes < AUTO_STAGED_MIN_SLICE_BYTES:
                 return "direct"
             return "staged" if to_host or nbytes >= AUTO_STAGED_LOAD_BYTES else "direct"
         return mode
