@@ -1,8 +1,8 @@
 """Layerwise load benchmark on one GPU: does loading a host hit layer by layer hide the load behind the forward pass?
 
 Setup: Qwen3-8B KV geometry (36 layers, 8 KV heads x 128, bf16, page 16), an 8k-token prefix stored in the host tier
-(KVTier, layer_first, transfer_mode auto: loads through the direct kernel). Per layer, the "forward" is sized like one
-Qwen3-8B decoder layer over the request's new tokens: QKV projection, writing the new K/V into the paged pool, a
+(KVTier, ``--layout`` layer_first by default, ``--modes`` auto and staged by default). Per layer, the "forward" is
+sized like one Qwen3-8B decoder layer over the request's new tokens: QKV projection, writing the new K/V into the paged pool, a
 gather of the layer's prefix + new K/V by slot (so it reads exactly the loaded bytes), GQA attention (SDPA), output
 projection and the SwiGLU MLP (hidden 4096, intermediate 12288); one set of weights (386 MB, far above L2) serves
 every layer. Variants, each timed on the GPU from one start event to the end of the last layer (CUDA events; the
@@ -234,7 +234,8 @@ def validate_layerwise(tier: KVTier, fwd: Forward, toks: np.ndarray, src: torch.
 
 
 def bench_new_tokens(m: Model, geo: KVGeometry, device: str, prefix_tokens: int, new_tokens: int, reps: int,
-                     spin_cycles: int, transfer_mode: str = "auto", staged: tuple = ()) -> dict:
+                     spin_cycles: int, transfer_mode: str = "auto", staged: tuple = (),
+                     layout: str = "layer_first") -> dict:
     P = geo.page_size
     pages = prefix_tokens // P
     new_pages = -(-new_tokens // P)
@@ -247,7 +248,7 @@ def bench_new_tokens(m: Model, geo: KVGeometry, device: str, prefix_tokens: int,
         bufs.append(b)
     kv = PagedKV.mha(bufs[0::2], bufs[1::2], page_size=P)
     pool_gb = 2 * pages * geo.block_bytes / GiB + 0.01
-    cfg = TierConfig(cpu_cache_gb=pool_gb, page_size=P, host_layout="layer_first",
+    cfg = TierConfig(cpu_cache_gb=pool_gb, page_size=P, host_layout=layout,
                      transfer_mode=transfer_mode)
     tier = KVTier(kv, cfg)
     if staged:  # (staging MiB, scatter programs for loads) of the tier's staged path
@@ -298,7 +299,7 @@ def markdown(results: dict) -> str:
     s = results["summary"]
     lines = [f"# Layerwise load, {results['env'].get('gpu', 'CPU dry run')}", "",
              f"Qwen3-8B geometry, {results['config']['prefix_tokens']}-token prefix, page "
-             f"{results['config']['page_size']}, layer_first, "
+             f"{results['config']['page_size']}, {results['config'].get('layout', 'layer_first')}, "
              f"counter backend {s.get('counter_backend')}. Medians of {results['config']['reps']} reps, ms to the "
              f"end of the last layer.", "",
              "| new tokens | load mode | compute only | load only (1 launch / per layer) | load then compute | layerwise | "
@@ -335,6 +336,8 @@ def main() -> None:
                     help="extra runs of the first mode with staging MiB:programs of the staged path, e.g. 32:4,16:8")
     ap.add_argument("--modes", default="auto,staged",
                     help="TierConfig.transfer_mode values to run; the first one feeds the summary")
+    ap.add_argument("--layout", default="layer_first", choices=["layer_first", "page_first"],
+                    help="host layout of the tier (TierConfig.host_layout)")
     ap.add_argument("--pin-gb", type=float, default=64.0, help="pool size to pin-time (0: skip)")
     ap.add_argument("--pin-chunk-gb", type=float, default=16.0, help="largest single registration (<= 64)")
     ap.add_argument("--spin-ms", type=float, default=30.0, help="GPU spin before each timed variant")
@@ -357,14 +360,15 @@ def main() -> None:
         props = torch.cuda.get_device_properties(0)
         spin = int(args.spin_ms * 1e-3 * getattr(props, "clock_rate", 1_980_000) * 1e3)
     results = {"env": env_info(), "config": {"model": dataclasses.asdict(m) | {"dtype": str(m.dtype)},
-                                             "page_size": page, "prefix_tokens": prefix, "reps": reps,
+                                             "page_size": page, "layout": args.layout,
+                                             "prefix_tokens": prefix, "reps": reps,
                                              "dry": args.dry}, "runs": []}
     runs = [(mode, ()) for mode in args.modes.split(",")]
     runs += [(runs[0][0], tuple(int(x) for x in c.split(":"))) for c in args.staged_configs.split(",") if c]
     for n in news:
         for mode, staged in runs:
             try:
-                r = bench_new_tokens(m, geo, device, prefix, n, reps, spin, mode, staged)
+                r = bench_new_tokens(m, geo, device, prefix, n, reps, spin, mode, staged, args.layout)
             except Exception as e:  # recorded, the other sizes still run
                 traceback.print_exc()
                 r = {"new_tokens": n, "transfer_mode": mode, "error": repr(e)[:500]}
