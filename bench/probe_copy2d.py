@@ -1,4 +1,4 @@
-"""Staged transfers with one 2-D copy per run of blocks, against the module of an earlier commit (1-D copies).
+"""Staged transfers with one 2-D copy per run of blocks, against one 1-D copy per row and an earlier module.
 
 Qwen3-8B, 36 layers, the bench_transfer ``Setup``. Cases where the copy shape matters:
 
@@ -8,8 +8,10 @@ Qwen3-8B, 36 layers, the bench_transfer ``Setup``. Cases where the copy shape ma
   plane (the 1-D module staged layer by layer there, one copy per K/V and run);
 * ``layer_first``, one layer of 16384 tokens, consecutive blocks (the tier's layerwise path).
 
-Each case: the baseline and the current module alternate over rounds (GB/s from the median round), host time
-per call, and a byte check of the current module's round trip.
+Methods: ``copy_2d`` (the current module), ``rows_whole`` (the same with 2-D copies off: a 1-D copy per row),
+``copy_2d_stagingN`` (``--staging-mib``) and, with ``--baseline``, ``baseline`` (the module of an earlier commit;
+named ``rows_1d`` in the first run). Each case: the methods alternate over rounds (GB/s from the median round),
+host time per call, and a byte check of the current module's round trip.
 
 Run on the GPU machine: ``python bench/probe_copy2d.py --baseline OLD_STAGED.py --out $OUT/probe_copy2d.json``
 with ``OLD_STAGED.py`` from ``git show <commit>:kvtier/kernels/staged.py``.
@@ -56,7 +58,10 @@ def _on(stream, fn):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", required=True, help="staged.py of an earlier commit")
+    ap.add_argument("--baseline", default="", help="staged.py of an earlier commit (method 'baseline'), or none")
+    ap.add_argument("--staging-mib", default="", help="extra copy_2d runs with these staging sizes, e.g. 64,128")
+    ap.add_argument("--skip", default="", help="methods to leave out, e.g. rows_whole")
+    ap.add_argument("--cases", default="", help="indices into CASES to run, e.g. 0,1 (default: all)")
     ap.add_argument("--out", default="/tmp/probe_copy2d.json")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pages", default="1,16,64")
@@ -65,14 +70,26 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     host_bytes = torch.empty(2700 * MiB, dtype=torch.uint8, pin_memory=True)
     host_bytes.fill_(0x5A)
-    modules = {"rows_1d": _module(args.baseline), "copy_2d": staged_mod}
+    # rows_whole: the current module with 2-D copies off (its pitch limit 0): one 1-D copy per row, whole spans
+    rows_whole = _module(staged_mod.__file__)
+    rows_whole._max_pitch = lambda: 0
+    methods = {"copy_2d": (staged_mod, {}), "rows_whole": (rows_whole, {})}
+    methods.update({f"copy_2d_staging{m}": (staged_mod, {"staging_bytes": int(m) * MiB})
+                    for m in args.staging_mib.split(",") if m})
+    if args.baseline:
+        methods["baseline"] = (_module(args.baseline), {})
+    for name in args.skip.split(","):
+        methods.pop(name, None)
+    cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
     stream = torch.cuda.Stream()
-    with open(args.baseline, "rb") as f:
-        baseline_sha1 = hashlib.sha1(f.read()).hexdigest()
+    baseline_sha1 = None
+    if args.baseline:
+        with open(args.baseline, "rb") as f:
+            baseline_sha1 = hashlib.sha1(f.read()).hexdigest()
     res = {"env": env_info(), "rounds": args.rounds, "baseline_sha1": baseline_sha1, "cases": []}
     for page in (int(p) for p in args.pages.split(",")):
         s = Setup("qwen3_8b", 36, page, 200_000, 16384, host_bytes)
-        for layout, layers, tokens, pattern in CASES:
+        for layout, layers, tokens, pattern in cases:
             host = s.host(layout)
             pages = tokens // page
             slots = random_slots(2 * pages, page, s.num_slots, generator=gen)
@@ -84,8 +101,8 @@ def main() -> None:
             case = {"page": page, "layout": layout, "layers": "all" if layers is None else layers,
                     "tokens": tokens, "blocks": pattern, "bytes": nbytes}
             fns = {}
-            for name, mod in modules.items():
-                stager = mod.StagedTransfer(s.kv, host, layout=layout)
+            for name, (mod, kwargs) in methods.items():
+                stager = mod.StagedTransfer(s.kv, host, layout=layout, **kwargs)
                 fns[f"{name}_d2h"] = _on(stream, lambda st=stager: st.store(src, blocks, layers=layers, stream=stream,
                                                                             check=False))
                 fns[f"{name}_h2d"] = _on(stream, lambda st=stager: st.load(dst, blocks, layers=layers, stream=stream,

@@ -8,7 +8,9 @@ exactly, and nothing else changed (source untouched, other slots and blocks unto
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 from kvtier.geometry import KVGeometry
 from kvtier.kernels import StagedTransfer, copy_pages_ref, load_pages, store_pages
 from kvtier.kernels import staged as staged_mod
+from kvtier.kernels.checks import LayerSpan
 from kvtier.kernels.staged import chunk_pages
 from tests.kv_helpers import as_bytes, make_host, make_kv, snapshot
 
@@ -40,6 +43,7 @@ class Case:
     staging_pages: int
     num_buffers: int
     seed: int
+    block_run: bool = False  # blocks are one run of consecutive ids (else a random pick)
 
 
 @st.composite
@@ -66,7 +70,8 @@ def cases(draw, budget: int = BUDGET_BYTES) -> Case:
                 mode=draw(st.sampled_from(["direct", "staged"])), num_pages=draw(st.integers(1, max_pages)),
                 spare_blocks=draw(st.integers(0, 3)), layers=layers, num_programs=draw(st.integers(1, 5)),
                 tile_bytes=draw(st.sampled_from([256, 4096, 65536])), staging_pages=draw(st.integers(1, 3)),
-                num_buffers=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**31 - 1)))
+                num_buffers=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**31 - 1)),
+                block_run=draw(st.booleans()))
 
 
 def _layer_range(layers, num_layers: int) -> range:
@@ -85,7 +90,11 @@ def run_round_trip(case: Case, device: str) -> None:
     host = make_host(geo, num_blocks, case.layout, device, gen)
     perm = torch.randperm(num_slots, generator=gen)
     src, dst = perm[:n * page], perm[n * page:2 * n * page]  # distinct, disjoint, arbitrary token slots
-    blocks = torch.randperm(num_blocks, generator=gen)[:n]
+    if case.block_run:  # one run of consecutive ids (a pool's prefix): staged copies then span many blocks
+        first = int(torch.randint(0, case.spare_blocks + 1, (1,), generator=gen))
+        blocks = torch.arange(first, first + n)
+    else:
+        blocks = torch.randperm(num_blocks, generator=gen)[:n]
     if device == "cuda":
         src, dst, blocks = src.cuda(), dst.cuda(), blocks.cuda()
     span = _layer_range(case.layers, geo.num_layers)
@@ -142,10 +151,12 @@ def test_round_trip_is_byte_exact(device: str, case: Case) -> None:
     KVGeometry(2, 3, 64, torch.float16, page_size=1),  # 384 B rows: chunks of 128 B
     KVGeometry(2, 1, 36, torch.uint8, page_size=3),  # 36 B rows: 4-byte words, non power-of-two page
 ], ids=["qwen3", "mla_fp8", "odd_heads", "narrow_rows"])
-def test_round_trip_fixed_shapes(device: str, layout: str, mode: str, geo: KVGeometry) -> None:
-    """Shapes that straddle chunk boundaries or force narrow words, every layout and mode."""
+@pytest.mark.parametrize("block_run", [False, True], ids=["random_blocks", "block_run"])
+def test_round_trip_fixed_shapes(device: str, layout: str, mode: str, geo: KVGeometry, block_run: bool) -> None:
+    """Shapes that straddle chunk boundaries or force narrow words, every layout and mode, scattered blocks and
+    one run of blocks (staged ``layer_first`` then stages groups of layers)."""
     case = Case(geo=geo, layout=layout, mode=mode, num_pages=3, spare_blocks=2, layers=None, num_programs=3,
-                tile_bytes=4096, staging_pages=2, num_buffers=2, seed=7)
+                tile_bytes=4096, staging_pages=2, num_buffers=2, seed=7, block_run=block_run)
     run_round_trip(case, device)
 
 
@@ -178,15 +189,47 @@ def test_transfers_run_on_the_given_stream(stream_kind: str) -> None:
     assert torch.equal(as_bytes(host), as_bytes(expect))
 
 
-@given(num_pages=st.integers(0, 200), per_chunk=st.integers(1, 40), to_host=st.booleans())
-def test_chunk_plan_covers_every_page_once(num_pages: int, per_chunk: int, to_host: bool) -> None:
+@given(num_pages=st.integers(0, 200), per_chunk=st.integers(1, 40), to_host=st.booleans(),
+       short_edge=st.booleans())
+def test_chunk_plan_covers_every_page_once(num_pages: int, per_chunk: int, to_host: bool, short_edge: bool) -> None:
     """Staging chunks cover the pages in order with no gap or overlap, none larger than a staging buffer; the
-    short chunk sits where the pipeline is exposed (first for stores, last for multi-chunk loads)."""
-    plan = chunk_pages(num_pages, per_chunk, to_host)
+    short chunk sits where the pipeline is exposed (first for stores, last for multi-chunk loads), and without
+    ``short_edge`` every chunk but the last is full."""
+    plan = chunk_pages(num_pages, per_chunk, to_host, short_edge=short_edge)
     assert sum(plan) == num_pages
     assert all(1 <= n <= per_chunk for n in plan)
+    if not short_edge:
+        assert all(n == per_chunk for n in plan[:-1])
+        return
     edge = max(1, per_chunk // staged_mod.EDGE_CHUNK_DIVISOR)
     if len(plan) > 1:
         assert plan[0 if to_host else -1] == edge
     if not to_host and num_pages <= per_chunk:
         assert len(plan) <= 1, "a load that fits one staging buffer is not split"
+
+
+@given(num_layers=st.integers(1, 12), start=st.integers(0, 11), count=st.integers(1, 12),
+       run_lengths=st.lists(st.integers(1, 12), min_size=1, max_size=8), staging_pages=st.integers(1, 30))
+def test_layer_first_groups_cover_the_span_with_the_widest_rows(num_layers: int, start: int, count: int,
+                                                                 run_lengths: list, staging_pages: int) -> None:
+    """``layer_first`` spans are staged in consecutive groups of layers that cover the span once, each the most
+    layers whose pages all fit one staging buffer (one layer when even that does not fit), and only when the runs
+    of blocks are longer on average than a chunk of the whole span holds (else the whole span at once)."""
+    start = min(start, num_layers - 1)
+    span = LayerSpan(start, min(count, num_layers - start))
+    geo = KVGeometry(num_layers, 1, 8, torch.float16, page_size=2)
+    kv = make_kv(geo, 4, "cpu", torch.Generator().manual_seed(0))
+    st_ = StagedTransfer(kv, torch.zeros(geo.host_shape(1, "layer_first"), dtype=geo.dtype), layout="layer_first",
+                         staging_bytes=staging_pages * geo.page_bytes)
+    # runs of consecutive ids separated by gaps of one id
+    host_ids = np.concatenate([np.arange(n) + 100 * i for i, n in enumerate(run_lengths)])
+    groups = st_._chunk_spans(span, host_ids)
+    assert [g.start for g in groups] == list(itertools.accumulate([span.start] + [g.count for g in groups[:-1]]))
+    assert sum(g.count for g in groups) == span.count
+    num_pages = host_ids.size
+    fit = st_.staging_bytes // (num_pages * geo.page_bytes)  # layers whose pages fit one buffer
+    whole_span_chunk = st_.staging_bytes // (span.count * geo.page_bytes)  # pages of a whole-span chunk
+    if fit >= span.count or num_pages <= len(run_lengths) * whole_span_chunk:
+        assert groups == [span]
+    else:
+        assert all(g.count == max(1, fit) for g in groups[:-1]) and groups[-1].count <= max(1, fit)

@@ -49,9 +49,6 @@ GATHER_TILE_BYTES = 64 * 1024
 GATHER_WARPS = 16
 # The short edge chunk of a pipeline is this fraction of a full one (see chunk_pages).
 EDGE_CHUNK_DIVISOR = 4
-# Host time to issue one copy-engine copy and one gather launch (H200 host, cupy memcpyAsync): weighs chunk shapes.
-_COPY_US = 2.0
-_LAUNCH_US = 15.0
 _CUDA_DEV_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
 
 try:  # cupy's raw memcpy issues a copy in ~1-2 us of host time, against ~5-8 us for torch's copy_ on views
@@ -60,15 +57,19 @@ except Exception:  # pragma: no cover - cupy is an optional extra
     _cupy = None
 
 
-def chunk_pages(num_pages: int, per_chunk: int, to_host: bool) -> list[int]:
+def chunk_pages(num_pages: int, per_chunk: int, to_host: bool, *, short_edge: bool = True) -> list[int]:
     """Pages of each staging chunk, in order: full chunks, and a short chunk where the pipeline is exposed.
 
     A store starts with a gather that no copy overlaps, so its first chunk is short. A load that needs several
     chunks ends with a scatter that no copy overlaps, so its last chunk is short (a load that fits one chunk is
     not split: the extra copy and launch would cost about what the shorter scatter saves). The short chunk is
-    1 / :data:`EDGE_CHUNK_DIVISOR` of a full one.
+    1 / :data:`EDGE_CHUNK_DIVISOR` of a full one. ``short_edge=False``: full chunks only (a span in the middle of
+    a transfer staged in several spans).
     """
     edge = max(1, per_chunk // EDGE_CHUNK_DIVISOR)
+    if not short_edge:
+        full, rest = divmod(num_pages, per_chunk)
+        return [per_chunk] * full + ([rest] if rest else [])
     if num_pages <= (edge if to_host else per_chunk):
         return [num_pages] if num_pages else []
     full, rest = divmod(num_pages - edge, per_chunk)
@@ -161,38 +162,41 @@ class StagedTransfer:
                 # (e.g. the previous reader of the staging buffers or of the host blocks).
                 direction.copy_stream.wait_stream(work)
             done = None
-            for sub in self._chunk_spans(span, host_ids.size):
-                done = self._run_span(direction, work, slots, host_ids, sub, to_host)
+            subs = self._chunk_spans(span, host_ids)
+            for i, sub in enumerate(subs):
+                edge = i == (0 if to_host else len(subs) - 1)  # the span that starts a store or ends a load
+                done = self._run_span(direction, work, slots, host_ids, sub, to_host, short_edge=edge)
         return done
 
-    def _chunk_spans(self, span: LayerSpan, num_pages: int) -> list[LayerSpan]:
-        """The layer spans to stage one after the other: the whole span, or (``layer_first``) one layer at a time.
+    def _chunk_spans(self, span: LayerSpan, host_ids: np.ndarray) -> list[LayerSpan]:
+        """The layer spans to stage one after the other: the whole span, or (``layer_first``) groups of layers.
 
-        A run of blocks costs one 2-D copy whatever the span (:func:`_copy_2d`), so the whole span is staged at once.
-        Without cupy there is no 2-D copy: a ``layer_first`` chunk of several layers then costs one copy per
-        (layer, K/V, run of blocks) and holds few pages (a 16 MiB chunk is 7 pages of 36 Qwen3-8B layers), and a
-        large transfer issues thousands of small copies. Layer by layer, a chunk holds hundreds of pages and costs
-        one copy per K/V and run, plus one more gather launch per layer. Pick whichever issues less (copies ~2 us of
-        host time each, launches ~15 us).
+        In ``layer_first`` a chunk's copy has a row per (layer, K/V) plane and run of blocks, as wide as the run's
+        pages in the chunk. The copy engine writes narrow rows to the host slower (D2H of 455 KiB rows: 49.5 GB/s;
+        of 1.8 MiB rows: 52.6; bench/results/probes/probe_copy2d_rows_h200.json). When the runs of blocks are
+        longer than a chunk of the whole span holds, the span is staged in groups of as many layers as hold all
+        its pages in one staging buffer: about the same number of chunks, each with fewer and wider rows (a group
+        of one layer whose pages do not fit stages them over several chunks). Short runs (scattered blocks) gain
+        no width from it and would cost a copy per group and run, so they stage the whole span.
         """
-        if self.layout != "layer_first" or span.count == 1 or _cupy is not None:
+        if self.layout != "layer_first":
             return [span]
-        geo = self.kv.geometry
-        per_chunk_all, per_chunk_one = self._pages_per_chunk(span.count), self._pages_per_chunk(1)
-        cost_all = -(-num_pages // per_chunk_all) * (span.count * geo.kv_count * _COPY_US + _LAUNCH_US)
-        cost_one = span.count * -(-num_pages // per_chunk_one) * (geo.kv_count * _COPY_US + _LAUNCH_US)
-        if cost_all <= cost_one:
+        num_pages = host_ids.size
+        group = max(1, self.staging_bytes // (num_pages * self.kv.geometry.page_bytes))
+        if group >= span.count or num_pages <= len(_runs(host_ids)) * self._pages_per_chunk(span.count):
             return [span]
-        return [LayerSpan(layer, 1) for layer in range(span.start, span.start + span.count)]
+        end = span.start + span.count
+        return [LayerSpan(layer, min(group, end - layer)) for layer in range(span.start, end, group)]
 
     def _run_span(self, direction: _Direction, work, slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
-                  to_host: bool) -> Optional[torch.cuda.Event]:
-        """Stage ``span``'s layers of every page, chunk by chunk; returns the last chunk's completion event."""
+                  to_host: bool, short_edge: bool) -> Optional[torch.cuda.Event]:
+        """Stage ``span``'s layers of every page, chunk by chunk; returns the last chunk's completion event.
+        ``short_edge``: this span starts a store or ends a load (see :func:`chunk_pages`)."""
         page = self.kv.geometry.page_size
         span_geo = self._span_geometry(span.count)
         done = None
         first = 0
-        for n in chunk_pages(host_ids.size, self._pages_per_chunk(span.count), to_host):
+        for n in chunk_pages(host_ids.size, self._pages_per_chunk(span.count), to_host, short_edge=short_edge):
             chunk_slots = slots[first * page:(first + n) * page]
             done = self._chunk(direction, work, chunk_slots, host_ids[first:first + n], span, span_geo, to_host)
             first += n
