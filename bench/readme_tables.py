@@ -104,12 +104,13 @@ def _staged_probe_rows() -> list:
 
 
 def _copy2d_probe_rows() -> list:
-    """Rows from bench/probe_copy2d.py's run (2-D copy-engine copies against one copy per block), if committed."""
-    probe = _load("probes/probe_copy2d_h200.json")
-    if probe is None:
+    """Rows from bench/probe_copy2d.py's runs (2-D copy-engine copies; before: one copy per block or plane), if
+    committed: ``page_first`` from the first run, ``layer_first`` (groups of layers) from the latest."""
+    first, latest = _load("probes/probe_copy2d_h200.json"), _load("probes/probe_copy2d_groups_h200.json")
+    if first is None or latest is None:
         return []
 
-    def cells(layout, layers, blocks, method):
+    def cells(probe, layout, layers, blocks, method):
         sel = sorted((c for c in probe["cases"] if (c["layout"], c["layers"], c["blocks"]) == (layout, layers, blocks)),
                      key=lambda c: c["page"])
         return " / ".join("/".join(f"{c['gbps'][f'{method}_{d}']:g}" for c in sel) for d in ("d2h", "h2d"))
@@ -118,9 +119,11 @@ def _copy2d_probe_rows() -> list:
     for layout, layers, blocks, what in (("page_first", 0, "consecutive", "one layer of 16384 tokens"),
                                          ("layer_first", "all", "consecutive", "all 36 layers of 1024 tokens"),
                                          ("layer_first", "all", "random", "all 36 layers of 1024 tokens")):
-        rows.append(f"| staged, {what}, `{layout}`, {blocks} blocks, pages 1/16/64, store / load GB/s, separate run "
-                    f"(`bench/probe_copy2d.py`): a 2-D copy per run of blocks (now) ; 1-D copies (before) | "
-                    f"{cells(layout, layers, blocks, 'copy_2d')} ; {cells(layout, layers, blocks, 'rows_1d')} |")
+        now = first if layout == "page_first" else latest
+        rows.append(f"| staged, {what}, `{layout}`, {blocks} blocks, pages 1/16/64, store / load GB/s, separate runs "
+                    f"(`bench/probe_copy2d.py`): 2-D copies per run of blocks (now) ; one copy per block or plane "
+                    f"(before) | {cells(now, layout, layers, blocks, 'copy_2d')} ; "
+                    f"{cells(first, layout, layers, blocks, 'rows_1d')} |")
     return rows
 
 
