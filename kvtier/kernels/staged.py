@@ -17,6 +17,7 @@ cupy, or where the rows cross a host registration, a 2-D copy becomes one copy p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional, Union
 
@@ -325,15 +326,10 @@ def _copy_2d(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         _copy(dst[row], src[row], stream)
 
 
-_MAX_PITCH: list[int] = []
-
-
+@functools.cache
 def _max_pitch() -> int:
     """The device's largest pitch for 2-D copies (cudaDevAttrMaxPitch), read once."""
-    if not _MAX_PITCH:
-        _MAX_PITCH.append(_cupy.cuda.runtime.deviceGetAttribute(_CUDA_DEV_ATTR_MAX_PITCH,
-                                                                 _cupy.cuda.runtime.getDevice()))
-    return _MAX_PITCH[0]
+    return _cupy.cuda.runtime.deviceGetAttribute(_CUDA_DEV_ATTR_MAX_PITCH, _cupy.cuda.runtime.getDevice())
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
