@@ -266,10 +266,7 @@ class StagedTransfer:
                    stream) -> None:
         """Copy-engine copies between the staging buffer and the host blocks: one 2-D copy per run of blocks."""
         for host_view, staging_view in self._run_views(staging, host_ids, span):
-            if to_host:
-                _copy_2d(host_view, staging_view, stream)
-            else:
-                _copy_2d(staging_view, host_view, stream)
+            _copy_2d(host_view, staging_view, to_host=to_host, stream=stream)
 
     def _run_views(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan):
         """(host, staging) 2-D byte views of each run of consecutive host blocks: rows of equal width at a pitch.
@@ -302,20 +299,21 @@ class StagedTransfer:
                    stg_bytes.as_strided(shape, (stg_pitch, 1), stg_bytes.storage_offset() + stg_off))
 
 
-def _copy_2d(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
-    """Asynchronous copy between two 2-D byte views of equal shape, rows contiguous (copy engines on CUDA).
+def _copy_2d(host: torch.Tensor, staging: torch.Tensor, *, to_host: bool, stream) -> None:
+    """Asynchronous copy between two 2-D byte views of equal shape, rows contiguous: staging -> host when
+    ``to_host``, else host -> staging (copy engines on CUDA).
 
     One ``cudaMemcpy2DAsync`` when the rows fit its pitch limit and the host rows lie in one host registration;
     otherwise one copy per row, each split at registration boundaries (a chunk-registered pool).
     """
+    dst, src = (host, staging) if to_host else (staging, host)
     if stream is None:
         dst.copy_(src)
         return
-    height, width = dst.shape
+    height, width = host.shape
     if height == 1:
-        _copy(dst[0], src[0], stream)
+        _copy(host[0], staging[0], to_host=to_host, stream=stream)
         return
-    host = dst if dst.device.type == "cpu" else src
     host_extent = (height - 1) * host.stride(0) + width
     if (_cupy is not None and max(dst.stride(0), src.stride(0)) <= _max_pitch()
             and len(split_at_registrations(host.data_ptr(), host_extent)) == 1):
@@ -323,7 +321,7 @@ def _copy_2d(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
                                          _cupy.cuda.runtime.memcpyDefault, stream.cuda_stream)
         return
     for row in range(height):
-        _copy(dst[row], src[row], stream)
+        _copy(host[row], staging[row], to_host=to_host, stream=stream)
 
 
 @functools.cache
@@ -332,14 +330,15 @@ def _max_pitch() -> int:
     return _cupy.cuda.runtime.deviceGetAttribute(_CUDA_DEV_ATTR_MAX_PITCH, _cupy.cuda.runtime.getDevice())
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
-    """Asynchronous copy between two contiguous 1-D byte views of equal size (copy-engine copies on CUDA).
+def _copy(host: torch.Tensor, staging: torch.Tensor, *, to_host: bool, stream) -> None:
+    """Asynchronous copy between two contiguous 1-D byte views of equal size, in the direction of ``to_host``
+    (copy-engine copies on CUDA).
 
     A copy may not span two separate host registrations (a chunk-registered pool), so it is split at their
     boundaries (one piece in the common case).
     """
-    host = dst if dst.device.type == "cpu" else src
-    for off, length in split_at_registrations(host.data_ptr(), dst.numel()):
+    dst, src = (host, staging) if to_host else (staging, host)
+    for off, length in split_at_registrations(host.data_ptr(), host.numel()):
         if _cupy is not None:
             _cupy.cuda.runtime.memcpyAsync(dst.data_ptr() + off, src.data_ptr() + off, length,
                                            _cupy.cuda.runtime.memcpyDefault, stream.cuda_stream)

@@ -1,0 +1,119 @@
+"""The copy-engine side of the staged path on the CPU: which copies ``_copy_2d`` issues, and that they move the bytes.
+
+CuPy needs CUDA, so these tests put a recording stand-in for ``cupy.cuda.runtime`` in its place: it performs each
+copy with ``ctypes.memmove`` on host memory and records the call. That checks the choice between one 2-D copy and
+per-row copies (host registrations, the pitch limit) and the pointer and pitch arithmetic, which the GPU tests only
+see end to end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import types
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.kernels import staged as staged_mod
+from kvtier.kernels.pinned import register_pinned_range, unregister_pinned_range
+
+
+class FakeRuntime:
+    """Stands in for ``cupy.cuda.runtime``: copies with memmove, records (kind, args) of every call."""
+
+    memcpyDefault = 4
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def memcpyAsync(self, dst: int, src: int, size: int, kind: int, stream: int) -> None:
+        self.calls.append(("1d", dst, src, size))
+        ctypes.memmove(dst, src, size)
+
+    def memcpy2DAsync(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int,
+                      stream: int) -> None:
+        assert width <= dpitch and width <= spitch, "cudaMemcpy2DAsync requires width <= both pitches"
+        self.calls.append(("2d", dst, dpitch, src, spitch, width, height))
+        for row in range(height):
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+
+
+@pytest.fixture
+def runtime(monkeypatch):
+    rt = FakeRuntime()
+    monkeypatch.setattr(staged_mod, "_cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt)))
+    monkeypatch.setattr(staged_mod, "_max_pitch", lambda: 1 << 20)
+    return rt
+
+
+STREAM = types.SimpleNamespace(cuda_stream=0)
+
+
+def _views(host: torch.Tensor, stg: torch.Tensor, height: int, width: int, host_pitch: int, host_off: int):
+    h = host.as_strided((height, width), (host_pitch, 1), host.storage_offset() + host_off)
+    s = stg.as_strided((height, width), (width, 1), stg.storage_offset())
+    return h, s
+
+
+# the fixture's recorder is cleared at the start of every example; the monkeypatches hold for all of them
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(height=st.integers(2, 6), width=st.integers(1, 64), gap=st.integers(0, 40), host_off=st.integers(0, 50),
+       boundary=st.one_of(st.none(), st.integers(1, 600)), to_host=st.booleans())
+def test_one_2d_copy_unless_the_rows_cross_a_registration(runtime, height, width, gap, host_off, boundary,
+                                                          to_host):
+    """A pitched region inside one host registration moves in one 2-D copy; one that crosses a registration
+    boundary moves row by row, each row split at the boundary; either way exactly the region's bytes move."""
+    runtime.calls.clear()
+    host = torch.randint(0, 256, (1024,), dtype=torch.uint8, generator=torch.Generator().manual_seed(width))
+    stg = torch.randint(0, 256, (height * width,), dtype=torch.uint8, generator=torch.Generator().manual_seed(gap))
+    host_before, stg_before = host.clone(), stg.clone()
+    pitch = width + gap
+    h, s = _views(host, stg, height, width, pitch, host_off)
+    base = host.data_ptr()
+    regs = [(base, boundary), (base + boundary, 1024 - boundary)] if boundary else []
+    for ptr, n in regs:
+        register_pinned_range(ptr, n)
+    try:
+        staged_mod._copy_2d(h, s, to_host=to_host, stream=STREAM)
+    finally:
+        for ptr, _ in regs:
+            unregister_pinned_range(ptr)
+    # the bytes: the region of the destination equals the source, everything else is untouched
+    want_host, want_stg = host_before.clone(), stg_before.clone()
+    hw, sw = _views(want_host, want_stg, height, width, pitch, host_off)
+    if to_host:
+        hw.copy_(sw)
+    else:
+        sw.copy_(hw)
+    assert torch.equal(host, want_host) and torch.equal(stg, want_stg)
+    # the calls
+    first, last = host_off, host_off + (height - 1) * pitch + width  # host bytes the region spans
+    crosses = boundary is not None and first < boundary < last
+    if not crosses:
+        assert [c[0] for c in runtime.calls] == ["2d"]
+        assert runtime.calls[0][2] == (pitch if to_host else width)  # dpitch
+    else:
+        assert all(c[0] == "1d" for c in runtime.calls)
+        rows_split = sum(host_off + r * pitch < boundary < host_off + r * pitch + width for r in range(height))
+        assert len(runtime.calls) == height + rows_split
+
+
+def test_rows_over_the_pitch_limit_copy_row_by_row(runtime, monkeypatch):
+    monkeypatch.setattr(staged_mod, "_max_pitch", lambda: 15)
+    host = torch.arange(64, dtype=torch.uint8)
+    stg = torch.zeros(12, dtype=torch.uint8)
+    h, s = _views(host, stg, 3, 4, 16, 0)  # pitch 16 > 15
+    staged_mod._copy_2d(h, s, to_host=False, stream=STREAM)
+    assert [c[0] for c in runtime.calls] == ["1d"] * 3
+    assert stg.tolist() == [0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35]
+
+
+def test_one_row_is_one_1d_copy(runtime):
+    host = torch.arange(64, dtype=torch.uint8)
+    stg = torch.zeros(64, dtype=torch.uint8)
+    h = host.as_strided((1, 64), (0, 1), 0)
+    s = stg.as_strided((1, 64), (0, 1), 0)
+    staged_mod._copy_2d(h, s, to_host=False, stream=STREAM)
+    assert [c[0] for c in runtime.calls] == ["1d"] and torch.equal(stg, host)
