@@ -20,7 +20,7 @@ import numba
 
 from ._state import HEAP, HKEY, HPOS, M_HEAP, TICK
 
-__all__ = ["hp_push", "hp_pop", "hp_remove", "hp_fix"]
+__all__ = ["hp_push", "hp_pop", "hp_remove"]
 
 
 @numba.njit(inline="always")
@@ -106,11 +106,3 @@ def hp_pop(i32, i64, meta):
         i64[HKEY, 0] = t  # a stale (smaller) key: refresh it and let it sink
         _sift_down(i32, i64, 0, n)
 
-
-@numba.njit(inline="always")
-def hp_fix(i32, i64, meta, x):
-    """Make ``x``'s key exact again (not needed for correctness: see the module docstring)."""
-    i = i32[HPOS, x]
-    i64[HKEY, i] = i64[TICK, x]
-    _sift_up(i32, i64, i)
-    _sift_down(i32, i64, i32[HPOS, x], meta[M_HEAP])

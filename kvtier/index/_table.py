@@ -14,9 +14,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._config import NUMBA_CACHE
 
-__all__ = ["EMPTY", "tb_tag", "tb_home", "tb_entry", "tb_node", "tb_insert", "tb_delete", "tb_rebuild"]
+__all__ = ["EMPTY", "tb_tag", "tb_home", "tb_entry", "tb_node", "tb_insert", "tb_delete"]
 
 EMPTY = -1
 _M32 = np.uint64(0xFFFFFFFF)
@@ -84,10 +83,3 @@ def tb_delete(table, h, node):
     table[i] = EMPTY
     return True
 
-
-@numba.njit(cache=NUMBA_CACHE)
-def tb_rebuild(table, hashes, depth, high):
-    """Fill an empty ``table`` with every live node (depth >= 0) below ``high``."""
-    for x in range(high):
-        if depth[x] >= 0:
-            tb_insert(table, hashes[x], x)

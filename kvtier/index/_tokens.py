@@ -15,7 +15,7 @@ import numpy as np
 
 from ._config import NUMBA_CACHE
 
-__all__ = ["as_token_array", "check_token_range", "tokens_in_range", "TOKEN_MAX"]
+__all__ = ["as_token_array", "check_token_range", "in_range_from", "tokens_in_range", "TOKEN_MAX"]
 
 TOKEN_MAX = (1 << 32) - 1
 _NATIVE = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint32))
@@ -56,13 +56,22 @@ def as_token_array(tokens) -> np.ndarray:
     return a
 
 
+@numba.njit(inline="always")
+def in_range_from(q, start):
+    """True when every id of ``q[start:]`` lies in [0, 2**32) (the jitted matchers check only the unmatched tail)."""
+    bad = np.int64(0)
+    n = len(q)
+    i = max(start, 0)  # a provably non-negative index: no wraparound select, so the loop vectorizes
+    while i < n:  # no early exit: vectorizes
+        bad |= np.int64(q[i])
+        i += 1
+    return (bad >> 32) == 0  # a negative id sets the sign bit, an id >= 2**32 a bit above 31
+
+
 @numba.njit(cache=NUMBA_CACHE)
 def tokens_in_range(t):
     """True when every token id is in [0, 2**32)."""
-    bad = np.uint64(0)
-    for i in range(t.shape[0]):  # no early exit: vectorizes
-        bad |= np.uint64(t[i]) >> np.uint64(32)  # a negative id becomes >= 2**63
-    return bad == 0
+    return in_range_from(t, 0)
 
 
 def check_token_range(t: np.ndarray) -> None:

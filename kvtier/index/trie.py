@@ -56,6 +56,7 @@ from ._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, GEN, HASH, HINT, HITS, HPO
                      M_INDEXED, M_LIMIT, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
                      TABLE_MAX_LOAD_NUM, TICK, TIER, blob_views)
 from ._table import EMPTY, tb_delete, tb_home, tb_insert, tb_node, tb_tag
+from ._tokens import in_range_from
 from .xxh64 import xxh64_token_range
 
 __all__ = ["tr_match", "tr_match_gallop", "tr_insert", "tr_lock", "tr_evict", "tr_remove", "tr_rebuild_table",
@@ -96,18 +97,6 @@ def _page_diff(tokens, x, q, s, ps):
     for i in range(j, ps):
         d |= np.int64(tokens[x, i]) ^ np.int64(q[s + i])
     return d
-
-
-@numba.njit(inline="always")
-def _in_range_from(q, start):
-    """True when every id of ``q[start:]`` lies in [0, 2**32)."""
-    bad = np.int64(0)
-    n = len(q)
-    i = max(start, 0)  # a provably non-negative index: no wraparound select, so the loop vectorizes
-    while i < n:
-        bad |= np.int64(q[i])
-        i += 1
-    return (bad >> 32) == 0  # a negative id sets the sign bit, an id >= 2**32 a bit above 31
 
 
 @numba.njit(inline="always")
@@ -304,7 +293,7 @@ def _gallop(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out):
 @numba.njit(inline="always")
 def _match_end(i32, i64, q, meta, ps, m, node, flags):
     """Range check of the unmatched tail, then the touch; returns (pages or status, node, gen)."""
-    if not _in_range_from(q, m * ps):  # the matched pages equal stored ones, so they are in range
+    if not in_range_from(q, m * ps):  # the matched pages equal stored ones, so they are in range
         return BAD_TOKENS, -1, 0
     if flags & F_TOUCH:
         tick = meta[M_TICK] + 1
@@ -424,7 +413,7 @@ def tr_insert(blob, q, ns_id, blocks, new_mask):
     if neg < 0:
         return BAD_BLOCKS, 0, 0, -1, 0
     m, node = _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks[:0], 0, -1)
-    if not _in_range_from(q, m * ps):
+    if not in_range_from(q, m * ps):
         return BAD_TOKENS, 0, 0, -1, 0
     want = n - m
     limit = meta[M_LIMIT]
@@ -589,7 +578,7 @@ def tr_remove(i32, i64, i8, tokens, table, meta, q, ns_id):
     n = len(q) // ps
     out = np.empty(n, dtype=np.int64)
     m, x = _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, out, 0, -1)
-    if not _in_range_from(q, m * ps):
+    if not in_range_from(q, m * ps):
         return BAD_TOKENS, out[:0]
     hpos = i32[HPOS]
     k = 0
