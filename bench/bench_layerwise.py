@@ -4,9 +4,10 @@ Setup: Qwen3-8B KV geometry (36 layers, 8 KV heads x 128, bf16, page 16), an 8k-
 (KVTier, ``--layout`` layer_first by default, ``--modes`` auto and staged by default). Per layer, the "forward" is
 sized like one Qwen3-8B decoder layer over the request's new tokens: QKV projection, writing the new K/V into the
 paged pool, a gather of the layer's prefix + new K/V by slot (so it reads exactly the loaded bytes), GQA attention
-(SDPA), output projection and the SwiGLU MLP (hidden 4096, intermediate 12288); one set of weights (386 MB, far above L2) serves
-every layer. Variants, each timed on the GPU from one start event to the end of the last layer (CUDA events; the
-GPU spins before the start event so that all host-side issuing is hidden, except where the variant blocks the host):
+(SDPA), output projection and the SwiGLU MLP (hidden 4096, intermediate 12288); one set of weights (386 MB, far above
+L2) serves every layer. Variants, each timed on the GPU from one start event to the end of the last layer (CUDA
+events; the GPU spins before the start event so that all host-side issuing is hidden, except where the variant blocks
+the host):
 
 * ``compute_only``: the 36 layers, KV already resident.
 * ``load_only`` / ``load_only_layerwise``: the prefix load alone, one all-layer launch / 36 per-layer launches.
