@@ -29,8 +29,8 @@ def _cell(rows, method, direction, layout="layer_first"):
             and r["layout"] == layout]
     if not vals:
         return "–"
-    lo, hi = min(vals), max(vals)
-    return f"{lo:.1f}" if abs(hi - lo) < 0.05 else f"{lo:.1f}–{hi:.1f}"
+    lo, hi = f"{min(vals):.1f}", f"{max(vals):.1f}"
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def transfer_table() -> str:

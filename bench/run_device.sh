@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool): install carried sglang wheels, then the transfer benchmark.
-# Usage: bash bench/run_device.sh [sections] [extra pytest args...]
+# Usage: bash bench/run_device.sh [sections] [extra bench_transfer args]
+# The wheels come from the carried folder $KVTIER_WHEELS (default .whl; .whl-sgl, which tests/gpu_sglang.sh fills,
+# holds them too).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+WHEELS=${KVTIER_WHEELS:-.whl}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
