@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import statistics
 import time
+import types
 
 import pytest
 import torch
 
-from kvtier.tier.signal import LayerDoneCounter, pick_backend
+from kvtier.tier.signal import LayerDoneCounter, cupy_stream, pick_backend
 
 CUDA = torch.cuda.is_available()
 
@@ -33,6 +34,20 @@ def test_argument_checks():
         c.complete(0)
     with pytest.raises(ValueError, match="consumer index 3 out of range"):
         c.set_consumer(3)
+
+
+def test_cupy_stream_uses_the_stream_protocol_where_cupy_has_it():
+    """CuPy >= 14 gets the raw handle through ``__cuda_stream__`` (``ExternalStream`` is deprecated there); older
+    CuPy gets ``ExternalStream``. Stand-ins for the two CuPy versions record what they were handed."""
+    seen = []
+    new_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Stream=types.SimpleNamespace(from_external=lambda obj: seen.append(("from_external", obj.__cuda_stream__()))),
+        ExternalStream=lambda ptr: seen.append(("ExternalStream", ptr))))
+    old_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Stream=types.SimpleNamespace(), ExternalStream=lambda ptr: seen.append(("ExternalStream", ptr))))
+    cupy_stream(new_cupy, 0x1234)
+    cupy_stream(old_cupy, 0x5678)
+    assert seen == [("from_external", (0, 0x1234)), ("ExternalStream", 0x5678)]
 
 
 def test_slots_rotate():

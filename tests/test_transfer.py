@@ -21,6 +21,7 @@ from kvtier.kernels import StagedTransfer, copy_pages_ref, load_pages, store_pag
 from kvtier.kernels import staged as staged_mod
 from kvtier.kernels.checks import LayerSpan
 from kvtier.kernels.staged import chunk_pages
+from kvtier.tier.signal import cupy_stream
 from tests.kv_helpers import as_bytes, make_host, make_kv, snapshot
 
 # CPU tensors run through the Triton interpreter, which is on only where CUDA is absent (tests/conftest.py).
@@ -172,7 +173,7 @@ def test_transfers_run_on_the_given_stream(stream_kind: str) -> None:
     stream = side
     if stream_kind == "cupy":
         cupy = pytest.importorskip("cupy")
-        stream = cupy.cuda.ExternalStream(side.cuda_stream)
+        stream = cupy_stream(cupy, side.cuda_stream)
     src = torch.randperm(4096, device="cuda")[:32 * 16]
     blocks = torch.randperm(64)[:32]
     expect = host.clone()

@@ -15,8 +15,8 @@ Protocol (the object an engine registers on its KV pool; SGLang's ``register_lay
 * Contract: the consumer issues its waits for a slot before the producer comes back around to it (``num_slots - 1``
   loads later); waits issued earlier keep the event state they captured, so later re-recording is harmless.
 
-Backends (``backend=``): ``"cupy"`` (CuPy events recorded and waited through ``cupy.cuda.ExternalStream`` on the raw
-handles of torch streams; the DESIGN choice, ~1.5 us of host time per wait on an H200), ``"torch"``
+Backends (``backend=``): ``"cupy"`` (CuPy events recorded and waited through CuPy streams on the raw handles of
+torch streams; the DESIGN choice, ~1.5 us of host time per wait on an H200), ``"torch"``
 (``torch.cuda.Event``, same semantics, no CuPy needed) and ``"host"`` (no CUDA: events are flags set by
 ``complete``; the CPU tests use it, where every copy is synchronous). ``"auto"`` picks cupy, else torch, else host.
 """
@@ -80,8 +80,27 @@ class _TorchEvents:
         pass
 
 
+class _StreamHandle:
+    """A raw ``cudaStream_t`` behind the CUDA stream protocol, which ``cupy.cuda.Stream.from_external`` takes."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def cupy_stream(cupy, ptr: int):
+    """A CuPy stream on the raw handle ``ptr``: ``Stream.from_external`` (CuPy >= 14, where ``ExternalStream`` is
+    deprecated), else ``ExternalStream``."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(ptr)
+    return from_external(_StreamHandle(ptr))
+
+
 class _CupyEvents:
-    """CuPy events on torch streams: ``ExternalStream`` wraps a raw ``cudaStream_t`` (cached per handle)."""
+    """CuPy events on torch streams: a CuPy stream wraps a raw ``cudaStream_t`` (cached per handle)."""
 
     name = "cupy"
 
@@ -93,7 +112,7 @@ class _CupyEvents:
         ptr = int(stream.cuda_stream if stream is not None else torch.cuda.current_stream(self.device).cuda_stream)
         ext = self._streams.get(ptr)
         if ext is None:
-            ext = self._streams[ptr] = self.cupy.cuda.ExternalStream(ptr)
+            ext = self._streams[ptr] = cupy_stream(self.cupy, ptr)
         return ext
 
     def new_event(self):
