@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.geometry import KVGeometry
-from kvtier.kernels import StagedTransfer, copy_pages_ref, load_pages, store_pages
+from kvtier.kernels import DirectCopy, StagedTransfer, copy_pages_ref, load_pages, store_pages
 from kvtier.kernels import staged as staged_mod
 from kvtier.kernels.checks import LayerSpan
 from kvtier.kernels.staged import chunk_pages
@@ -29,6 +30,8 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(
            pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]  # uint8 stands for fp8
 BUDGET_BYTES = 1 << 20  # bytes moved per example on CPU: the interpreter is slow
+# direct: one store_pages/load_pages call; direct_copy: a DirectCopy checked once and launched layer by layer
+MODES = ["direct", "direct_copy", "staged"]
 
 
 @dataclasses.dataclass
@@ -68,7 +71,7 @@ def cases(draw, budget: int = BUDGET_BYTES) -> Case:
         start = draw(st.integers(0, geo.num_layers - 1))
         layers = range(start, draw(st.integers(start + 1, geo.num_layers)))
     return Case(geo=geo, layout=draw(st.sampled_from(["page_first", "layer_first"])),
-                mode=draw(st.sampled_from(["direct", "staged"])), num_pages=draw(st.integers(1, max_pages)),
+                mode=draw(st.sampled_from(MODES)), num_pages=draw(st.integers(1, max_pages)),
                 spare_blocks=draw(st.integers(0, 3)), layers=layers, num_programs=draw(st.integers(1, 5)),
                 tile_bytes=draw(st.sampled_from([256, 4096, 65536])), staging_pages=draw(st.integers(1, 3)),
                 num_buffers=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**31 - 1)),
@@ -104,6 +107,18 @@ def run_round_trip(case: Case, device: str) -> None:
         kw = dict(layout=case.layout, layers=case.layers, num_programs=case.num_programs, tile_bytes=case.tile_bytes)
         store = lambda s, b: store_pages(kv, host, s, b, **kw)  # noqa: E731
         load = lambda s, b: load_pages(kv, host, s, b, **kw)  # noqa: E731
+    elif case.mode == "direct_copy":  # checked and packed once, launched per layer of the span in shuffled order
+        order = list(span)
+        random.Random(case.seed).shuffle(order)
+
+        def per_layer(to_host: bool):
+            def run(s, b):
+                copy = DirectCopy(kv, host, s, b, to_host=to_host, layout=case.layout,
+                                  num_programs=case.num_programs, tile_bytes=case.tile_bytes)
+                for layer in order:
+                    copy.launch(layer)
+            return run
+        store, load = per_layer(True), per_layer(False)
     else:
         stager = StagedTransfer(kv, host, layout=case.layout, num_buffers=case.num_buffers,
                                 staging_bytes=case.staging_pages * geo.page_bytes * len(span),
@@ -145,7 +160,7 @@ def test_round_trip_is_byte_exact(device: str, case: Case) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("geo", [
     KVGeometry(3, 8, 128, torch.bfloat16, page_size=16),  # Qwen3-8B-like, 2 KiB rows
     KVGeometry(2, 1, 576, torch.uint8, page_size=2, is_mla=True),  # MLA fp8: 576 B rows, 9 chunks of 64 B
@@ -162,9 +177,11 @@ def test_round_trip_fixed_shapes(device: str, layout: str, mode: str, geo: KVGeo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
 @pytest.mark.parametrize("stream_kind", ["torch", "cupy"])
-def test_transfers_run_on_the_given_stream(stream_kind: str) -> None:
-    """A launch on a side stream is ordered on that stream: its event completes after the bytes are in place."""
+def test_transfers_run_on_the_given_stream(stream_kind: str, check: bool) -> None:
+    """A launch on a side stream is ordered on that stream: its event completes after the bytes are in place.
+    Unchecked calls with device indices take the context-free path (raw stream handle), checked ones the other."""
     geo = KVGeometry(4, 8, 128, torch.bfloat16, page_size=16)
     gen = torch.Generator().manual_seed(3)
     kv = make_kv(geo, 4096, "cuda", gen)
@@ -176,13 +193,15 @@ def test_transfers_run_on_the_given_stream(stream_kind: str) -> None:
         stream = cupy_stream(cupy, side.cuda_stream)
     src = torch.randperm(4096, device="cuda")[:32 * 16]
     blocks = torch.randperm(64)[:32]
+    if not check:
+        blocks = blocks.cuda()  # with the slots on the device too: nothing to copy, the context-free path
     expect = host.clone()
     copy_pages_ref(kv, expect, src, blocks, to_host=True, layout="layer_first")
     torch.cuda.synchronize()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(int(2e7))  # ~10 ms: the copy cannot have run when the call returns
-    store_pages(kv, host, src, blocks, layout="layer_first", stream=stream)
+    store_pages(kv, host, src, blocks, layout="layer_first", stream=stream, check=check)
     done = torch.cuda.Event()
     done.record(side)
     assert not done.query(), "the store did not queue behind the side stream's work"

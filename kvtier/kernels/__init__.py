@@ -6,6 +6,8 @@ Torch and Triton only; no engine is imported here, so any engine can call these 
     store_pages(kv, host_blocks, slots, block_ids)             # D2H, all layers, one launch
     load_pages(kv, host_blocks, slots, block_ids, layers=3)    # H2D, one layer
     StagedTransfer(kv, host_blocks).store(slots, block_ids)    # gather + copy engine
+    copy = DirectCopy(kv, host_blocks, slots, block_ids, to_host=False)   # checked once ...
+    copy.launch(layers=3)                                      # ... launched per layer (a layerwise load)
 
 On a machine without CUDA the kernels run on CPU tensors through the Triton interpreter: importing this package
 sets ``TRITON_INTERPRET=1`` there unless the variable is already set.
@@ -21,6 +23,7 @@ if not torch.cuda.is_available():
 from kvtier.kernels.paged_kv import PagedKV  # noqa: E402
 from kvtier.kernels.reference import copy_pages_ref  # noqa: E402
 from kvtier.kernels.staged import StagedTransfer  # noqa: E402
-from kvtier.kernels.transfer import DEFAULT_PROGRAMS, load_pages, store_pages  # noqa: E402
+from kvtier.kernels.transfer import DEFAULT_PROGRAMS, DirectCopy, load_pages, store_pages  # noqa: E402
 
-__all__ = ["PagedKV", "store_pages", "load_pages", "copy_pages_ref", "StagedTransfer", "DEFAULT_PROGRAMS"]
+__all__ = ["PagedKV", "store_pages", "load_pages", "DirectCopy", "copy_pages_ref", "StagedTransfer",
+           "DEFAULT_PROGRAMS"]

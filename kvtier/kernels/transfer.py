@@ -16,6 +16,7 @@ from the forward pass.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Union
 
 import torch
@@ -25,6 +26,12 @@ from triton import knobs
 
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
 from kvtier.kernels.paged_kv import PagedKV, as_words
+
+try:  # the raw cudaStream_t of a device's current stream, without building a torch Stream (Triton does the same)
+    from torch._C import _cuda_getCurrentRawStream as _current_raw_stream
+except ImportError:  # pragma: no cover - CPU-only torch builds
+    def _current_raw_stream(device: int) -> int:
+        return torch.cuda.current_stream(device).cuda_stream
 
 # Tuned on one H200 (PCIe Gen5 x16, 2026-11-29): bench/bench_transfer.py --sections sweep (results in
 # bench/results/probes/transfer_h200_2026-11-29.json, "sweep"). The SM path tops out at ~52.4 GB/s D2H and
@@ -116,6 +123,10 @@ def _copy_pages_kernel(
             tl.store(dev_ptrs, tl.load(blk_ptrs, mask=mask), mask=mask)
 
 
+# Triton picks the interpreter when the kernel is decorated (TRITON_INTERPRET at import), so read the knob once.
+_INTERPRETED = bool(knobs.runtime.interpret)
+
+
 def default_programs(nbytes: int) -> int:
     """Programs for a transfer of ``nbytes`` when the caller names none: few for bulk, more for short bursts."""
     return BURST_PROGRAMS if nbytes <= BURST_BYTES else DEFAULT_PROGRAMS
@@ -123,6 +134,47 @@ def default_programs(nbytes: int) -> int:
 
 def _pow2_floor(x: int) -> int:
     return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+class _KernelLaunch:
+    """One copy between device slots and ``blocks``, its kernel arguments packed once; :meth:`fire` launches it
+    for a span of layers. Arguments must already be checked (no validation here)."""
+
+    def __init__(self, kv: PagedKV, blocks: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor,
+                 strides: tuple[int, int, int], *, to_blocks: bool, tile_bytes: int, num_warps: int,
+                 blocks_layer0: int = 0) -> None:
+        geo = kv.geometry
+        word_bytes = kv.word_bytes
+        row_words = geo.row_bytes // word_bytes
+        chunk = _pow2_floor(row_words & -row_words)  # largest power of two dividing row_words
+        chunk = min(chunk, max(MAX_CHUNK_BYTES // word_bytes, 1))
+        segs = _pow2_floor(max(tile_bytes // (chunk * word_bytes * geo.kv_count), 1))
+        self.n_rows = slots.numel()
+        self.tiles_per_layer = -(-self.n_rows * (row_words // chunk) // segs)
+        self.layer_bytes = self.n_rows * geo.kv_count * geo.row_bytes
+        self.pointers = (kv.base, kv.offsets, as_words(blocks, word_bytes), slots, block_ids)
+        self.tail = (*strides, blocks_layer0)
+        self.consts = (to_blocks, geo.kv_count, geo.page_size, row_words, chunk, segs, kv.align_words)
+        self.num_warps = num_warps
+        self.kernel = None  # the compiled kernel, found on the first CUDA launch
+
+    def fire(self, span: LayerSpan, num_programs: Optional[int], stream: Optional[int]) -> None:
+        """Launch on ``stream`` (a raw ``cudaStream_t``; default: the current stream of the KV's device, which
+        must be the current device)."""
+        if self.n_rows == 0 or span.count == 0:
+            return
+        if num_programs is None:
+            num_programs = default_programs(self.layer_bytes * span.count)
+        grid = max(1, min(num_programs, span.count * self.tiles_per_layer))
+        args = (*self.pointers, self.n_rows, span.start, span.count, *self.tail)
+        device = self.pointers[0].device
+        if _INTERPRETED or device.type != "cuda":
+            _copy_pages_kernel[(grid,)](*args, **dict(zip(_CONST_NAMES, self.consts)), num_warps=self.num_warps)
+            return
+        if self.kernel is None:
+            self.kernel = _compiled_kernel(args, self.consts, self.num_warps, grid)
+        self.kernel[(grid, 1, 1)](*args, *self.consts,
+                                  stream=_current_raw_stream(device.index) if stream is None else stream)
 
 
 def launch_copy_pages(
@@ -138,61 +190,93 @@ def launch_copy_pages(
     tile_bytes: int,
     num_warps: int,
     blocks_layer0: int = 0,
+    stream: Optional[int] = None,
 ) -> None:
-    """Launch the copy kernel on the current stream; arguments must already be checked (no validation here)."""
-    geo = kv.geometry
-    n_rows = slots.numel()
-    if n_rows == 0 or span.count == 0:
-        return
-    word_bytes = kv.word_bytes
-    row_words = geo.row_bytes // word_bytes
-    chunk = _pow2_floor(row_words & -row_words)  # largest power of two dividing row_words
-    chunk = min(chunk, max(MAX_CHUNK_BYTES // word_bytes, 1))
-    segs = _pow2_floor(max(tile_bytes // (chunk * word_bytes * geo.kv_count), 1))
-    chunks_per_row = row_words // chunk
-    n_items = span.count * (-(-n_rows * chunks_per_row // segs))  # layers x tiles
-    if num_programs is None:
-        num_programs = default_programs(n_rows * span.count * geo.kv_count * geo.row_bytes)
-    grid = (max(1, min(num_programs, n_items)),)
-    pointers = (kv.base, kv.offsets, as_words(blocks, word_bytes), slots, block_ids)
-    args = (*pointers, n_rows, span.start, span.count, *strides, blocks_layer0)
-    consts = (to_blocks, geo.kv_count, geo.page_size, row_words, chunk, segs, kv.align_words)
-    _launch(grid, args, pointers, consts, num_warps)
+    """Launch the copy kernel once on ``stream`` (see :meth:`_KernelLaunch.fire`); arguments must already be
+    checked (no validation here)."""
+    _KernelLaunch(kv, blocks, slots, block_ids, strides, to_blocks=to_blocks, tile_bytes=tile_bytes,
+                  num_warps=num_warps, blocks_layer0=blocks_layer0).fire(span, num_programs, stream)
 
 
 # Compiled kernels by specialisation: Triton's generic launch path binds and hashes every argument on each call
-# (~20 us of host time); a transfer per layer per request makes that the scheduler's cost, so repeat launches
-# call the compiled kernel directly. Triton specialises pointers on 16-byte alignment (ints are not specialised,
-# see do_not_specialize), so the key is the constexprs, the warps, the device and the pointers' alignment.
+# (~20 us of host time); a transfer per layer per request makes that the scheduler's cost, so launches call the
+# compiled kernel directly. Triton specialises pointers on 16-byte alignment (ints are not specialised, see
+# do_not_specialize), so the key is the constexprs, the warps, the device and the pointers' alignment.
 _compiled: dict[tuple, object] = {}
 _CONST_NAMES = ("TO_BLOCKS", "KV", "PAGE", "ROW_WORDS", "CHUNK", "SEGS", "ALIGN")
 
 
-def _launch(grid: tuple, args: tuple, pointers: tuple, consts: tuple, num_warps: int) -> None:
-    if knobs.runtime.interpret or pointers[0].device.type != "cuda":
-        _copy_pages_kernel[grid](*args, **dict(zip(_CONST_NAMES, consts)), num_warps=num_warps)
-        return
-    device = pointers[0].device.index
-    key = (consts, num_warps, device, tuple(p.data_ptr() % 16 == 0 for p in pointers))
+def _compiled_kernel(args: tuple, consts: tuple, num_warps: int, grid: int):
+    pointers = args[:5]
+    key = (consts, num_warps, pointers[0].device.index, tuple(p.data_ptr() % 16 == 0 for p in pointers))
     kernel = _compiled.get(key)
-    if kernel is None:
-        _compiled[key] = _copy_pages_kernel[grid](*args, **dict(zip(_CONST_NAMES, consts)), num_warps=num_warps)
-        return
-    kernel[(grid[0], 1, 1)](*args, *consts, stream=torch.cuda.current_stream(device).cuda_stream)
+    if kernel is None:  # compile (on the current device) without launching: the caller launches on its stream
+        kernel = _copy_pages_kernel.warmup(*args, **dict(zip(_CONST_NAMES, consts)), num_warps=num_warps,
+                                           grid=(grid,))
+        kernel = _compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel  # async compile mode
+    return kernel
+
+
+class DirectCopy:
+    """A checked direct transfer between device slots and host blocks, ready to launch for any layers.
+
+    Validation, the upload of host-side indices and the packing of kernel arguments run once, here; each
+    :meth:`launch` then costs about one kernel launch of host time. A layerwise load builds one and launches it
+    per layer, where a ``load_pages`` call per layer would check and pack the same indices every time.
+
+    Args: as :func:`store_pages` (``to_host``: True for D2H); ``stream`` orders the index upload. Launch on that
+    stream or on one ordered after it. The caller keeps ``host`` and the indices alive while launches may run.
+    """
+
+    def __init__(self, kv: PagedKV, host: torch.Tensor, slots, block_ids, *, to_host: bool,
+                 layout: str = "page_first", num_programs: Optional[int] = None, stream=None,
+                 tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS, check: bool = True) -> None:
+        if num_programs is not None and (not isinstance(num_programs, int) or num_programs < 1):
+            raise ValueError(f"num_programs must be an int >= 1, got {num_programs!r}")
+        # Indices already on the device with no range check need no stream: skip the stream and device contexts
+        # (~20 us of host time); otherwise their checks and uploads run on ``stream``.
+        quiet = kv.is_cuda and not check and _ready(slots, kv) and _ready(block_ids, kv)
+        with contextlib.nullcontext() if quiet else on_stream(kv, stream):
+            slots, block_ids, num_blocks = check_transfer(kv, host, slots, block_ids, layout=layout,
+                                                          host_side=True, writes_blocks=to_host,
+                                                          check_indices=check)
+        self.kv = kv
+        self.num_programs = num_programs
+        self._launch = _KernelLaunch(kv, host, slots, block_ids, kv.geometry.host_row_strides(num_blocks, layout),
+                                     to_blocks=to_host, tile_bytes=tile_bytes, num_warps=num_warps)
+
+    def launch(self, layers: Union[None, int, range] = None, *, stream=None) -> None:
+        """Copy ``layers`` (None: all, an int, or a range) on ``stream`` (default: the current stream)."""
+        span = layer_span(layers, self.kv.geometry.num_layers)
+        if not self.kv.is_cuda:
+            self._launch.fire(span, self.num_programs, None)
+            return
+        with _on_device(self.kv):
+            self._launch.fire(span, self.num_programs, None if stream is None else raw_stream(stream))
 
 
 def _transfer(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *, to_host: bool,
               layout: str, layers: Union[None, int, range], num_programs: Optional[int], stream,
               tile_bytes: int, num_warps: int, check: bool) -> None:
-    if num_programs is not None and (not isinstance(num_programs, int) or num_programs < 1):
-        raise ValueError(f"num_programs must be an int >= 1, got {num_programs!r}")
-    span = layer_span(layers, kv.geometry.num_layers)
-    with on_stream(kv, stream):  # index copies to the device must be ordered before the launch, on its stream
-        slots, block_ids, num_blocks = check_transfer(kv, host, slots, block_ids, layout=layout, host_side=True,
-                                                      writes_blocks=to_host, check_indices=check)
-        strides = kv.geometry.host_row_strides(num_blocks, layout)
-        launch_copy_pages(kv, host, slots, block_ids, span, strides, to_blocks=to_host, num_programs=num_programs,
-                          tile_bytes=tile_bytes, num_warps=num_warps)
+    layer_span(layers, kv.geometry.num_layers)  # a bad ``layers`` fails before any index is uploaded
+    DirectCopy(kv, host, slots, block_ids, to_host=to_host, layout=layout, num_programs=num_programs, stream=stream,
+               tile_bytes=tile_bytes, num_warps=num_warps, check=check).launch(layers, stream=stream)
+
+
+def _ready(idx, kv: PagedKV) -> bool:
+    """Whether an index tensor can go to the kernel as it is: int64, 1-D, contiguous, on the KV's device."""
+    return (isinstance(idx, torch.Tensor) and idx.dtype == torch.int64 and idx.dim() == 1 and idx.is_contiguous()
+            and idx.device == kv.device)
+
+
+def _on_device(kv: PagedKV):
+    """A context making the KV's device current; none when it already is (the usual case)."""
+    return contextlib.nullcontext() if torch.cuda.current_device() == kv.device.index else torch.cuda.device(kv.device)
+
+
+def raw_stream(stream) -> int:
+    """The ``cudaStream_t`` of a torch or CuPy stream (or anything with ``cuda_stream`` or ``ptr``)."""
+    return int(stream.cuda_stream if hasattr(stream, "cuda_stream") else stream.ptr)
 
 
 class on_stream:
@@ -204,8 +288,7 @@ class on_stream:
             self._ctx.append(torch.cuda.device(kv.device))
             if stream is not None:
                 if not isinstance(stream, torch.cuda.Stream):
-                    stream = torch.cuda.ExternalStream(int(stream.cuda_stream if hasattr(stream, "cuda_stream")
-                                                           else stream.ptr), device=kv.device)
+                    stream = torch.cuda.ExternalStream(raw_stream(stream), device=kv.device)
                 self._ctx.append(torch.cuda.stream(stream))
 
     def __enter__(self):
