@@ -48,7 +48,7 @@ import torch
 
 from kvtier.config import TierConfig
 from kvtier.index import Namespace, PageTrie
-from kvtier.kernels import PagedKV, StagedTransfer, load_pages, store_pages
+from kvtier.kernels import DirectCopy, PagedKV, StagedTransfer, load_pages, store_pages
 from kvtier.tier.abstract import HostTier
 from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
 from kvtier.tier.host_pool import HostBlockPool, synchronized
@@ -131,6 +131,10 @@ class TierStats:
     @property
     def gbps_h2d(self) -> Optional[float]:
         return self.bytes_h2d / self.seconds_h2d / 1e9 if self.seconds_h2d > 0 else None
+
+
+def _launch_layer(copy: DirectCopy, stream, layer: int) -> None:
+    copy.launch(layer, stream=stream)
 
 
 def _as_tokens(tokens) -> np.ndarray:
@@ -382,7 +386,7 @@ class KVTier(HostTier):
 
     def _launch(self, stream: str, fn):
         self.executor.begin(stream)
-        self.executor.run(stream, fn)
+        self.executor.run(stream, fn, own_stream=True)  # fn is a _copy: it passes the stream to its launches
         return self.executor.fence(stream)
 
     def _load(self, tokens, ns, slot_indices, *, layerwise: bool, start_page: int = 0,
@@ -410,15 +414,18 @@ class KVTier(HostTier):
             ex.begin("load")
             stream = ex.stream("load")
             task.producer_index = self.counter.update_producer(stream)
-            layer_ids = ids
             mode = self._mode(False, copied * self.pool.block_bytes // self.geometry.num_layers, per_layer=True)
-            if self.kv.is_cuda and mode == "direct":  # one index upload for all layers, on the stream
-                with torch.cuda.device(self.kv.device), torch.cuda.stream(stream):
-                    layer_ids = torch.from_numpy(ids).to(self.kv.device, non_blocking=True)
+            if mode == "direct":  # checked, indices uploaded (on the stream) and packed once for all layers
+                copy = DirectCopy(self.kv, self.pool.host, dst, torch.from_numpy(ids), to_host=False,
+                                  layout=self.layout, num_programs=self.config.num_programs, stream=stream,
+                                  check=dst.device.type == "cpu")
+                copy_layer = functools.partial(_launch_layer, copy, stream)
+            else:
+                copy_layer = functools.partial(self._copy, False, dst, ids, mode=mode)
             for layer in range(self.geometry.num_layers):
                 if on_layer_start is not None:
                     ex.run("load", functools.partial(on_layer_start, layer))
-                ex.run("load", functools.partial(self._copy, False, dst, layer_ids, layer, mode))
+                ex.run("load", functools.partial(copy_layer, layer), own_stream=True)
                 # Recorded at issue time, behind the layer's copy in stream order. With the DeferredExecutor
                 # (tests) the host event is set before the deferred copy runs: layerwise bytes are checked there
                 # after wait(task), not through wait_until.
@@ -445,11 +452,12 @@ class KVTier(HostTier):
             self._staged_transfer = StagedTransfer(self.kv, self.pool.host, layout=self.layout)
         return self._staged_transfer
 
-    def _copy(self, to_host: bool, slots: torch.Tensor, ids, layers=None, mode: Optional[str] = None) -> None:
-        """Issue one copy on the executor's stream (runs inside ``executor.run``); ``ids``: numpy, or a device
-        tensor for the direct kernel; ``mode``: the path (default: :meth:`_mode` of the copy's bytes)."""
+    def _copy(self, to_host: bool, slots: torch.Tensor, ids: np.ndarray, layers=None,
+              mode: Optional[str] = None) -> None:
+        """Issue one copy on the executor's stream (runs inside ``executor.run``); ``mode``: the path (default:
+        :meth:`_mode` of the copy's bytes)."""
         stream = self.executor.stream("store" if to_host else "load")
-        block_ids = torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
+        block_ids = torch.from_numpy(ids)
         check = slots.device.type == "cpu"  # a range check of device indices would cost a device sync
         if mode is None:  # a whole-block copy (per-layer callers pass the mode they chose for the task)
             mode = self._mode(to_host, len(block_ids) * self.pool.block_bytes)
