@@ -76,6 +76,7 @@ def transfer_table() -> str:
         f"| staged, all 36 layers, `page_first`, page 16, 1024 tokens: store / load | {s['staged_d2h_gbps']} / "
         f"{s['staged_h2d_gbps']} GB/s |",
         f"| staged store and load at once, combined | {s['bidirectional_gbps']} GB/s |",
+        *_bidir_repeat_rows(),
         *([f"| copy engine, contiguous, same bytes: store / load / combined | {bidir_ce['store_gbps']} / "
            f"{bidir_ce['load_gbps']} / {bidir_ce['combined_gbps']} GB/s |"] if bidir_ce else []),
         *_staged_probe_rows(),
@@ -86,10 +87,33 @@ def transfer_table() -> str:
         f"{lat['qwen3_8b']['pcie_floor_us']} µs) / TP-sharded 1x128 (floor {lat['tp_1x128']['pcie_floor_us']} µs) "
         f"| {s['one_page_all_layers_us']} µs / "
         f"{max(lat['tp_1x128']['h2d_pdefault_us'], lat['tp_1x128']['d2h_pdefault_us'])} µs |",
-        f"| host time to issue one direct call (varies 32–70 µs between runs and machines) | "
+        f"| host time to issue one direct call (varies 28–70 µs between runs and machines) | "
         f"{res['overhead']['store_pages_check_false_us']} µs |",
+        *_overhead_probe_rows(),
     ]
     return "\n".join(lines)
+
+
+def _bidir_repeat_rows() -> list:
+    """The bidir section run alone right after the main run, on its machine (bench/results/probes), if committed."""
+    probe = _load("probes/bidir_repeat_h200.json")
+    if probe is None:
+        return []
+    combined = " / ".join(str(r["staged"]["combined_gbps"]) for r in probe["runs"])
+    return [f"| the same, `--sections bidir` alone {len(probe['runs'])} times right after, same machine | "
+            f"{combined} GB/s |"]
+
+
+def _overhead_probe_rows() -> list:
+    """Host time per call from bench/probe_overhead.py (another process), if committed."""
+    probe = _load("probes/probe_overhead_h200.json")
+    if probe is None:
+        return []
+    us = probe["us"]
+    return [f"| host time per call, one layer of one page, separate run (`bench/probe_overhead.py`): "
+            f"`DirectCopy.launch` (built once) / `load_pages` / the same through stream contexts (before) / "
+            f"`torch.index_select` | {us['direct_copy_launch_one_layer']} / {us['load_pages_one_layer']} / "
+            f"{us['load_pages_one_layer_context_path']} / {us['torch_index_select_one_page']} µs |"]
 
 
 def _staged_probe_rows() -> list:
