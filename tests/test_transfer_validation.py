@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtier.geometry import KVGeometry
-from kvtier.kernels import PagedKV, StagedTransfer, load_pages, store_pages
+from kvtier.kernels import DirectCopy, PagedKV, StagedTransfer, load_pages, store_pages
 from tests.kv_helpers import as_bytes, make_host, make_kv, snapshot
 
 # CPU tensors run through the Triton interpreter, which is on only where CUDA is absent (tests/conftest.py).
@@ -25,11 +25,20 @@ def setup(request):
     return kv, host, device
 
 
+def _direct_copy(kv, host, *, to_host: bool):
+    def op(s, b, **kw):
+        layers = kw.pop("layers", None)
+        DirectCopy(kv, kw.pop("host", host), s, b, to_host=to_host, **kw).launch(layers, stream=kw.get("stream"))
+    return op
+
+
 def _ops(kv, host):
     stager = StagedTransfer(kv, host)
     return [
         ("store_pages", lambda s, b, **kw: store_pages(kv, kw.pop("host", host), s, b, **kw)),
         ("load_pages", lambda s, b, **kw: load_pages(kv, kw.pop("host", host), s, b, **kw)),
+        ("DirectCopy store", _direct_copy(kv, host, to_host=True)),
+        ("DirectCopy load", _direct_copy(kv, host, to_host=False)),
         ("staged.store", lambda s, b, **kw: stager.store(s, b, **kw)),
         ("staged.load", lambda s, b, **kw: stager.load(s, b, **kw)),
     ]
@@ -105,6 +114,13 @@ def test_layers_and_programs_are_checked(setup):
         store_pages(kv, host, SLOTS, BLOCKS, layers=range(0, 2, 2))
     with pytest.raises(ValueError, match="num_programs"):
         store_pages(kv, host, SLOTS, BLOCKS, num_programs=0)
+    copy = DirectCopy(kv, host, SLOTS, BLOCKS, to_host=True)  # a built copy checks each launch's layers
+    host_before = as_bytes(host).clone()
+    with pytest.raises(ValueError, match="out of range"):
+        copy.launch(2)
+    with pytest.raises(TypeError, match="step 1"):
+        copy.launch(range(0, 2, 2))
+    assert torch.equal(as_bytes(host), host_before), "a refused launch wrote host blocks"
 
 
 def test_paged_kv_rejects_inconsistent_buffers():

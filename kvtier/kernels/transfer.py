@@ -7,6 +7,10 @@ fp32. One launch moves any number of pages of one layer or of a range of layers 
 :class:`~kvtier.kernels.paged_kv.PagedKV`). The same kernel, pointed at a device staging buffer instead of host
 blocks, is the gather/scatter half of the staged mode (:mod:`kvtier.kernels.staged`).
 
+:func:`store_pages` and :func:`load_pages` check and launch in one call. :class:`DirectCopy` checks once and
+launches many times (a layerwise load: one launch per layer, each about one kernel launch of host time); launches
+take the raw stream handle, without entering torch stream or device contexts.
+
 Work is split into tiles of whole 2^k-word chunks of rows (a row is one token of one layer, K or V), K and V of
 the same tokens loaded together; a persistent grid of ``num_programs`` programs strides over (layer, tile) items,
 layer-major. Host reads (loads) are latency bound over PCIe: throughput is bytes in flight / round-trip time, so
