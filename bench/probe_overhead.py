@@ -5,7 +5,8 @@ This probe times (median host µs over many calls, the GPU kept busy so no call 
 
 * ``load_pages(..., layers=i, check=False)`` with device indices (what the tier issues per layer), and the same
   call through stream and device contexts (the path every call took before the context-free one), and a
-  :class:`~kvtier.kernels.DirectCopy` built once and launched per layer (what the tier's layerwise load does);
+  :class:`~kvtier.kernels.DirectCopy` built once and launched per layer (what the tier's layerwise load does), and
+  a staged one-layer load (gather/scatter launch plus copy-engine copies);
 * its parts: ``check_transfer``, ``on_stream`` entered and left, ``is_pinned``, ``launch_copy_pages`` alone;
 * peers: ``torch.index_select`` of one page, an empty ``torch.cuda.stream`` context;
 
@@ -34,7 +35,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import env_info, make_pool, random_slots, write_json  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
-from kvtier.kernels import load_pages  # noqa: E402
+from kvtier.kernels import StagedTransfer, load_pages  # noqa: E402
 from kvtier.kernels import transfer as tr  # noqa: E402
 from kvtier.kernels.checks import check_transfer, layer_span  # noqa: E402
 from kvtier.kernels.pinned import is_pinned  # noqa: E402
@@ -136,6 +137,7 @@ def main() -> None:
                              check_indices=False)
     strides = geo.host_row_strides(num_blocks, "layer_first")
 
+    stager = StagedTransfer(kv, host, layout="layer_first")
     copy = tr.DirectCopy(kv, host, slots, blocks, to_host=False, layout="layer_first", stream=stream, check=False)
 
     def full():
@@ -167,6 +169,7 @@ def main() -> None:
         "direct_copy_build": lambda: tr.DirectCopy(kv, host, slots, blocks, to_host=False, layout="layer_first",
                                                 stream=stream, check=False),
         "direct_copy_launch_one_layer": lambda: copy.launch(3, stream=stream),
+        "staged_load_one_layer": lambda: stager.load(slots, blocks, layers=3, stream=stream, check=False),
         "check_transfer": lambda: check_transfer(kv, host, slots, blocks, layout="layer_first", host_side=True,
                                                  writes_blocks=False, check_indices=False),
         "on_stream_enter_exit": enter_exit,
