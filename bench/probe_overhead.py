@@ -57,13 +57,14 @@ def host_us(fn, calls: int) -> float:
     return round(statistics.median(per_batch) * 1e6, 2)
 
 
-def tier_issue_us(kv, geo: KVGeometry, reps: int = 200) -> dict:
-    """Host µs to issue one 36-layer layerwise load of 1 and of 8 pages (``transfer_mode="direct"``), against 36
-    ``load_pages`` calls of one layer each (what the tier issued before it built a ``DirectCopy`` per load)."""
+def tier_issue_us(kv, geo: KVGeometry, reps: int = 200, mode: str = "direct") -> dict:
+    """Host µs to issue one 36-layer layerwise load of 1 and of 8 pages in ``transfer_mode`` ``mode``; for
+    ``"direct"`` also 36 ``load_pages`` calls of one layer each (what the tier issued before it built a
+    ``DirectCopy`` per load)."""
     from kvtier.config import TierConfig
     from kvtier.tier import KVTier
 
-    tier = KVTier(kv, TierConfig(cpu_cache_gb=0.25, page_size=geo.page_size, transfer_mode="direct"))
+    tier = KVTier(kv, TierConfig(cpu_cache_gb=0.25, page_size=geo.page_size, transfer_mode=mode))
     out = {}
     try:
         for pages in (1, 8):
@@ -80,13 +81,15 @@ def tier_issue_us(kv, geo: KVGeometry, reps: int = 200) -> dict:
                     load_pages(kv, tier.pool.host, dst, ids, layout=tier.layout, layers=layer, stream=stream,
                                check=False)
 
-            for name, fn in ((f"load_layerwise_{pages}p", lambda: tier.wait(tier.load_layerwise(toks, None, dst))),
-                             (f"load_pages_x36_{pages}p", per_layer_calls)):
+            tag = "" if mode == "direct" else f"_{mode}"
+            for name, fn in ((f"load_layerwise{tag}_{pages}p", None), (f"load_pages_x36_{pages}p", per_layer_calls)):
+                if fn is not None and mode != "direct":
+                    continue
                 times = []
                 for rep in range(reps + 10):
                     torch.cuda._sleep(int(5e6))
                     t = time.perf_counter()
-                    if name.startswith("load_layerwise"):  # time the issue only; wait for the task outside
+                    if fn is None:  # the tier's layerwise load: time the issue only; wait for the task outside
                         task = tier.load_layerwise(toks, None, dst)
                         dt = time.perf_counter() - t
                         tier.wait(task)
@@ -107,7 +110,7 @@ def tier_issue_us(kv, geo: KVGeometry, reps: int = 200) -> dict:
                 tier.wait(task)
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
-            out[f"profile_load_layerwise_{pages}p"] = text.getvalue()
+            out[f"profile_load_layerwise{tag}_{pages}p"] = text.getvalue()
             print(text.getvalue(), flush=True)
     finally:
         tier.destroy()
@@ -130,7 +133,8 @@ def main() -> None:
     num_blocks = 256
     host = torch.empty(geo.host_shape(num_blocks, "layer_first"), dtype=geo.dtype, pin_memory=True)
     slots = random_slots(1, 16, kv.num_slots)
-    blocks = torch.tensor([7], device="cuda")
+    blocks_cpu = torch.tensor([7])
+    blocks = blocks_cpu.cuda()
     stream = torch.cuda.Stream()
     span = layer_span(3, geo.num_layers)
     checked = check_transfer(kv, host, slots, blocks, layout="layer_first", host_side=True, writes_blocks=False,
@@ -169,7 +173,8 @@ def main() -> None:
         "direct_copy_build": lambda: tr.DirectCopy(kv, host, slots, blocks, to_host=False, layout="layer_first",
                                                 stream=stream, check=False),
         "direct_copy_launch_one_layer": lambda: copy.launch(3, stream=stream),
-        "staged_load_one_layer": lambda: stager.load(slots, blocks, layers=3, stream=stream, check=False),
+        # host block ids on the CPU, as the tier passes them (device ids would cost a synchronizing copy)
+        "staged_load_one_layer": lambda: stager.load(slots, blocks_cpu, layers=3, stream=stream, check=False),
         "check_transfer": lambda: check_transfer(kv, host, slots, blocks, layout="layer_first", host_side=True,
                                                  writes_blocks=False, check_indices=False),
         "on_stream_enter_exit": enter_exit,
@@ -185,6 +190,7 @@ def main() -> None:
         print(f"{name:32s} {res['us'][name]:8.2f} us", flush=True)
 
     res["layerwise_issue_us"] = tier_issue_us(kv, geo)
+    res["layerwise_issue_us_staged"] = tier_issue_us(kv, geo, mode="staged")
     for name in ("load_pages_one_layer", "direct_copy_launch_one_layer"):
         fn = parts[name]
         prof = cProfile.Profile()
