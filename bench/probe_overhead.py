@@ -57,17 +57,17 @@ def host_us(fn, calls: int) -> float:
     return round(statistics.median(per_batch) * 1e6, 2)
 
 
-def tier_issue_us(kv, geo: KVGeometry, reps: int = 200, mode: str = "direct") -> dict:
-    """Host µs to issue one 36-layer layerwise load of 1 and of 8 pages in ``transfer_mode`` ``mode``; for
-    ``"direct"`` also 36 ``load_pages`` calls of one layer each (what the tier issued before it built a
-    ``DirectCopy`` per load)."""
+def tier_issue_us(kv, geo: KVGeometry, reps: int = 200, mode: str = "direct", page_counts=(1, 8)) -> dict:
+    """Host µs to issue one 36-layer layerwise load of each of ``page_counts`` pages in ``transfer_mode``
+    ``mode``; for ``"direct"`` also 36 ``load_pages`` calls of one layer each (what the tier issued before it
+    built a ``DirectCopy`` per load)."""
     from kvtier.config import TierConfig
     from kvtier.tier import KVTier
 
     tier = KVTier(kv, TierConfig(cpu_cache_gb=0.25, page_size=geo.page_size, transfer_mode=mode))
     out = {}
     try:
-        for pages in (1, 8):
+        for pages in page_counts:
             n = pages * geo.page_size
             toks = np.arange(1000 * pages, 1000 * pages + n, dtype=np.int64)
             src = torch.arange(0, n, device="cuda")
@@ -190,7 +190,9 @@ def main() -> None:
         print(f"{name:32s} {res['us'][name]:8.2f} us", flush=True)
 
     res["layerwise_issue_us"] = tier_issue_us(kv, geo)
-    res["layerwise_issue_us_staged"] = tier_issue_us(kv, geo, mode="staged")
+    res["layerwise_issue_us_staged"] = tier_issue_us(kv, geo, mode="staged", page_counts=(1, 8, 64))
+    # 64 pages of Qwen3-8B: 4 MiB a layer, staged in auto mode until AUTO_STAGED_LAYER_BYTES, direct since
+    res["layerwise_issue_us_auto"] = tier_issue_us(kv, geo, mode="auto", page_counts=(64,))
     for name in ("load_pages_one_layer", "direct_copy_launch_one_layer"):
         fn = parts[name]
         prof = cProfile.Profile()

@@ -293,9 +293,9 @@ def test_gpu_layerwise_never_reads_stale_bytes(backend, wait):
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layerwise, layout, short_slices):
-    """``auto``: stores always staged; a load copy of >= AUTO_STAGED_LOAD_BYTES staged, a smaller one direct;
-    layerwise loads from a ``page_first`` pool direct when a block's layer slice is shorter than
-    AUTO_STAGED_MIN_SLICE_BYTES."""
+    """``auto``: stores always staged; a load copy of >= AUTO_STAGED_LOAD_BYTES staged, a smaller one direct
+    (one layer of a layerwise load: AUTO_STAGED_LAYER_BYTES, the other threshold kept out of reach); layerwise loads
+    from a ``page_first`` pool direct when a block's layer slice is shorter than AUTO_STAGED_MIN_SLICE_BYTES."""
     import kvtier.tier.manager as manager
 
     monkeypatch.setattr(manager, "AUTO_STAGED_MIN_SLICE_BYTES", TINY.page_bytes + 1 if short_slices else 1)
@@ -313,9 +313,12 @@ def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layer
     per_copy = 4 * TINY.block_bytes // (TINY.num_layers if layerwise else 1)
     load = tier.load_layerwise if layerwise else tier.load
     never = layerwise and layout == "page_first" and short_slices
+    knob, other = ("AUTO_STAGED_LAYER_BYTES", "AUTO_STAGED_LOAD_BYTES") if layerwise else \
+        ("AUTO_STAGED_LOAD_BYTES", "AUTO_STAGED_LAYER_BYTES")
+    monkeypatch.setattr(manager, other, 1 << 62)  # the threshold of the other kind of load must not decide
     for threshold, staged in ((per_copy + 1, False), (per_copy, not never)):
         calls.clear()
-        monkeypatch.setattr(manager, "AUTO_STAGED_LOAD_BYTES", threshold)
+        monkeypatch.setattr(manager, knob, threshold)
         dst = page_slots(8 if staged else 16, 4, P)
         tier.wait(load(toks, None, dst))
         assert calls == (["load"] * (TINY.num_layers if layerwise else 1) if staged else [])

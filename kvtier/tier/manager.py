@@ -28,8 +28,10 @@ for those pages go back to the pool (correct, and rare: an engine stores a reque
 Transfer modes (``TierConfig.transfer_mode``): ``direct`` and ``staged`` use that path for everything; ``auto``
 stores through the staged path (copy engine: leaves the SMs to the forward pass, and a D2H on the copy engine can
 overlap an H2D) and loads through the staged path too when one copy (a whole load, or one layer of a layerwise
-load) moves at least :data:`AUTO_STAGED_LOAD_BYTES`; smaller loads take the direct kernel (no staging hop, lowest
-latency), and so do layerwise loads from a ``page_first`` pool whose layer slice of a block is shorter than
+load) moves at least :data:`AUTO_STAGED_LOAD_BYTES` (one layer of a layerwise load: at least
+:data:`AUTO_STAGED_LAYER_BYTES`); smaller loads take the direct kernel (no staging hop, lowest latency, and a
+fraction of the host time to issue), and so do layerwise loads from a ``page_first`` pool whose layer slice of a
+block is shorter than
 :data:`AUTO_STAGED_MIN_SLICE_BYTES` (one layer is a row per block there, and the copy engine moves short rows
 slowly). Measured on an H200 (bench/results/layerwise_h200.json): a layerwise load of an 8k-token prefix
 through the direct kernel slowed a concurrent Qwen3-8B-sized forward by 18-23% (the kernel holds its SMs for the
@@ -54,7 +56,8 @@ from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
 from kvtier.tier.host_pool import HostBlockPool, synchronized
 from kvtier.tier.signal import LayerDoneCounter
 
-__all__ = ["KVTier", "TierTask", "TierStats", "AUTO_STAGED_LOAD_BYTES", "AUTO_STAGED_MIN_SLICE_BYTES"]
+__all__ = ["KVTier", "TierTask", "TierStats", "AUTO_STAGED_LOAD_BYTES", "AUTO_STAGED_LAYER_BYTES",
+           "AUTO_STAGED_MIN_SLICE_BYTES"]
 
 # ``auto`` mode: loads of at least this many bytes per copy go through the copy engine (staged), smaller ones
 # through the direct kernel. 4 MiB is one 16-token page of 36 Qwen3-8B layers less than twice over: below it the
@@ -64,6 +67,13 @@ AUTO_STAGED_LOAD_BYTES = 4 * 1024 * 1024
 # moves it as one 2-D copy of a row per block. On an H200 that ran at 20 GB/s with 4 KiB rows (Qwen3-8B, page 1)
 # and at 54 GB/s with 64 KiB rows (page 16) (bench/results/probes/probe_copy2d_h200.json); shorter slices go direct.
 AUTO_STAGED_MIN_SLICE_BYTES = 64 * 1024
+# ``auto`` mode, layerwise loads: one staged call per layer costs ~240-265 us of host time on the H200 hosts (chunk
+# planning, views, events; bench/probe_overhead.py, bench/results/probes/probe_overhead_h200.json), so a 36-layer
+# staged layerwise load takes 9.0-9.2 ms to issue against ~1.1 ms through DirectCopy. A layer's copy keeps the copy
+# engine busy for longer than its issue takes from 16 MiB (~300 us at 54.5 GB/s; Qwen3-8B: 4096 tokens); below that
+# the host issue is the long pole and the direct kernel goes, at a small GPU-side cost (2048-token prefix, 1024 new
+# tokens: layerwise 28.00 ms direct against 27.32 staged, bench/results/probes/layerwise_prefix2048_h200.json).
+AUTO_STAGED_LAYER_BYTES = 16 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -437,14 +447,16 @@ class KVTier(HostTier):
 
     def _mode(self, to_host: bool, nbytes: int, per_layer: bool = False) -> str:
         """The path for one copy of ``nbytes``: the configured mode, or in ``auto`` staged for stores and for
-        loads of at least :data:`AUTO_STAGED_LOAD_BYTES`, direct for smaller loads. ``auto`` also loads one
-        layer at a time (``per_layer``) from a ``page_first`` pool directly when a block's layer slice is shorter
-        than :data:`AUTO_STAGED_MIN_SLICE_BYTES` (the copy engine's rows would be that short)."""
+        loads of at least :data:`AUTO_STAGED_LOAD_BYTES` (:data:`AUTO_STAGED_LAYER_BYTES` for one layer of a
+        layerwise load, ``per_layer``), direct for smaller loads. ``auto`` also loads one layer at a time from a
+        ``page_first`` pool directly when a block's layer slice is shorter than
+        :data:`AUTO_STAGED_MIN_SLICE_BYTES` (the copy engine's rows would be that short)."""
         mode = self.config.transfer_mode
         if mode == "auto":
             if per_layer and self.layout == "page_first" and self.geometry.page_bytes < AUTO_STAGED_MIN_SLICE_BYTES:
                 return "direct"
-            return "staged" if to_host or nbytes >= AUTO_STAGED_LOAD_BYTES else "direct"
+            threshold = AUTO_STAGED_LAYER_BYTES if per_layer else AUTO_STAGED_LOAD_BYTES
+            return "staged" if to_host or nbytes >= threshold else "direct"
         return mode
 
     def _staged(self) -> StagedTransfer:
