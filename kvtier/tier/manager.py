@@ -27,15 +27,13 @@ for those pages go back to the pool (correct, and rare: an engine stores a reque
 
 Transfer modes (``TierConfig.transfer_mode``): ``direct`` and ``staged`` use that path for everything; ``auto``
 stores through the staged path (copy engine: leaves the SMs to the forward pass, and a D2H on the copy engine can
-overlap an H2D) and loads through the staged path too when one copy (a whole load, or one layer of a layerwise
-load) moves at least :data:`AUTO_STAGED_LOAD_BYTES` (one layer of a layerwise load: at least
-:data:`AUTO_STAGED_LAYER_BYTES`); smaller loads take the direct kernel (no staging hop, lowest latency, and a
+overlap an H2D) and loads through the staged path too when a whole load moves at least
+:data:`AUTO_STAGED_LOAD_BYTES`, or one layer of a layerwise load at least :data:`AUTO_STAGED_LAYER_BYTES`; smaller loads take the direct kernel (no staging hop, lowest latency, and a
 fraction of the host time to issue), and so do layerwise loads from a ``page_first`` pool whose layer slice of a
-block is shorter than
-:data:`AUTO_STAGED_MIN_SLICE_BYTES` (one layer is a row per block there, and the copy engine moves short rows
-slowly). Measured on an H200 (bench/results/layerwise_h200.json): a layerwise load of an 8k-token prefix
-through the direct kernel slowed a concurrent Qwen3-8B-sized forward by 18-23% (the kernel holds its SMs for the
-whole load); through the copy engine by 5-10%.
+block is shorter than :data:`AUTO_STAGED_MIN_SLICE_BYTES` (one layer is a row per block there, and the copy engine
+moves short rows slowly). Measured on an H200 (bench/results/layerwise_h200.json): a layerwise load of an 8k-token
+prefix through the direct kernel slowed a concurrent Qwen3-8B-sized forward by 18-23% (the kernel holds its SMs for
+the whole load); through the copy engine by 5-10%.
 """
 
 from __future__ import annotations
@@ -59,9 +57,10 @@ from kvtier.tier.signal import LayerDoneCounter
 __all__ = ["KVTier", "TierTask", "TierStats", "AUTO_STAGED_LOAD_BYTES", "AUTO_STAGED_LAYER_BYTES",
            "AUTO_STAGED_MIN_SLICE_BYTES"]
 
-# ``auto`` mode: loads of at least this many bytes per copy go through the copy engine (staged), smaller ones
-# through the direct kernel. 4 MiB is one 16-token page of 36 Qwen3-8B layers less than twice over: below it the
-# direct kernel's latency wins and the SMs are held for tens of microseconds only.
+# ``auto`` mode: whole loads of at least this many bytes go through the copy engine (staged), smaller ones through
+# the direct kernel (one layer of a layerwise load: AUTO_STAGED_LAYER_BYTES, below). 4 MiB is one 16-token page of
+# 36 Qwen3-8B layers less than twice over: below it the direct kernel's latency wins and the SMs are held for tens
+# of microseconds only.
 AUTO_STAGED_LOAD_BYTES = 4 * 1024 * 1024
 # ``auto`` mode, layerwise loads from a ``page_first`` pool: one layer is a slice of every block, so the copy engine
 # moves it as one 2-D copy of a row per block. On an H200 that ran at 20 GB/s with 4 KiB rows (Qwen3-8B, page 1)
