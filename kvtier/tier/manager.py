@@ -28,12 +28,13 @@ for those pages go back to the pool (correct, and rare: an engine stores a reque
 Transfer modes (``TierConfig.transfer_mode``): ``direct`` and ``staged`` use that path for everything; ``auto``
 stores through the staged path (copy engine: leaves the SMs to the forward pass, and a D2H on the copy engine can
 overlap an H2D) and loads through the staged path too when a whole load moves at least
-:data:`AUTO_STAGED_LOAD_BYTES`, or one layer of a layerwise load at least :data:`AUTO_STAGED_LAYER_BYTES`; smaller loads take the direct kernel (no staging hop, lowest latency, and a
-fraction of the host time to issue), and so do layerwise loads from a ``page_first`` pool whose layer slice of a
-block is shorter than :data:`AUTO_STAGED_MIN_SLICE_BYTES` (one layer is a row per block there, and the copy engine
-moves short rows slowly). Measured on an H200 (bench/results/layerwise_h200.json): a layerwise load of an 8k-token
-prefix through the direct kernel slowed a concurrent Qwen3-8B-sized forward by 18-23% (the kernel holds its SMs for
-the whole load); through the copy engine by 5-10%.
+:data:`AUTO_STAGED_LOAD_BYTES`, or one layer of a layerwise load at least :data:`AUTO_STAGED_LAYER_BYTES`; smaller
+loads take the direct kernel (no staging hop, lowest latency, and a fraction of the host time to issue), and so do
+layerwise loads from a ``page_first`` pool whose layer slice of a block is shorter than
+:data:`AUTO_STAGED_MIN_SLICE_BYTES` (one layer is a row per block there, and the copy engine moves short rows
+slowly). Measured on an H200 (bench/results/layerwise_h200.json): a layerwise load of an 8k-token prefix through the
+direct kernel slowed a concurrent Qwen3-8B-sized forward by 18-23% (the kernel holds its SMs for the whole load);
+through the copy engine by 5-10%.
 """
 
 from __future__ import annotations
