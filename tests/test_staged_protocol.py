@@ -1,0 +1,142 @@
+"""The staged path's stream protocol on the CPU: stand-in streams and events record what each operation must follow.
+
+On the GPU a staged chunk hands its staging buffer between two streams. A load copies host -> staging on the copy
+stream and scatters staging -> slots on the work stream: the copy into a buffer must follow the scatter that last
+read it, and the scatter must follow its copy. A store gathers on the work stream and copies on the copy stream:
+the gather into a buffer must follow the copy that last read it, and the copy must follow its gather. These tests
+drive :meth:`StagedTransfer._chunk` through stand-ins over many chunks and layers and check that every such
+dependency is ordered, by stream order or by an event wait that resolves to the right operation. (The GPU tests
+see a missed wait only when the timing exposes it.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.geometry import KVGeometry
+from kvtier.kernels import StagedTransfer
+from kvtier.kernels.checks import LayerSpan
+from kvtier.kernels.staged import chunk_pages
+from tests.kv_helpers import make_host, make_kv
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-ins for the CUDA streams")
+
+GEO = KVGeometry(4, 2, 64, torch.float16, page_size=2)
+HOST_BLOCKS = 8
+
+
+class Log:
+    """Operations in issue order, ("copy" | "fire", stream, buffer), and waits, (stream, position, op followed)."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, str, int]] = []
+        self.waits: list[tuple[str, int, object]] = []
+
+    def last_on(self, stream: str):
+        return max((i for i, op in enumerate(self.ops) if op[1] == stream), default=None)
+
+    def ordered_after(self, later: int, earlier: int) -> bool:
+        """Whether op ``later`` starts only after op ``earlier`` finished: stream order plus event waits."""
+        seen, todo = set(), [later]
+        while todo:
+            i = todo.pop()
+            if i == earlier:
+                return True
+            if i in seen:
+                continue
+            seen.add(i)
+            stream = self.ops[i][1]
+            todo += [j for j in range(i) if self.ops[j][1] == stream]  # earlier ops on the same stream
+            todo += [ref for s, pos, ref in self.waits if s == stream and pos <= i and ref is not None]
+        return False
+
+
+class FakeStream:
+    def __init__(self, log: Log, name: str, handle: int) -> None:
+        self.log, self.name, self.cuda_stream = log, name, handle
+
+    def wait_event(self, ev: "FakeEvent") -> None:
+        self.log.waits.append((self.name, len(self.log.ops), ev.ref))
+
+
+class FakeEvent:
+    def __init__(self, log: Log) -> None:
+        self.log, self.ref = log, None
+
+    def record(self, stream: FakeStream) -> None:
+        self.ref = self.log.last_on(stream.name)
+
+
+def make_stager(num_buffers: int) -> StagedTransfer:
+    """A staged path whose chunk holds one block (4 pages of one layer), so buffers are reused within a layer."""
+    gen = torch.Generator().manual_seed(0)
+    kv = make_kv(GEO, 64, "cpu", gen)
+    host = make_host(GEO, HOST_BLOCKS, "layer_first", "cpu", gen)
+    return StagedTransfer(kv, host, layout="layer_first", staging_bytes=GEO.page_bytes, num_buffers=num_buffers)
+
+
+def stand_ins(stager: StagedTransfer, to_host: bool):
+    """A log, the work stream, and the direction with a stand-in copy stream; returns (log, work, direction)."""
+    log = Log()
+    d = stager._store if to_host else stager._load
+    d.copy_stream, d.free_events, d.next_buffer = FakeStream(log, "copy", 2), [None] * len(d.buffers), 0
+    return log, FakeStream(log, "work", 1), d
+
+
+def run_transfer(monkeypatch, to_host: bool, num_buffers: int, pages: int, layer_order: list[int]) -> Log:
+    """One-layer transfers of ``pages`` pages, layer after layer, through ``StagedTransfer._chunk``."""
+    stager = make_stager(num_buffers)
+    log, work, d = stand_ins(stager, to_host)
+    index = {buf.data_ptr(): b for b, buf in enumerate(d.buffers)}
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(log))
+    monkeypatch.setattr(stager, "_gather", lambda staging, *a, **k: log.ops.append(
+        ("fire", "work", index[staging.data_ptr()])))
+    monkeypatch.setattr(stager, "_copy_runs", lambda staging, host_ids, span, *, to_host, stream: log.ops.append(
+        ("copy", stream.name, index[staging.data_ptr()])))
+    ids = torch.arange(pages).numpy()
+    slots = torch.arange(pages * GEO.page_size)
+    span_geo = stager._span_geometry(1)
+    for layer in layer_order:
+        first = 0
+        for n in chunk_pages(pages, stager._pages_per_chunk(1), to_host):
+            chunk_slots = slots[first * GEO.page_size:(first + n) * GEO.page_size]
+            stager._chunk(d, work, chunk_slots, ids[first:first + n], LayerSpan(layer, 1), span_geo, to_host)
+            first += n
+    return log
+
+
+def check_handoffs(log: Log, to_host: bool) -> None:
+    """Every write of a staging buffer follows its last read, and every read follows the write it reads."""
+    assert {op[1] for op in log.ops if op[0] == "copy"} <= {"copy"}
+    assert {op[1] for op in log.ops if op[0] == "fire"} <= {"work"}
+    writer = "fire" if to_host else "copy"  # the gather fills a store's buffer, the copy a load's
+    last_read: dict[int, int] = {}
+    last_write: dict[int, int] = {}
+    for i, (kind, _, b) in enumerate(log.ops):
+        if kind == writer:
+            if b in last_read:
+                assert log.ordered_after(i, last_read[b]), f"op {i} ({kind}) overwrites buffer {b} still being read"
+            last_write[b] = i
+        else:
+            assert b in last_write and log.ordered_after(i, last_write[b]), f"op {i} ({kind}) reads buffer {b} early"
+            last_read[b] = i
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(to_host=st.booleans(), num_buffers=st.integers(1, 3), pages=st.integers(1, HOST_BLOCKS),
+       layers=st.lists(st.integers(0, GEO.num_layers - 1), min_size=1, max_size=4))
+def test_staged_transfer_orders_every_buffer_handoff(monkeypatch, to_host, num_buffers, pages, layers):
+    check_handoffs(run_transfer(monkeypatch, to_host, num_buffers, pages, layers), to_host)
+
+
+@pytest.mark.parametrize("to_host", [False, True], ids=["load", "store"])
+def test_the_check_sees_a_missing_wait(monkeypatch, to_host):
+    """The checker itself: without the waits on the stream that writes, a reused buffer is overwritten while read."""
+    log = run_transfer(monkeypatch, to_host, 2, 6, [0, 1])  # 3 chunks a layer on 2 buffers: buffers are reused
+    writer_stream = "work" if to_host else "copy"
+    log.waits = [w for w in log.waits if w[0] != writer_stream]
+    with pytest.raises(AssertionError, match="overwrites"):
+        check_handoffs(log, to_host)
