@@ -251,7 +251,9 @@ class DirectCopy:
 
     def launch(self, layers: Union[None, int, range] = None, *, stream=None) -> None:
         """Copy ``layers`` (None: all, an int, or a range) on ``stream`` (default: the current stream)."""
-        span = layer_span(layers, self.kv.geometry.num_layers)
+        self._fire(layer_span(layers, self.kv.geometry.num_layers), stream)
+
+    def _fire(self, span: LayerSpan, stream) -> None:
         if not self.kv.is_cuda:
             self._launch.fire(span, self.num_programs, None)
             return
@@ -262,9 +264,9 @@ class DirectCopy:
 def _transfer(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *, to_host: bool,
               layout: str, layers: Union[None, int, range], num_programs: Optional[int], stream,
               tile_bytes: int, num_warps: int, check: bool) -> None:
-    layer_span(layers, kv.geometry.num_layers)  # a bad ``layers`` fails before any index is uploaded
+    span = layer_span(layers, kv.geometry.num_layers)  # a bad ``layers`` fails before any index is uploaded
     DirectCopy(kv, host, slots, block_ids, to_host=to_host, layout=layout, num_programs=num_programs, stream=stream,
-               tile_bytes=tile_bytes, num_warps=num_warps, check=check).launch(layers, stream=stream)
+               tile_bytes=tile_bytes, num_warps=num_warps, check=check)._fire(span, stream)
 
 
 def _ready(idx, kv: PagedKV) -> bool:
