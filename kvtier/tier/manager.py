@@ -143,8 +143,9 @@ class TierStats:
         return self.bytes_h2d / self.seconds_h2d / 1e9 if self.seconds_h2d > 0 else None
 
 
-def _launch_layer(copy: DirectCopy, stream, layer: int) -> None:
-    copy.launch(layer, stream=stream)
+def _range_check(slots: torch.Tensor) -> bool:
+    """Whether a copy checks its indices' range: only host-side slots (a check of device ones costs a sync)."""
+    return slots.device.type == "cpu"
 
 
 def _as_tokens(tokens) -> np.ndarray:
@@ -428,8 +429,8 @@ class KVTier(HostTier):
             if mode == "direct":  # checked, indices uploaded (on the stream) and packed once for all layers
                 copy = DirectCopy(self.kv, self.pool.host, dst, torch.from_numpy(ids), to_host=False,
                                   layout=self.layout, num_programs=self.config.num_programs, stream=stream,
-                                  check=dst.device.type == "cpu")
-                copy_layer = functools.partial(_launch_layer, copy, stream)
+                                  check=_range_check(dst))
+                copy_layer = functools.partial(copy.launch, stream=stream)
             else:
                 copy_layer = functools.partial(self._copy, False, dst, ids, mode=mode)
             for layer in range(self.geometry.num_layers):
@@ -470,7 +471,7 @@ class KVTier(HostTier):
         :meth:`_mode` of the copy's bytes)."""
         stream = self.executor.stream("store" if to_host else "load")
         block_ids = torch.from_numpy(ids)
-        check = slots.device.type == "cpu"  # a range check of device indices would cost a device sync
+        check = _range_check(slots)
         if mode is None:  # a whole-block copy (per-layer callers pass the mode they chose for the task)
             mode = self._mode(to_host, len(block_ids) * self.pool.block_bytes)
         if mode == "staged":
