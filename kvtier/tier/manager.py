@@ -49,7 +49,7 @@ import torch
 
 from kvtier.config import TierConfig
 from kvtier.index import Namespace, PageTrie
-from kvtier.kernels import DirectCopy, PagedKV, StagedTransfer, load_pages, store_pages
+from kvtier.kernels import DirectCopy, PagedKV, StagedCopy, StagedTransfer, load_pages, store_pages
 from kvtier.tier.abstract import HostTier
 from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
 from kvtier.tier.host_pool import HostBlockPool, synchronized
@@ -426,13 +426,16 @@ class KVTier(HostTier):
             stream = ex.stream("load")
             task.producer_index = self.counter.update_producer(stream)
             mode = self._mode(False, copied * self.pool.block_bytes // self.geometry.num_layers, per_layer=True)
-            if mode == "direct":  # checked, indices uploaded (on the stream) and packed once for all layers
+            # checked, indices uploaded (on the stream) and planned once for all layers, launched per layer
+            check = _range_check(dst)
+            if mode == "direct":
                 copy = DirectCopy(self.kv, self.pool.host, dst, torch.from_numpy(ids), to_host=False,
                                   layout=self.layout, num_programs=self.config.num_programs, stream=stream,
-                                  check=_range_check(dst))
-                copy_layer = functools.partial(copy.launch, stream=stream)
+                                  check=check)
             else:
-                copy_layer = functools.partial(self._copy, False, dst, ids, mode=mode)
+                copy = StagedCopy(self._staged(), dst, torch.from_numpy(ids), to_host=False, stream=stream,
+                                  check=check)
+            copy_layer = functools.partial(copy.launch, stream=stream)
             for layer in range(self.geometry.num_layers):
                 if on_layer_start is not None:
                     ex.run("load", functools.partial(on_layer_start, layer))
