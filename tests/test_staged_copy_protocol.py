@@ -15,12 +15,13 @@ import types
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.geometry import KVGeometry
 from kvtier.kernels import StagedTransfer
 from kvtier.kernels.checks import LayerSpan
+from kvtier.kernels.staged import chunk_pages
 from kvtier.kernels.staged_copy import StagedCopy
 from tests.kv_helpers import make_host, make_kv
 
@@ -102,6 +103,35 @@ def _run(to_host: bool, num_buffers: int, pages: int, layer_order: list[int]) ->
     return log
 
 
+def _run_transfer(monkeypatch, to_host: bool, num_buffers: int, pages: int, layer_order: list[int]) -> Log:
+    """The same launches through StagedTransfer's own per-call path (``_chunk``), for comparison."""
+    geo = KVGeometry(4, 2, 64, torch.float16, page_size=2)
+    gen = torch.Generator().manual_seed(0)
+    kv = make_kv(geo, 64, "cpu", gen)
+    host = make_host(geo, 8, "layer_first", "cpu", gen)
+    stager = StagedTransfer(kv, host, layout="layer_first", staging_bytes=geo.page_bytes, num_buffers=num_buffers)
+    log = Log()
+    work, copy_stream = FakeStream(log, "work", 1), FakeStream(log, "copy", 2)
+    d = stager._store if to_host else stager._load
+    d.copy_stream, d.free_events = copy_stream, [None] * num_buffers
+    index = {buf.data_ptr(): b for b, buf in enumerate(d.buffers)}
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(log))
+    monkeypatch.setattr(stager, "_gather", lambda staging, *a, **k: log.ops.append(
+        ("fire", "work", index[staging.data_ptr()])))
+    monkeypatch.setattr(stager, "_copy_runs", lambda staging, host_ids, span, *, to_host, stream: log.ops.append(
+        ("copy", stream.name, index[staging.data_ptr()])))
+    ids = torch.arange(pages).numpy()
+    slots = torch.arange(pages * 2)
+    span_geo = stager._span_geometry(1)
+    for layer in layer_order:
+        first = 0
+        for n in chunk_pages(pages, stager._pages_per_chunk(1), to_host):
+            stager._chunk(d, work, slots[first * 2:(first + n) * 2], ids[first:first + n], LayerSpan(layer, 1),
+                          span_geo, to_host)
+            first += n
+    return log
+
+
 def _check(log: Log, to_host: bool) -> None:
     producer, consumer = ("fire", "copy") if to_host else ("copy", "fire")  # who writes the buffer, who reads it
     assert {op[1] for op in log.ops if op[0] == "copy"} == {"copy"}
@@ -123,6 +153,18 @@ def _check(log: Log, to_host: bool) -> None:
        layers=st.lists(st.integers(0, 3), min_size=1, max_size=6))
 def test_every_buffer_handoff_is_ordered(to_host, num_buffers, pages, layers):
     _check(_run(to_host, num_buffers, pages, layers), to_host)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(to_host=st.booleans(), num_buffers=st.integers(1, 3), pages=st.integers(1, 8),
+       layers=st.lists(st.integers(0, 3), min_size=1, max_size=4))
+def test_staged_transfer_orders_the_same_handoffs_as_staged_copy(monkeypatch, to_host, num_buffers, pages, layers):
+    """StagedTransfer's per-call path (run on the GPU since 2026-11-29) and StagedCopy issue the same operations,
+    and both order every handoff."""
+    ours, theirs = _run(to_host, num_buffers, pages, layers), _run_transfer(monkeypatch, to_host, num_buffers,
+                                                                            pages, layers)
+    _check(theirs, to_host)
+    assert ours.ops == theirs.ops
 
 
 def test_the_check_sees_a_missing_wait():
