@@ -193,7 +193,7 @@ def main() -> None:
 
     res["layerwise_issue_us"] = tier_issue_us(kv, geo)
     res["layerwise_issue_us_staged"] = tier_issue_us(kv, geo, mode="staged", page_counts=(1, 8, 64))
-    # 64 pages of Qwen3-8B: 4 MiB a layer, staged in auto mode until AUTO_STAGED_LAYER_BYTES, direct since
+    # 64 pages of Qwen3-8B: 4 MiB a layer, the smallest layer auto stages (AUTO_STAGED_LAYER_BYTES)
     res["layerwise_issue_us_auto"] = tier_issue_us(kv, geo, mode="auto", page_counts=(64,))
     for name in ("load_pages_one_layer", "direct_copy_launch_one_layer"):
         fn = parts[name]

@@ -67,13 +67,12 @@ AUTO_STAGED_LOAD_BYTES = 4 * 1024 * 1024
 # moves it as one 2-D copy of a row per block. On an H200 that ran at 20 GB/s with 4 KiB rows (Qwen3-8B, page 1)
 # and at 54 GB/s with 64 KiB rows (page 16) (bench/results/probes/probe_copy2d_h200.json); shorter slices go direct.
 AUTO_STAGED_MIN_SLICE_BYTES = 64 * 1024
-# ``auto`` mode, layerwise loads: one staged call per layer costs ~240-265 us of host time on the H200 hosts (chunk
-# planning, views, events; bench/probe_overhead.py, bench/results/probes/probe_overhead_h200.json), so a 36-layer
-# staged layerwise load takes 9.0-9.2 ms to issue against ~1.1 ms through DirectCopy. A layer's copy keeps the copy
-# engine busy for longer than its issue takes from 16 MiB (~300 us at 54.5 GB/s; Qwen3-8B: 4096 tokens); below that
-# the host issue is the long pole and the direct kernel goes, at a small GPU-side cost (2048-token prefix, 1024 new
-# tokens: layerwise 28.00 ms direct against 27.32 staged, bench/results/probes/layerwise_prefix2048_h200.json).
-AUTO_STAGED_LAYER_BYTES = 16 * 1024 * 1024
+# ``auto`` mode, layerwise loads: one layer goes staged when its copy keeps the copy engine busy for longer than
+# the layer's host issue takes. A StagedCopy planned once per load launches a layer in ~60-77 us of host time on the
+# H200 hosts (bench/probe_overhead.py, bench/results/probes/probe_overhead_staged_copy_h200.json; 36 layers issue
+# in 2.1-2.2 ms, against 1.1-1.3 ms through DirectCopy), and 77 us of copy at 54.5 GB/s is 4 MiB (Qwen3-8B: 1024
+# tokens). Before StagedCopy a staged layer cost ~250 us to issue and this threshold was 16 MiB.
+AUTO_STAGED_LAYER_BYTES = 4 * 1024 * 1024
 
 
 @dataclasses.dataclass
