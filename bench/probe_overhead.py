@@ -35,7 +35,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import env_info, make_pool, random_slots, write_json  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
-from kvtier.kernels import StagedTransfer, load_pages  # noqa: E402
+from kvtier.kernels import StagedCopy, StagedTransfer, load_pages  # noqa: E402
 from kvtier.kernels import transfer as tr  # noqa: E402
 from kvtier.kernels.checks import check_transfer, layer_span  # noqa: E402
 from kvtier.kernels.pinned import is_pinned  # noqa: E402
@@ -142,6 +142,7 @@ def main() -> None:
     strides = geo.host_row_strides(num_blocks, "layer_first")
 
     stager = StagedTransfer(kv, host, layout="layer_first")
+    staged_copy = StagedCopy(stager, slots, blocks_cpu, to_host=False, stream=stream, check=False)
     copy = tr.DirectCopy(kv, host, slots, blocks, to_host=False, layout="layer_first", stream=stream, check=False)
 
     def full():
@@ -175,6 +176,7 @@ def main() -> None:
         "direct_copy_launch_one_layer": lambda: copy.launch(3, stream=stream),
         # host block ids on the CPU, as the tier passes them (device ids would cost a synchronizing copy)
         "staged_load_one_layer": lambda: stager.load(slots, blocks_cpu, layers=3, stream=stream, check=False),
+        "staged_copy_launch_one_layer": lambda: staged_copy.launch(3, stream=stream),
         "check_transfer": lambda: check_transfer(kv, host, slots, blocks, layout="layer_first", host_side=True,
                                                  writes_blocks=False, check_indices=False),
         "on_stream_enter_exit": enter_exit,
@@ -191,7 +193,7 @@ def main() -> None:
 
     res["layerwise_issue_us"] = tier_issue_us(kv, geo)
     res["layerwise_issue_us_staged"] = tier_issue_us(kv, geo, mode="staged", page_counts=(1, 8, 64))
-    # 64 pages of Qwen3-8B: 4 MiB a layer, staged in auto mode until AUTO_STAGED_LAYER_BYTES, direct since
+    # 64 pages of Qwen3-8B: 4 MiB a layer, the smallest layer auto stages (AUTO_STAGED_LAYER_BYTES)
     res["layerwise_issue_us_auto"] = tier_issue_us(kv, geo, mode="auto", page_counts=(64,))
     for name in ("load_pages_one_layer", "direct_copy_launch_one_layer"):
         fn = parts[name]

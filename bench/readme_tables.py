@@ -105,15 +105,20 @@ def _bidir_repeat_rows() -> list:
 
 
 def _overhead_probe_rows() -> list:
-    """Host time per call from bench/probe_overhead.py (another process), if committed."""
-    probe = _load("probes/probe_overhead_h200.json")
+    """Host time per call from bench/probe_overhead.py (another process), if committed: the latest run, which
+    times StagedCopy too."""
+    probe = _load("probes/probe_overhead_staged_copy_h200.json")
     if probe is None:
         return []
-    us = probe["us"]
+    us, staged = probe["us"], probe["layerwise_issue_us_staged"]
     return [f"| host time per call, one layer of one page, separate run (`bench/probe_overhead.py`): "
             f"`DirectCopy.launch` (built once) / `load_pages` / the same through stream contexts (before) / "
             f"`torch.index_select` | {us['direct_copy_launch_one_layer']} / {us['load_pages_one_layer']} / "
-            f"{us['load_pages_one_layer_context_path']} / {us['torch_index_select_one_page']} µs |"]
+            f"{us['load_pages_one_layer_context_path']} / {us['torch_index_select_one_page']} µs |",
+            f"| the same, staged: `StagedCopy.launch` (planned once) / `StagedTransfer.load` | "
+            f"{us['staged_copy_launch_one_layer']} / {us['staged_load_one_layer']} µs |",
+            f"| host time to issue a 36-layer layerwise load of one page in the tier, direct / staged | "
+            f"{probe['layerwise_issue_us']['load_layerwise_1p']} / {staged['load_layerwise_staged_1p']} µs |"]
 
 
 def _staged_probe_rows() -> list:

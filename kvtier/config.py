@@ -15,8 +15,8 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
   per run: 54 GB/s from 64 KiB rows, 20 GB/s from 4 KiB rows, so page-1 layerwise loads take the direct kernel).
 * ``transfer_mode`` (``"auto"`` | ``"direct"`` | ``"staged"``, default ``"auto"``): ``auto`` stores through the
   staged path (copy engine: leaves the SMs to the forward pass, and a store can overlap a load) and loads through
-  it too when a whole load moves >= 4 MiB or one layer of a layerwise load >= 16 MiB (a staged layer costs ~250 us
-  of host time to issue); smaller loads go through the direct kernel (no staging hop, lowest latency, cheap to
+  it too when a whole load, or one layer of a layerwise load, moves >= 4 MiB (from there the copy outlasts its
+  host issue); smaller loads go through the direct kernel (no staging hop, lowest latency, cheap to
   issue), and so do layerwise loads from a ``page_first`` pool whose
   layer slice of a block is under 64 KiB (the copy engine moves short rows slowly). See :mod:`kvtier.tier.manager`.
 * ``num_programs`` (int >= 1 or null, default null): persistent programs (SMs) of the direct kernel; null picks the

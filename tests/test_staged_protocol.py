@@ -4,12 +4,15 @@ On the GPU a staged chunk hands its staging buffer between two streams. A load c
 stream and scatters staging -> slots on the work stream: the copy into a buffer must follow the scatter that last
 read it, and the scatter must follow its copy. A store gathers on the work stream and copies on the copy stream:
 the gather into a buffer must follow the copy that last read it, and the copy must follow its gather. These tests
-drive :meth:`StagedTransfer._chunk` through stand-ins over many chunks and layers and check that every such
-dependency is ordered, by stream order or by an event wait that resolves to the right operation. (The GPU tests
-see a missed wait only when the timing exposes it.)
+drive :meth:`StagedTransfer._chunk` and :class:`StagedCopy` (which reuses its events across launches) through
+stand-ins over many chunks and layers and check that every such dependency is ordered, by stream order or by an
+event wait that resolves to the right operation, and that both issue the same operations. (The GPU tests see a
+missed wait only when the timing exposes it.)
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from kvtier.geometry import KVGeometry
 from kvtier.kernels import StagedTransfer
 from kvtier.kernels.checks import LayerSpan
 from kvtier.kernels.staged import chunk_pages
+from kvtier.kernels.staged_copy import StagedCopy
 from tests.kv_helpers import make_host, make_kv
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-ins for the CUDA streams")
@@ -108,6 +112,34 @@ def run_transfer(monkeypatch, to_host: bool, num_buffers: int, pages: int, layer
     return log
 
 
+class FakeLaunch:
+    """Stands in for a StagedCopy chunk's gather/scatter launch into staging buffer ``buffer``."""
+
+    def __init__(self, log: Log, buffer: int) -> None:
+        self.log, self.buffer = log, buffer
+
+    def fire(self, span, programs, handle, blocks_layer0=None) -> None:
+        self.log.ops.append(("fire", {1: "work", 2: "copy"}[handle], self.buffer))
+
+
+def run_staged_copy(to_host: bool, num_buffers: int, pages: int, layer_order: list[int]) -> Log:
+    """The same one-layer transfers through one StagedCopy, launched layer after layer."""
+    stager = make_stager(num_buffers)
+    copy = StagedCopy(stager, torch.arange(pages * GEO.page_size), torch.arange(pages), to_host=to_host)
+    plan = copy._plan(1, True)  # built with the real buffers; its launches are swapped for recorders below
+    log, work, d = stand_ins(stager, to_host)
+    index = {buf.data_ptr(): b for b, buf in enumerate(d.buffers)}
+    copy._handoff = [FakeEvent(log) for _ in range(num_buffers)]
+    copy._free = [FakeEvent(log) for _ in range(num_buffers)]
+    copy._copy = lambda staging, chunk, span, stream: log.ops.append(("copy", stream.name, index[staging.data_ptr()]))
+    for chunk in plan:
+        chunk.launches = [FakeLaunch(log, b) for b in range(num_buffers)]
+    for layer in layer_order:
+        for chunk in copy._plan(1, True):
+            copy._issue(d, work, chunk, LayerSpan(layer, 1))
+    return log
+
+
 def check_handoffs(log: Log, to_host: bool) -> None:
     """Every write of a staging buffer follows its last read, and every read follows the write it reads."""
     assert {op[1] for op in log.ops if op[0] == "copy"} <= {"copy"}
@@ -140,3 +172,19 @@ def test_the_check_sees_a_missing_wait(monkeypatch, to_host):
     log.waits = [w for w in log.waits if w[0] != writer_stream]
     with pytest.raises(AssertionError, match="overwrites"):
         check_handoffs(log, to_host)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(to_host=st.booleans(), num_buffers=st.integers(1, 3), pages=st.integers(1, HOST_BLOCKS),
+       layers=st.lists(st.integers(0, GEO.num_layers - 1), min_size=1, max_size=4))
+def test_staged_copy_issues_what_staged_transfer_issues(monkeypatch, to_host, num_buffers, pages, layers):
+    """StagedCopy, planned once with reused events, orders every handoff and issues the same operations, in the
+    same order, as StagedTransfer's per-call path (run on the GPU since 2026-11-29)."""
+    ours = run_staged_copy(to_host, num_buffers, pages, layers)
+    check_handoffs(ours, to_host)
+    assert ours.ops == run_transfer(monkeypatch, to_host, num_buffers, pages, layers).ops
+
+
+def test_staged_copy_alternates_buffers_across_launches():
+    copies = [b for kind, _, b in run_staged_copy(False, 2, 6, [2, 0, 3]).ops if kind == "copy"]
+    assert copies == list(itertools.islice(itertools.cycle([0, 1]), 9))  # 3 chunks a layer, buffers alternate

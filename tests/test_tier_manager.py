@@ -304,6 +304,9 @@ def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layer
         real = getattr(manager.StagedTransfer, name)
         monkeypatch.setattr(manager.StagedTransfer, name,
                             lambda self, *a, _real=real, _name=name, **k: calls.append(_name) or _real(self, *a, **k))
+    real_launch = manager.StagedCopy.launch  # a layerwise staged load: one planned copy, launched per layer
+    monkeypatch.setattr(manager.StagedCopy, "launch", lambda self, *a, **k: calls.append(
+        "store" if self.to_host else "load") or real_launch(self, *a, **k))
     tier = make_tier(mode="auto", layout=layout)
     toks = _tokens(4 * P)
     src = page_slots(0, 4, P)

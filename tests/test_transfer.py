@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvtier.geometry import KVGeometry
 from kvtier.kernels import DirectCopy, StagedTransfer, copy_pages_ref, load_pages, store_pages
+from kvtier.kernels.staged_copy import StagedCopy
 from kvtier.kernels import staged as staged_mod
 from kvtier.kernels.checks import LayerSpan
 from kvtier.kernels.staged import chunk_pages
@@ -30,8 +31,9 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(
            pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]  # uint8 stands for fp8
 BUDGET_BYTES = 1 << 20  # bytes moved per example on CPU: the interpreter is slow
-# direct: one store_pages/load_pages call; direct_copy: a DirectCopy checked once and launched layer by layer
-MODES = ["direct", "direct_copy", "staged"]
+# direct: one store_pages/load_pages call; direct_copy: a DirectCopy checked once and launched layer by layer;
+# staged: one StagedTransfer call; staged_copy: a StagedCopy planned once and launched layer by layer
+MODES = ["direct", "direct_copy", "staged", "staged_copy"]
 
 
 @dataclasses.dataclass
@@ -123,8 +125,20 @@ def run_round_trip(case: Case, device: str) -> None:
         stager = StagedTransfer(kv, host, layout=case.layout, num_buffers=case.num_buffers,
                                 staging_bytes=case.staging_pages * geo.page_bytes * len(span),
                                 gather_programs=case.num_programs, scatter_programs=case.num_programs)
-        store = lambda s, b: stager.store(s, b, layers=case.layers)  # noqa: E731
-        load = lambda s, b: stager.load(s, b, layers=case.layers)  # noqa: E731
+        if case.mode == "staged":
+            store = lambda s, b: stager.store(s, b, layers=case.layers)  # noqa: E731
+            load = lambda s, b: stager.load(s, b, layers=case.layers)  # noqa: E731
+        else:  # planned once, launched per layer of the span in shuffled order, the plan reused for each layer
+            order = list(span)
+            random.Random(case.seed).shuffle(order)
+
+            def staged_per_layer(to_host: bool):
+                def run(s, b):
+                    copy = StagedCopy(stager, s, b, to_host=to_host)
+                    for layer in order:
+                        copy.launch(layer)
+                return run
+            store, load = staged_per_layer(True), staged_per_layer(False)
 
     # store: the chosen pages of the chosen layers land in the chosen blocks; nothing else changes
     dev_before = snapshot(kv)

@@ -23,7 +23,8 @@ if not torch.cuda.is_available():
 from kvtier.kernels.paged_kv import PagedKV  # noqa: E402
 from kvtier.kernels.reference import copy_pages_ref  # noqa: E402
 from kvtier.kernels.staged import StagedTransfer  # noqa: E402
+from kvtier.kernels.staged_copy import StagedCopy  # noqa: E402
 from kvtier.kernels.transfer import DEFAULT_PROGRAMS, DirectCopy, load_pages, store_pages  # noqa: E402
 
 __all__ = ["PagedKV", "store_pages", "load_pages", "DirectCopy", "copy_pages_ref", "StagedTransfer",
-           "DEFAULT_PROGRAMS"]
+           "StagedCopy", "DEFAULT_PROGRAMS"]

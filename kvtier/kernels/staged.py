@@ -268,11 +268,13 @@ class StagedTransfer:
         for host_view, staging_view in self._run_views(staging, host_ids, span):
             _copy_2d(host_view, staging_view, to_host=to_host, stream=stream)
 
-    def _run_views(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan):
+    def _run_views(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
+                   runs: Optional[list[tuple[int, int]]] = None):
         """(host, staging) 2-D byte views of each run of consecutive host blocks: rows of equal width at a pitch.
 
         ``page_first``: a row per block, the span's layers of it (one row of whole blocks when the span is all
-        layers). ``layer_first``: a row per (layer, K/V) plane of the span, the run's pages of it.
+        layers). ``layer_first``: a row per (layer, K/V) plane of the span, the run's pages of it. ``runs``:
+        ``_runs(host_ids)`` when the caller has it already.
         """
         geo = self.kv.geometry
         host_bytes = self._host_bytes
@@ -280,7 +282,7 @@ class StagedTransfer:
         layer_bytes = geo.page_bytes  # one layer of a page_first block, K and V
         plane_page = geo.page_size * geo.row_bytes  # one page of a layer_first (layer, K/V) plane
         n = host_ids.size
-        for start, length in _runs(host_ids):
+        for start, length in _runs(host_ids) if runs is None else runs:
             h0 = int(host_ids[start])
             if self.layout == "page_first":
                 width = span.count * layer_bytes

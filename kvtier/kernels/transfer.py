@@ -157,20 +157,24 @@ class _KernelLaunch:
         self.tiles_per_layer = -(-self.n_rows * (row_words // chunk) // segs)
         self.layer_bytes = self.n_rows * geo.kv_count * geo.row_bytes
         self.pointers = (kv.base, kv.offsets, as_words(blocks, word_bytes), slots, block_ids)
-        self.tail = (*strides, blocks_layer0)
+        self.strides = strides
+        self.blocks_layer0 = blocks_layer0
         self.consts = (to_blocks, geo.kv_count, geo.page_size, row_words, chunk, segs, kv.align_words)
         self.num_warps = num_warps
         self.kernel = None  # the compiled kernel, found on the first CUDA launch
 
-    def fire(self, span: LayerSpan, num_programs: Optional[int], stream: Optional[int]) -> None:
+    def fire(self, span: LayerSpan, num_programs: Optional[int], stream: Optional[int],
+             blocks_layer0: Optional[int] = None) -> None:
         """Launch on ``stream`` (a raw ``cudaStream_t``; default: the current stream of the KV's device, which
-        must be the current device)."""
+        must be the current device); ``blocks_layer0`` overrides the one given at construction (a staging chunk
+        reused for other layers)."""
         if self.n_rows == 0 or span.count == 0:
             return
         if num_programs is None:
             num_programs = default_programs(self.layer_bytes * span.count)
         grid = max(1, min(num_programs, span.count * self.tiles_per_layer))
-        args = (*self.pointers, self.n_rows, span.start, span.count, *self.tail)
+        layer0 = self.blocks_layer0 if blocks_layer0 is None else blocks_layer0
+        args = (*self.pointers, self.n_rows, span.start, span.count, *self.strides, layer0)
         device = self.pointers[0].device
         if _INTERPRETED or device.type != "cuda":
             _copy_pages_kernel[(grid,)](*args, **dict(zip(_CONST_NAMES, self.consts)), num_warps=self.num_warps)

@@ -49,7 +49,7 @@ import torch
 
 from kvtier.config import TierConfig
 from kvtier.index import Namespace, PageTrie
-from kvtier.kernels import DirectCopy, PagedKV, StagedTransfer, load_pages, store_pages
+from kvtier.kernels import DirectCopy, PagedKV, StagedCopy, StagedTransfer, load_pages, store_pages
 from kvtier.tier.abstract import HostTier
 from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
 from kvtier.tier.host_pool import HostBlockPool, synchronized
@@ -67,13 +67,12 @@ AUTO_STAGED_LOAD_BYTES = 4 * 1024 * 1024
 # moves it as one 2-D copy of a row per block. On an H200 that ran at 20 GB/s with 4 KiB rows (Qwen3-8B, page 1)
 # and at 54 GB/s with 64 KiB rows (page 16) (bench/results/probes/probe_copy2d_h200.json); shorter slices go direct.
 AUTO_STAGED_MIN_SLICE_BYTES = 64 * 1024
-# ``auto`` mode, layerwise loads: one staged call per layer costs ~240-265 us of host time on the H200 hosts (chunk
-# planning, views, events; bench/probe_overhead.py, bench/results/probes/probe_overhead_h200.json), so a 36-layer
-# staged layerwise load takes 9.0-9.2 ms to issue against ~1.1 ms through DirectCopy. A layer's copy keeps the copy
-# engine busy for longer than its issue takes from 16 MiB (~300 us at 54.5 GB/s; Qwen3-8B: 4096 tokens); below that
-# the host issue is the long pole and the direct kernel goes, at a small GPU-side cost (2048-token prefix, 1024 new
-# tokens: layerwise 28.00 ms direct against 27.32 staged, bench/results/probes/layerwise_prefix2048_h200.json).
-AUTO_STAGED_LAYER_BYTES = 16 * 1024 * 1024
+# ``auto`` mode, layerwise loads: one layer goes staged when its copy keeps the copy engine busy for longer than
+# the layer's host issue takes. A StagedCopy planned once per load launches a layer in ~60-77 us of host time on the
+# H200 hosts (bench/probe_overhead.py, bench/results/probes/probe_overhead_staged_copy_h200.json; 36 layers issue
+# in 2.1-2.2 ms, against 1.1-1.3 ms through DirectCopy), and 77 us of copy at 54.5 GB/s is 4 MiB (Qwen3-8B: 1024
+# tokens). Before StagedCopy a staged layer cost ~250 us to issue and this threshold was 16 MiB.
+AUTO_STAGED_LAYER_BYTES = 4 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -426,13 +425,16 @@ class KVTier(HostTier):
             stream = ex.stream("load")
             task.producer_index = self.counter.update_producer(stream)
             mode = self._mode(False, copied * self.pool.block_bytes // self.geometry.num_layers, per_layer=True)
-            if mode == "direct":  # checked, indices uploaded (on the stream) and packed once for all layers
+            # checked, indices uploaded (on the stream) and planned once for all layers, launched per layer
+            check = _range_check(dst)
+            if mode == "direct":
                 copy = DirectCopy(self.kv, self.pool.host, dst, torch.from_numpy(ids), to_host=False,
                                   layout=self.layout, num_programs=self.config.num_programs, stream=stream,
-                                  check=_range_check(dst))
-                copy_layer = functools.partial(copy.launch, stream=stream)
+                                  check=check)
             else:
-                copy_layer = functools.partial(self._copy, False, dst, ids, mode=mode)
+                copy = StagedCopy(self._staged(), dst, torch.from_numpy(ids), to_host=False, stream=stream,
+                                  check=check)
+            copy_layer = functools.partial(copy.launch, stream=stream)
             for layer in range(self.geometry.num_layers):
                 if on_layer_start is not None:
                     ex.run("load", functools.partial(on_layer_start, layer))

@@ -1,0 +1,147 @@
+"""Staged transfers planned once and launched per span of layers: a layerwise load through the copy engine.
+
+:meth:`StagedTransfer.load` checks the indices, moves the block ids to the host, plans the staging chunks and packs
+the gather/scatter arguments on every call: ~240-275 us of host time on the H200 hosts
+(bench/results/probes/probe_overhead_h200.json), which a layerwise load pays once per layer. :class:`StagedCopy`
+does all of that once; a launch then issues, per staging chunk, the buffer's wait, the copy-engine copies, one
+event between the streams and the gather/scatter launch, reusing its events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
+from kvtier.kernels.staged import (GATHER_TILE_BYTES, GATHER_WARPS, StagedTransfer, _copy_2d, _Direction, _runs,
+                                   chunk_pages)
+from kvtier.kernels.transfer import _KernelLaunch, _on_device, on_stream, raw_stream
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """One staging chunk of a plan: its pages, their runs of blocks, and a gather/scatter launch per buffer."""
+
+    first: int
+    host_ids: np.ndarray
+    runs: list[tuple[int, int]]
+    launches: list[_KernelLaunch]
+
+
+class StagedCopy:
+    """A :class:`StagedTransfer` copy of fixed slots and blocks, planned once and launched for any layers.
+
+    Args:
+        stager: the staged path to use (its staging buffers and copy streams are shared with its own calls).
+        slots, block_ids, to_host, check: as :meth:`StagedTransfer.store` / :meth:`StagedTransfer.load`.
+        stream: orders the index checks and uploads.
+
+    Each :meth:`launch` orders the transfer's completion on its ``stream`` (default: the current stream): a load's
+    scatter runs there, and a store makes it wait for its copies. The caller keeps the indices alive while
+    launches may run.
+    """
+
+    def __init__(self, stager: StagedTransfer, slots, block_ids, *, to_host: bool, stream=None,
+                 check: bool = True) -> None:
+        kv = stager.kv
+        with on_stream(kv, stream):
+            slots, block_ids, _ = check_transfer(kv, stager.host, slots, block_ids, layout=stager.layout,
+                                                 host_side=True, writes_blocks=to_host, check_indices=check,
+                                                 block_ids_to_device=False)
+            self._host_ids = block_ids.cpu().numpy()
+        self.stager, self.to_host, self._slots = stager, to_host, slots
+        self._direction: _Direction = stager._store if to_host else stager._load
+        n = len(self._direction.buffers)
+        # per staging buffer: the event that hands a chunk from one stream to the other, and the buffer's free event
+        self._handoff = [torch.cuda.Event() for _ in range(n)] if kv.is_cuda else []
+        self._free = [torch.cuda.Event() for _ in range(n)] if kv.is_cuda else []
+        self._plans: dict[tuple[int, bool], list[_Chunk]] = {}
+        self._programs = stager.gather_programs if to_host else stager.scatter_programs
+
+    def launch(self, layers: Union[None, int, range] = None, *, stream=None) -> None:
+        """Copy ``layers`` (None: all, an int, or a range) of every page, on ``stream`` (default: current)."""
+        stager = self.stager
+        kv = stager.kv
+        span = layer_span(layers, kv.geometry.num_layers)
+        work = None
+        if kv.is_cuda:
+            if stream is None:
+                work = torch.cuda.current_stream(kv.device)
+            elif isinstance(stream, torch.cuda.Stream):
+                work = stream
+            else:
+                work = torch.cuda.ExternalStream(raw_stream(stream), device=kv.device)
+        d = self._direction
+        with _on_device(kv) if kv.is_cuda else contextlib.nullcontext():
+            if work is not None and not self.to_host:
+                d.copy_stream.wait_stream(work)  # as StagedTransfer: host-to-staging copies follow the caller's work
+            subs = stager._chunk_spans(span, self._host_ids)
+            last = None
+            for i, sub in enumerate(subs):
+                edge = i == (0 if self.to_host else len(subs) - 1)
+                for chunk in self._plan(sub.count, edge):
+                    last = self._issue(d, work, chunk, sub)
+            if self.to_host and work is not None and last is not None:
+                work.wait_event(last)
+
+    def _plan(self, count: int, short_edge: bool) -> list[_Chunk]:
+        """The chunks of a span of ``count`` layers (cached): pages, runs and a launch per staging buffer."""
+        key = (count, short_edge)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        stager, d = self.stager, self._direction
+        page = stager.kv.geometry.page_size
+        span_geo = stager._span_geometry(count)
+        plan, first = [], 0
+        for n in chunk_pages(self._host_ids.size, stager._pages_per_chunk(count), self.to_host,
+                             short_edge=short_edge):
+            ids = self._host_ids[first:first + n]
+            strides = span_geo.host_row_strides(n, stager.layout)
+            slots = self._slots[first * page:(first + n) * page]
+            launches = [_KernelLaunch(stager.kv, buf, slots, stager._local_ids[:n], strides, to_blocks=self.to_host,
+                                      tile_bytes=GATHER_TILE_BYTES, num_warps=GATHER_WARPS) for buf in d.buffers]
+            plan.append(_Chunk(first, ids, _runs(ids), launches))
+            first += n
+        self._plans[key] = plan
+        return plan
+
+    def _issue(self, d: _Direction, work, chunk: _Chunk, span: LayerSpan) -> Optional[torch.cuda.Event]:
+        """One chunk, as :meth:`StagedTransfer._chunk` issues it; returns the buffer's free event."""
+        b = d.next_buffer
+        d.next_buffer = (b + 1) % len(d.buffers)
+        cuda = work is not None
+        handle = raw_stream(work) if cuda else None
+        if self.to_host:  # gather on the work stream, then copy on the copy stream
+            if cuda and d.free_events[b] is not None:
+                work.wait_event(d.free_events[b])
+            chunk.launches[b].fire(span, self._programs, handle, blocks_layer0=span.start)
+            if cuda:
+                self._handoff[b].record(work)
+                d.copy_stream.wait_event(self._handoff[b])
+            self._copy(d.buffers[b], chunk, span, d.copy_stream)
+            return self._mark_free(d, b, d.copy_stream)
+        if cuda and d.free_events[b] is not None:  # load: copy on the copy stream, then scatter on the work stream
+            d.copy_stream.wait_event(d.free_events[b])
+        self._copy(d.buffers[b], chunk, span, d.copy_stream)
+        if cuda:
+            self._handoff[b].record(d.copy_stream)
+            work.wait_event(self._handoff[b])
+        chunk.launches[b].fire(span, self._programs, handle, blocks_layer0=span.start)
+        return self._mark_free(d, b, work)
+
+    def _copy(self, staging: torch.Tensor, chunk: _Chunk, span: LayerSpan, copy_stream) -> None:
+        for host_view, staging_view in self.stager._run_views(staging, chunk.host_ids, span, chunk.runs):
+            _copy_2d(host_view, staging_view, to_host=self.to_host, stream=copy_stream)
+
+    def _mark_free(self, d: _Direction, b: int, stream) -> Optional[torch.cuda.Event]:
+        if stream is None:
+            return None
+        ev = self._free[b]
+        ev.record(stream)
+        d.free_events[b] = ev
+        return ev
