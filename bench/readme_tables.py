@@ -83,15 +83,24 @@ def transfer_table() -> str:
         *_copy2d_probe_rows(),
         f"| 8192³ bf16 GEMM slowdown beside back-to-back H2D: kvtier direct default / HiCache | "
         f"+{s['gemm_slowdown_pct']}% / +{s['gemm_slowdown_hicache_pct']}% |",
-        f"| one 16-token page × 36 layers, all-layer call, Qwen3-8B (PCIe floor "
-        f"{lat['qwen3_8b']['pcie_floor_us']} µs) / TP-sharded 1x128 (floor {lat['tp_1x128']['pcie_floor_us']} µs) "
-        f"| {s['one_page_all_layers_us']} µs / "
-        f"{max(lat['tp_1x128']['h2d_pdefault_us'], lat['tp_1x128']['d2h_pdefault_us'])} µs |",
+        _latency_row(lat),
         f"| host time to issue one direct call (varies 28–70 µs between runs and machines) | "
         f"{res['overhead']['store_pages_check_false_us']} µs |",
         *_overhead_probe_rows(),
     ]
     return "\n".join(lines)
+
+
+_GEOMETRY_LABELS = {"qwen3_8b": "Qwen3-8B", "tp_1x128": "TP-sharded 1x128", "mla_bf16": "MLA 576 bf16",
+                    "mla_fp8": "MLA 576 fp8"}
+
+
+def _latency_row(lat: dict) -> str:
+    """One 16-token page x 36 layers, slower direction, per measured geometry, with its PCIe floor."""
+    names = [n for n in _GEOMETRY_LABELS if n in lat]
+    floors = " / ".join(f"{_GEOMETRY_LABELS[n]} (PCIe floor {lat[n]['pcie_floor_us']} µs)" for n in names)
+    values = " / ".join(f"{max(lat[n]['h2d_pdefault_us'], lat[n]['d2h_pdefault_us'])}" for n in names)
+    return f"| one 16-token page × 36 layers, all-layer call, slower direction: {floors} | {values} µs |"
 
 
 def _bidir_repeat_rows() -> list:
