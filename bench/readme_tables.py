@@ -125,7 +125,7 @@ def _bidir_repeat_rows() -> list:
 def _overhead_probe_rows() -> list:
     """Host time per call from bench/probe_overhead.py (another process), if committed: the latest run, which
     times StagedCopy too."""
-    probe = _load("probes/probe_overhead_staged_copy_h200.json")
+    probe = _load("probes/probe_overhead_h200.json")
     if probe is None:
         return []
     us, staged = probe["us"], probe["layerwise_issue_us_staged"]
