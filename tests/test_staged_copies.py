@@ -11,13 +11,18 @@ from __future__ import annotations
 import ctypes
 import types
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.geometry import KVGeometry
+from kvtier.kernels import StagedTransfer
 from kvtier.kernels import staged as staged_mod
+from kvtier.kernels.checks import LayerSpan
 from kvtier.kernels.pinned import register_pinned_range, unregister_pinned_range
+from tests.kv_helpers import make_host, make_kv
 
 
 class FakeRuntime:
@@ -117,3 +122,44 @@ def test_one_row_is_one_1d_copy(runtime):
     s = stg.as_strided((1, 64), (0, 1), 0)
     staged_mod._copy_2d(h, s, to_host=False, stream=STREAM)
     assert [c[0] for c in runtime.calls] == ["1d"] and torch.equal(stg, host)
+
+
+# -- StagedTransfer._copy_runs: the offset-only CuPy path against the view path -------------------------------
+
+GEO = KVGeometry(4, 2, 64, torch.float16, page_size=2)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.sampled_from(["page_first", "layer_first"]),
+       ids=st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True),
+       start=st.integers(0, 3), count=st.integers(1, 4), to_host=st.booleans(),
+       boundary=st.one_of(st.none(), st.integers(1, 200)))
+def test_offset_copies_move_what_the_views_name(runtime, layout, ids, start, count, to_host, boundary):
+    """With CuPy and a stream, ``_copy_runs`` issues its copies from byte offsets (no views); the bytes they move
+    must be exactly those of the (host, staging) views of every run, for any block ids, layers and layout, with
+    or without a host registration boundary inside the pool."""
+    count = min(count, GEO.num_layers - start)
+    span = LayerSpan(start, count)
+    gen = torch.Generator().manual_seed(len(ids) * 31 + start)
+    kv = make_kv(GEO, 16, "cpu", gen)
+    host = make_host(GEO, 12, layout, "cpu", gen)
+    stager = StagedTransfer(kv, host, layout=layout)
+    staging = torch.randint(0, 256, (stager.staging_bytes,), dtype=torch.uint8, generator=gen)
+    host_ids = np.array(ids, dtype=np.int64)
+    host_bytes = host.view(-1).view(torch.uint8)
+    want_host, want_stg = host_bytes.clone(), staging.clone()
+    for h, s in stager._run_views(want_stg, host_ids, span):  # the views name the bytes; copy them by hand
+        h = want_host.as_strided(h.shape, h.stride(), h.storage_offset() - host_bytes.storage_offset())
+        (h.copy_(s) if to_host else s.copy_(h))
+    base = host_bytes.data_ptr()
+    regs = [(base + boundary * 64, host_bytes.numel() - boundary * 64)] if boundary else []
+    for ptr, n in regs:
+        register_pinned_range(ptr, n)
+    try:
+        runtime.calls.clear()
+        stager._copy_runs(staging, host_ids, span, to_host=to_host, stream=STREAM)
+    finally:
+        for ptr, _ in regs:
+            unregister_pinned_range(ptr)
+    assert runtime.calls, "the CuPy path issued no copy"
+    assert torch.equal(host_bytes, want_host) and torch.equal(staging, want_stg)

@@ -263,22 +263,29 @@ class StagedTransfer:
                           blocks_layer0=span.start)
 
     def _copy_runs(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool,
-                   stream) -> None:
-        """Copy-engine copies between the staging buffer and the host blocks: one 2-D copy per run of blocks."""
-        for host_view, staging_view in self._run_views(staging, host_ids, span):
+                   stream, runs: Optional[list[tuple[int, int]]] = None) -> None:
+        """Copy-engine copies between the staging buffer and the host blocks: one 2-D copy per run of blocks.
+
+        With CuPy and a stream the copies are issued from byte offsets alone (no tensor views: a layerwise load
+        issues them once per layer); otherwise through views and :func:`_copy_2d`."""
+        if stream is not None and _cupy is not None:
+            host_ptr, stg_ptr = self._host_bytes.data_ptr(), staging.data_ptr()
+            for r in self._run_rects(host_ids, span, runs):
+                _copy_rect(host_ptr + r.host_off, stg_ptr + r.stg_off, r.height, r.width, r.host_pitch,
+                           r.stg_pitch, to_host=to_host, stream=stream)
+            return
+        for host_view, staging_view in self._run_views(staging, host_ids, span, runs):
             _copy_2d(host_view, staging_view, to_host=to_host, stream=stream)
 
-    def _run_views(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
-                   runs: Optional[list[tuple[int, int]]] = None):
-        """(host, staging) 2-D byte views of each run of consecutive host blocks: rows of equal width at a pitch.
+    def _run_rects(self, host_ids: np.ndarray, span: LayerSpan, runs: Optional[list[tuple[int, int]]] = None):
+        """The byte rectangle of each run of consecutive host blocks: rows of equal width at a pitch, as offsets
+        into the host blocks and the staging buffer.
 
         ``page_first``: a row per block, the span's layers of it (one row of whole blocks when the span is all
         layers). ``layer_first``: a row per (layer, K/V) plane of the span, the run's pages of it. ``runs``:
         ``_runs(host_ids)`` when the caller has it already.
         """
         geo = self.kv.geometry
-        host_bytes = self._host_bytes
-        stg_bytes = staging.view(-1).view(torch.uint8)
         layer_bytes = geo.page_bytes  # one layer of a page_first block, K and V
         plane_page = geo.page_size * geo.row_bytes  # one page of a layer_first (layer, K/V) plane
         n = host_ids.size
@@ -287,43 +294,84 @@ class StagedTransfer:
             if self.layout == "page_first":
                 width = span.count * layer_bytes
                 if span.count == geo.num_layers:  # whole blocks: one contiguous row
-                    shape, host_pitch, stg_pitch = (1, length * width), 0, 0
+                    height, width, host_pitch, stg_pitch = 1, length * width, 0, 0
                 else:
-                    shape, host_pitch, stg_pitch = (length, width), geo.block_bytes, width
+                    height, host_pitch, stg_pitch = length, geo.block_bytes, width
                 host_off, stg_off = h0 * geo.block_bytes + span.start * layer_bytes, start * width
             else:
-                shape = (span.count * geo.kv_count, length * plane_page)
+                height, width = span.count * geo.kv_count, length * plane_page
                 host_pitch, stg_pitch = self.num_blocks * plane_page, n * plane_page
                 host_off = span.start * geo.kv_count * host_pitch + h0 * plane_page
                 stg_off = start * plane_page
+            yield _Rect(host_off, stg_off, height, width, host_pitch, stg_pitch)
+
+    def _run_views(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
+                   runs: Optional[list[tuple[int, int]]] = None):
+        """(host, staging) 2-D byte views of each of :meth:`_run_rects`."""
+        host_bytes = self._host_bytes
+        stg_bytes = staging.view(-1).view(torch.uint8)
+        for r in self._run_rects(host_ids, span, runs):
+            shape = (r.height, r.width)
             # as_strided offsets count from the storage's start, not the view's
-            yield (host_bytes.as_strided(shape, (host_pitch, 1), host_bytes.storage_offset() + host_off),
-                   stg_bytes.as_strided(shape, (stg_pitch, 1), stg_bytes.storage_offset() + stg_off))
+            yield (host_bytes.as_strided(shape, (r.host_pitch, 1), host_bytes.storage_offset() + r.host_off),
+                   stg_bytes.as_strided(shape, (r.stg_pitch, 1), stg_bytes.storage_offset() + r.stg_off))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rect:
+    """Rows of ``width`` bytes, ``height`` of them, at ``host_pitch`` / ``stg_pitch`` from byte offsets into the
+    host blocks and the staging buffer."""
+
+    host_off: int
+    stg_off: int
+    height: int
+    width: int
+    host_pitch: int
+    stg_pitch: int
 
 
 def _copy_2d(host: torch.Tensor, staging: torch.Tensor, *, to_host: bool, stream) -> None:
     """Asynchronous copy between two 2-D byte views of equal shape, rows contiguous: staging -> host when
-    ``to_host``, else host -> staging (copy engines on CUDA).
-
-    One ``cudaMemcpy2DAsync`` when the rows fit its pitch limit and the host rows lie in one host registration;
-    otherwise one copy per row, each split at registration boundaries (a chunk-registered pool).
-    """
+    ``to_host``, else host -> staging (copy engines on CUDA). With CuPy: :func:`_copy_rect` of the views' bytes;
+    without, one torch copy per row, each split at host registration boundaries."""
     dst, src = (host, staging) if to_host else (staging, host)
     if stream is None:
         dst.copy_(src)
         return
     height, width = host.shape
-    if height == 1:
-        _copy(host[0], staging[0], to_host=to_host, stream=stream)
-        return
-    host_extent = (height - 1) * host.stride(0) + width
-    if (_cupy is not None and max(dst.stride(0), src.stride(0)) <= _max_pitch()
-            and len(split_at_registrations(host.data_ptr(), host_extent)) == 1):
-        _cupy.cuda.runtime.memcpy2DAsync(dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), width, height,
-                                         _cupy.cuda.runtime.memcpyDefault, stream.cuda_stream)
+    if _cupy is not None:
+        _copy_rect(host.data_ptr(), staging.data_ptr(), height, width, host.stride(0), staging.stride(0),
+                   to_host=to_host, stream=stream)
         return
     for row in range(height):
         _copy(host[row], staging[row], to_host=to_host, stream=stream)
+
+
+def _copy_rect(host_ptr: int, stg_ptr: int, height: int, width: int, host_pitch: int, stg_pitch: int, *,
+               to_host: bool, stream) -> None:
+    """CuPy copies of ``height`` rows of ``width`` bytes between host and staging addresses at their pitches.
+
+    One ``cudaMemcpy2DAsync`` when there are several rows, the pitches fit the device's limit and the host rows lie
+    in one host registration; otherwise one ``cudaMemcpyAsync`` per row, each split at registration boundaries
+    (a chunk-registered pool: a copy may not span two registrations).
+    """
+    rt = _cupy.cuda.runtime
+    if height > 1:
+        host_extent = (height - 1) * host_pitch + width
+        if (max(host_pitch, stg_pitch) <= _max_pitch()
+                and len(split_at_registrations(host_ptr, host_extent)) == 1):
+            if to_host:
+                rt.memcpy2DAsync(host_ptr, host_pitch, stg_ptr, stg_pitch, width, height, rt.memcpyDefault,
+                                 stream.cuda_stream)
+            else:
+                rt.memcpy2DAsync(stg_ptr, stg_pitch, host_ptr, host_pitch, width, height, rt.memcpyDefault,
+                                 stream.cuda_stream)
+            return
+    for row in range(height):
+        h, g = host_ptr + row * host_pitch, stg_ptr + row * stg_pitch
+        for off, length in split_at_registrations(h, width):
+            dst, src = (h, g) if to_host else (g, h)
+            rt.memcpyAsync(dst + off, src + off, length, rt.memcpyDefault, stream.cuda_stream)
 
 
 @functools.cache
@@ -333,17 +381,9 @@ def _max_pitch() -> int:
 
 
 def _copy(host: torch.Tensor, staging: torch.Tensor, *, to_host: bool, stream) -> None:
-    """Asynchronous copy between two contiguous 1-D byte views of equal size, in the direction of ``to_host``
-    (copy-engine copies on CUDA).
-
-    A copy may not span two separate host registrations (a chunk-registered pool), so it is split at their
-    boundaries (one piece in the common case).
-    """
+    """Asynchronous torch copy (no CuPy) between two contiguous 1-D byte views of equal size, in the direction of
+    ``to_host``, split at host registration boundaries (a copy may not span two registrations)."""
     dst, src = (host, staging) if to_host else (staging, host)
-    for off, length in split_at_registrations(host.data_ptr(), host.numel()):
-        if _cupy is not None:
-            _cupy.cuda.runtime.memcpyAsync(dst.data_ptr() + off, src.data_ptr() + off, length,
-                                           _cupy.cuda.runtime.memcpyDefault, stream.cuda_stream)
-        else:
-            with torch.cuda.stream(stream):
-                dst[off:off + length].copy_(src[off:off + length], non_blocking=True)
+    with torch.cuda.stream(stream):
+        for off, length in split_at_registrations(host.data_ptr(), host.numel()):
+            dst[off:off + length].copy_(src[off:off + length], non_blocking=True)

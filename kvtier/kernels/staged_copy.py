@@ -17,8 +17,7 @@ import numpy as np
 import torch
 
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
-from kvtier.kernels.staged import (GATHER_TILE_BYTES, GATHER_WARPS, StagedTransfer, _copy_2d, _Direction, _runs,
-                                   chunk_pages)
+from kvtier.kernels.staged import GATHER_TILE_BYTES, GATHER_WARPS, StagedTransfer, _Direction, _runs, chunk_pages
 from kvtier.kernels.transfer import _KernelLaunch, _on_device, on_stream, raw_stream
 
 
@@ -135,8 +134,8 @@ class StagedCopy:
         return self._mark_free(d, b, work)
 
     def _copy(self, staging: torch.Tensor, chunk: _Chunk, span: LayerSpan, copy_stream) -> None:
-        for host_view, staging_view in self.stager._run_views(staging, chunk.host_ids, span, chunk.runs):
-            _copy_2d(host_view, staging_view, to_host=self.to_host, stream=copy_stream)
+        self.stager._copy_runs(staging, chunk.host_ids, span, to_host=self.to_host, stream=copy_stream,
+                               runs=chunk.runs)
 
     def _mark_free(self, d: _Direction, b: int, stream) -> Optional[torch.cuda.Event]:
         if stream is None:
