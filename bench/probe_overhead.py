@@ -120,7 +120,7 @@ def tier_issue_us(kv, geo: KVGeometry, reps: int = 200, mode: str = "direct", pa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--tier-only", action="store_true", help="only the tier's layerwise issue time")
+    ap.add_argument("--tier-only", action="store_true", help="only the tier's layerwise issue time, direct and staged")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "probe_overhead_h200.json"))
     args = ap.parse_args()
 
@@ -128,7 +128,9 @@ def main() -> None:
     kv = make_pool(geo, 65536)
     if args.tier_only:
         write_json(args.out, {"env": env_info(), "kvtier": os.path.dirname(tr.__file__),
-                              "layerwise_issue_us": tier_issue_us(kv, geo)})
+                              "layerwise_issue_us": tier_issue_us(kv, geo),
+                              "layerwise_issue_us_staged": tier_issue_us(kv, geo, mode="staged",
+                                                                         page_counts=(1, 64))})
         return
     num_blocks = 256
     host = torch.empty(geo.host_shape(num_blocks, "layer_first"), dtype=geo.dtype, pin_memory=True)
