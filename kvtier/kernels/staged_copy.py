@@ -2,7 +2,7 @@
 
 :meth:`StagedTransfer.load` checks the indices, moves the block ids to the host, plans the staging chunks and packs
 the gather/scatter arguments on every call: ~240-275 us of host time on the H200 hosts
-(bench/results/probes/probe_overhead_h200.json), which a layerwise load pays once per layer. :class:`StagedCopy`
+(bench/results/probes/probe_overhead_session3_h200.json), which a layerwise load pays once per layer. :class:`StagedCopy`
 does all of that once; a launch then issues, per staging chunk, the buffer's wait, the copy-engine copies, one
 event between the streams and the gather/scatter launch, reusing its events.
 """
