@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -317,8 +317,7 @@ class StagedTransfer:
                    stg_bytes.as_strided(shape, (r.stg_pitch, 1), stg_bytes.storage_offset() + r.stg_off))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rect:
+class _Rect(NamedTuple):
     """Rows of ``width`` bytes, ``height`` of them, at ``host_pitch`` / ``stg_pitch`` from byte offsets into the
     host blocks and the staging buffer."""
 
