@@ -43,8 +43,8 @@ def _load_fn(stager: StagedTransfer, dst, blocks, stream, edge_divisor: int):
     return run
 
 
-def timeline(fn, reps: int = 3) -> dict:
-    """Per-chunk copy GB/s, gaps and exposed tail of ``fn``'s last run, from a CUPTI trace."""
+def trace_last_run(fn, reps: int = 3) -> list[dict]:
+    """The GPU events (kernels and copies, not the spin) of ``fn``'s last of ``reps`` runs, from a CUPTI trace."""
     from torch.profiler import ProfilerActivity, profile
     for _ in range(2):
         fn()
@@ -72,22 +72,40 @@ def timeline(fn, reps: int = 3) -> dict:
         cur.append(e)
         last_end = max(last_end or 0, e["ts"] + e["dur"])
     runs.append(cur)
-    run = runs[-1]
-    copies = [e for e in run if e["cat"] == "gpu_memcpy"]
-    kernels = [e for e in run if e["cat"] == "kernel"]
-    out = {
-        "events": [{"cat": e["cat"], "name": e["name"][:60], "stream": e.get("args", {}).get("stream"),
-                    "ts_us": round(e["ts"] - run[0]["ts"], 2), "dur_us": round(e["dur"], 2),
-                    "bytes": e.get("args", {}).get("bytes")} for e in run],
+    return runs[-1]
+
+
+def event_rows(run: list[dict]) -> list[dict]:
+    """The events of a run, times relative to its first event."""
+    return [{"cat": e["cat"], "name": e["name"][:60], "stream": e.get("args", {}).get("stream"),
+             "ts_us": round(e["ts"] - run[0]["ts"], 2), "dur_us": round(e["dur"], 2),
+             "bytes": e.get("args", {}).get("bytes")} for e in run]
+
+
+def copy_stats(run: list[dict], copies: list[dict]) -> dict:
+    """Per-copy GB/s, the gaps between consecutive copies, and their busy time within ``run``."""
+    return {
         "copy_gbps": [round(e["args"]["bytes"] / (e["dur"] * 1e3), 2) for e in copies if e.get("args", {}).get("bytes")],
         "gaps_between_copies_us": [round(b["ts"] - (a["ts"] + a["dur"]), 2) for a, b in zip(copies, copies[1:])],
+        "first_copy_start_us": round(copies[0]["ts"] - run[0]["ts"], 2) if copies else None,
+        "last_copy_end_us": round(copies[-1]["ts"] + copies[-1]["dur"] - run[0]["ts"], 2) if copies else None,
+        "copy_busy_us": round(sum(e["dur"] for e in copies), 2),
+    }
+
+
+def timeline(fn, reps: int = 3) -> dict:
+    """Per-chunk copy GB/s, gaps and exposed tail of ``fn``'s last run, from a CUPTI trace."""
+    run = trace_last_run(fn, reps)
+    copies = [e for e in run if e["cat"] == "gpu_memcpy"]
+    kernels = [e for e in run if e["cat"] == "kernel"]
+    return {
+        "events": event_rows(run),
+        **copy_stats(run, copies),
         "scatter_us": [round(e["dur"], 2) for e in kernels],
         "span_us": round(max(e["ts"] + e["dur"] for e in run) - run[0]["ts"], 2),
-        "copy_busy_us": round(sum(e["dur"] for e in copies), 2),
         "tail_us": round(max(e["ts"] + e["dur"] for e in run) - max(e["ts"] + e["dur"] for e in copies), 2)
         if copies else None,
     }
-    return out
 
 
 def main() -> None:
