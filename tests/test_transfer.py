@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvtier.geometry import KVGeometry
@@ -168,6 +168,11 @@ def run_round_trip(case: Case, device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
+# found by CI: staged page_first whole blocks, a chunk whose second run (blocks 0, 1) follows block 2; the copy's
+# staging offset was the run start times the run's width, not a block's
+@example(case=Case(geo=KVGeometry(1, 1, 64, torch.uint8, page_size=16), layout="page_first", mode="staged",
+                   num_pages=3, spare_blocks=0, layers=None, num_programs=1, tile_bytes=256, staging_pages=3,
+                   num_buffers=1, seed=35, block_run=False))
 def test_round_trip_is_byte_exact(device: str, case: Case) -> None:
     run_round_trip(case, device)
 

@@ -292,12 +292,12 @@ class StagedTransfer:
         for start, length in _runs(host_ids) if runs is None else runs:
             h0 = int(host_ids[start])
             if self.layout == "page_first":
-                width = span.count * layer_bytes
+                block_span = span.count * layer_bytes  # the span's bytes of one block
+                host_off, stg_off = h0 * geo.block_bytes + span.start * layer_bytes, start * block_span
                 if span.count == geo.num_layers:  # whole blocks: one contiguous row
-                    height, width, host_pitch, stg_pitch = 1, length * width, 0, 0
+                    height, width, host_pitch, stg_pitch = 1, length * block_span, 0, 0
                 else:
-                    height, host_pitch, stg_pitch = length, geo.block_bytes, width
-                host_off, stg_off = h0 * geo.block_bytes + span.start * layer_bytes, start * width
+                    height, width, host_pitch, stg_pitch = length, block_span, geo.block_bytes, block_span
             else:
                 height, width = span.count * geo.kv_count, length * plane_page
                 host_pitch, stg_pitch = self.num_blocks * plane_page, n * plane_page
