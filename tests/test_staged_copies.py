@@ -163,3 +163,36 @@ def test_offset_copies_move_what_the_views_name(runtime, layout, ids, start, cou
             unregister_pinned_range(ptr)
     assert runtime.calls, "the CuPy path issued no copy"
     assert torch.equal(host_bytes, want_host) and torch.equal(staging, want_stg)
+
+
+@settings(max_examples=100, deadline=None)
+@given(layout=st.sampled_from(["page_first", "layer_first"]),
+       ids=st.lists(st.integers(0, 11), min_size=1, max_size=8, unique=True),
+       start=st.integers(0, 3), count=st.integers(1, 4))
+def test_run_rects_map_each_staging_byte_to_its_host_byte(layout, ids, start, count):
+    """``_run_rects`` against a formula written apart: the rectangles cover the staging bytes of the chunk exactly
+    once, and each staging byte of (page i, layer, K/V, offset) pairs with that byte of host block ``ids[i]``."""
+    count = min(count, GEO.num_layers - start)
+    gen = torch.Generator().manual_seed(0)
+    stager = StagedTransfer(make_kv(GEO, 16, "cpu", gen), make_host(GEO, 12, layout, "cpu", gen), layout=layout)
+    host_ids = np.array(ids, dtype=np.int64)
+    n, kv, plane_page, layer_bytes = len(ids), GEO.kv_count, GEO.page_size * GEO.row_bytes, GEO.page_bytes
+    pairs = np.full(n * count * layer_bytes, -1, dtype=np.int64)  # staging byte -> host byte
+    for r in stager._run_rects(host_ids, LayerSpan(start, count)):
+        for row in range(r.height):
+            s0, h0 = r.stg_off + row * r.stg_pitch, r.host_off + row * r.host_pitch
+            assert (pairs[s0:s0 + r.width] == -1).all(), "two rectangles write one staging byte"
+            pairs[s0:s0 + r.width] = np.arange(h0, h0 + r.width)
+    want = np.empty_like(pairs)
+    o = np.arange(plane_page)
+    for i, block in enumerate(ids):
+        for layer in range(count):
+            for k in range(kv):
+                if layout == "page_first":  # a block holds its layers in turn, K then V, a page of rows each
+                    stg = i * count * layer_bytes + layer * layer_bytes + k * plane_page
+                    host = block * GEO.block_bytes + (start + layer) * layer_bytes + k * plane_page
+                else:  # (layer, K/V) planes of pages: the chunk's pages in order, the pool's blocks by id
+                    stg = ((layer * kv + k) * n + i) * plane_page
+                    host = (((start + layer) * kv + k) * stager.num_blocks + block) * plane_page
+                want[stg + o] = host + o
+    assert (pairs == want).all()
