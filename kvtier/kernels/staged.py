@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -96,6 +96,44 @@ class _Direction:
         self.free_events: list[Optional[torch.cuda.Event]] = [None] * num_buffers
         self.copy_stream = torch.cuda.Stream(device=kv.device) if kv.is_cuda else None
         self.next_buffer = 0
+
+    def take_buffer(self) -> int:
+        """The staging buffer the next chunk uses (round robin)."""
+        b = self.next_buffer
+        self.next_buffer = (b + 1) % len(self.buffers)
+        return b
+
+
+def issue_chunk(d: _Direction, b: int, work, to_host: bool, fire: Callable[[], None], copy: Callable[[], None],
+                handoff: Optional[torch.cuda.Event], free: Optional[torch.cuda.Event]) -> Optional[torch.cuda.Event]:
+    """One staging chunk through buffer ``b`` of ``d``: ``fire`` (the gather or scatter launch, on ``work``) and
+    ``copy`` (the copy-engine copies, on ``d.copy_stream``), in the direction's order, each handing the buffer to
+    the other through ``handoff``; ``free`` is recorded after the chunk's last use of the buffer, becomes its free
+    event (the next chunk in it waits for it) and is returned. ``work`` is None on the CPU (no events there)."""
+    cuda = work is not None
+    if to_host:  # gather on the work stream, then copy on the copy stream
+        if cuda and d.free_events[b] is not None:
+            work.wait_event(d.free_events[b])
+        fire()
+        if cuda:
+            handoff.record(work)
+            d.copy_stream.wait_event(handoff)
+        copy()
+        last = d.copy_stream
+    else:  # load: copy on the copy stream, then scatter on the work stream
+        if cuda and d.free_events[b] is not None:
+            d.copy_stream.wait_event(d.free_events[b])
+        copy()
+        if cuda:
+            handoff.record(d.copy_stream)
+            work.wait_event(handoff)
+        fire()
+        last = work
+    if not cuda:
+        return None
+    free.record(last)
+    d.free_events[b] = free
+    return free
 
 
 class StagedTransfer:
@@ -216,8 +254,7 @@ class StagedTransfer:
 
     def _chunk(self, d: _Direction, work, chunk_slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
                span_geo: KVGeometry, to_host: bool) -> Optional[torch.cuda.Event]:
-        b = d.next_buffer
-        d.next_buffer = (b + 1) % len(d.buffers)
+        b = d.take_buffer()
         n = host_ids.size
         # The staging buffer holds the chunk's n pages of the span's layers, laid out like the host blocks.
         shape = span_geo.host_shape(n, self.layout)
@@ -225,35 +262,11 @@ class StagedTransfer:
         local_ids = self._local_ids[:n]
         strides = span_geo.host_row_strides(n, self.layout)
         cuda = work is not None
-        if to_host:  # gather on the work stream, then copy on the copy stream
-            if cuda and d.free_events[b] is not None:
-                work.wait_event(d.free_events[b])
-            self._gather(staging, chunk_slots, local_ids, span, strides, to_staging=True)
-            if cuda:
-                ready = torch.cuda.Event()
-                ready.record(work)
-                d.copy_stream.wait_event(ready)
-            self._copy_runs(staging, host_ids, span, to_host=True, stream=d.copy_stream)
-            return self._mark_free(d, b, d.copy_stream)
-        # load: copy on the copy stream, then scatter on the work stream
-        if cuda and d.free_events[b] is not None:
-            d.copy_stream.wait_event(d.free_events[b])
-        self._copy_runs(staging, host_ids, span, to_host=False, stream=d.copy_stream)
-        if cuda:
-            copied = torch.cuda.Event()
-            copied.record(d.copy_stream)
-            work.wait_event(copied)
-        self._gather(staging, chunk_slots, local_ids, span, strides, to_staging=False)
-        return self._mark_free(d, b, work)
-
-    @staticmethod
-    def _mark_free(d: _Direction, b: int, stream) -> Optional[torch.cuda.Event]:
-        if stream is None:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        d.free_events[b] = ev
-        return ev
+        return issue_chunk(
+            d, b, work, to_host,
+            fire=lambda: self._gather(staging, chunk_slots, local_ids, span, strides, to_staging=to_host),
+            copy=lambda: self._copy_runs(staging, host_ids, span, to_host=to_host, stream=d.copy_stream),
+            handoff=torch.cuda.Event() if cuda else None, free=torch.cuda.Event() if cuda else None)
 
     def _gather(self, staging: torch.Tensor, slots: torch.Tensor, local_ids: torch.Tensor, span: LayerSpan,
                 strides: tuple[int, int, int], *, to_staging: bool) -> None:

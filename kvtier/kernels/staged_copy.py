@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
-from kvtier.kernels.staged import GATHER_TILE_BYTES, GATHER_WARPS, StagedTransfer, _Direction, _runs, chunk_pages
-from kvtier.kernels.transfer import _KernelLaunch, _on_device, on_stream, raw_stream
+from kvtier.kernels.staged import (GATHER_TILE_BYTES, GATHER_WARPS, StagedTransfer, _Direction, _runs, chunk_pages,
+                                   issue_chunk)
+from kvtier.kernels.transfer import _KernelLaunch, _on_device, on_stream, raw_stream, torch_stream
 
 
 @dataclasses.dataclass
@@ -56,8 +57,8 @@ class StagedCopy:
         self._direction: _Direction = stager._store if to_host else stager._load
         n = len(self._direction.buffers)
         # per staging buffer: the event that hands a chunk from one stream to the other, and the buffer's free event
-        self._handoff = [torch.cuda.Event() for _ in range(n)] if kv.is_cuda else []
-        self._free = [torch.cuda.Event() for _ in range(n)] if kv.is_cuda else []
+        self._handoff = [torch.cuda.Event() if kv.is_cuda else None for _ in range(n)]
+        self._free = [torch.cuda.Event() if kv.is_cuda else None for _ in range(n)]
         self._plans: dict[tuple[int, bool], list[_Chunk]] = {}
         self._programs = stager.gather_programs if to_host else stager.scatter_programs
 
@@ -68,12 +69,7 @@ class StagedCopy:
         span = layer_span(layers, kv.geometry.num_layers)
         work = None
         if kv.is_cuda:
-            if stream is None:
-                work = torch.cuda.current_stream(kv.device)
-            elif isinstance(stream, torch.cuda.Stream):
-                work = stream
-            else:
-                work = torch.cuda.ExternalStream(raw_stream(stream), device=kv.device)
+            work = torch.cuda.current_stream(kv.device) if stream is None else torch_stream(kv, stream)
         d = self._direction
         with _on_device(kv) if kv.is_cuda else contextlib.nullcontext():
             if work is not None and not self.to_host:
@@ -110,37 +106,16 @@ class StagedCopy:
         return plan
 
     def _issue(self, d: _Direction, work, chunk: _Chunk, span: LayerSpan) -> Optional[torch.cuda.Event]:
-        """One chunk, as :meth:`StagedTransfer._chunk` issues it; returns the buffer's free event."""
-        b = d.next_buffer
-        d.next_buffer = (b + 1) % len(d.buffers)
-        cuda = work is not None
-        handle = raw_stream(work) if cuda else None
-        if self.to_host:  # gather on the work stream, then copy on the copy stream
-            if cuda and d.free_events[b] is not None:
-                work.wait_event(d.free_events[b])
-            chunk.launches[b].fire(span, self._programs, handle, blocks_layer0=span.start)
-            if cuda:
-                self._handoff[b].record(work)
-                d.copy_stream.wait_event(self._handoff[b])
-            self._copy(d.buffers[b], chunk, span, d.copy_stream)
-            return self._mark_free(d, b, d.copy_stream)
-        if cuda and d.free_events[b] is not None:  # load: copy on the copy stream, then scatter on the work stream
-            d.copy_stream.wait_event(d.free_events[b])
-        self._copy(d.buffers[b], chunk, span, d.copy_stream)
-        if cuda:
-            self._handoff[b].record(d.copy_stream)
-            work.wait_event(self._handoff[b])
-        chunk.launches[b].fire(span, self._programs, handle, blocks_layer0=span.start)
-        return self._mark_free(d, b, work)
+        """One chunk, as :meth:`StagedTransfer._chunk` issues it (:func:`issue_chunk`), with this copy's events;
+        returns the buffer's free event."""
+        b = d.take_buffer()
+        handle = raw_stream(work) if work is not None else None
+        return issue_chunk(
+            d, b, work, self.to_host,
+            fire=lambda: chunk.launches[b].fire(span, self._programs, handle, blocks_layer0=span.start),
+            copy=lambda: self._copy(d.buffers[b], chunk, span, d.copy_stream),
+            handoff=self._handoff[b], free=self._free[b])
 
     def _copy(self, staging: torch.Tensor, chunk: _Chunk, span: LayerSpan, copy_stream) -> None:
         self.stager._copy_runs(staging, chunk.host_ids, span, to_host=self.to_host, stream=copy_stream,
                                runs=chunk.runs)
-
-    def _mark_free(self, d: _Direction, b: int, stream) -> Optional[torch.cuda.Event]:
-        if stream is None:
-            return None
-        ev = self._free[b]
-        ev.record(stream)
-        d.free_events[b] = ev
-        return ev

@@ -289,6 +289,13 @@ def raw_stream(stream) -> int:
     return int(stream.cuda_stream if hasattr(stream, "cuda_stream") else stream.ptr)
 
 
+def torch_stream(kv: PagedKV, stream) -> torch.cuda.Stream:
+    """``stream`` as a torch stream on the KV's device (a CuPy or other stream is wrapped by its raw handle)."""
+    if isinstance(stream, torch.cuda.Stream):
+        return stream
+    return torch.cuda.ExternalStream(raw_stream(stream), device=kv.device)
+
+
 class on_stream:
     """Context: the kernel's device and, when given, a torch stream (or anything with ``cuda_stream``)."""
 
@@ -297,9 +304,7 @@ class on_stream:
         if kv.is_cuda:
             self._ctx.append(torch.cuda.device(kv.device))
             if stream is not None:
-                if not isinstance(stream, torch.cuda.Stream):
-                    stream = torch.cuda.ExternalStream(raw_stream(stream), device=kv.device)
-                self._ctx.append(torch.cuda.stream(stream))
+                self._ctx.append(torch.cuda.stream(torch_stream(kv, stream)))
 
     def __enter__(self):
         for c in self._ctx:
