@@ -1,4 +1,4 @@
-"""The copy-engine side of the staged path on the CPU: which copies ``_copy_2d`` issues, and that they move the bytes.
+"""The copy-engine side of the staged path on the CPU: which copies ``_copy_rect`` issues, and that they move the bytes.
 
 CuPy needs CUDA, so these tests put a recording stand-in for ``cupy.cuda.runtime`` in its place: it performs each
 copy with ``ctypes.memmove`` on host memory and records the call. That checks the choice between one 2-D copy and
@@ -56,6 +56,12 @@ def runtime(monkeypatch):
 STREAM = types.SimpleNamespace(cuda_stream=0)
 
 
+def _copy_rect(h: torch.Tensor, s: torch.Tensor, to_host: bool) -> None:
+    """``staged._copy_rect`` of the bytes of two 2-D views (host, staging)."""
+    staged_mod._copy_rect(h.data_ptr(), s.data_ptr(), h.shape[0], h.shape[1], h.stride(0), s.stride(0),
+                          to_host=to_host, stream=STREAM)
+
+
 def _views(host: torch.Tensor, stg: torch.Tensor, height: int, width: int, host_pitch: int, host_off: int):
     h = host.as_strided((height, width), (host_pitch, 1), host.storage_offset() + host_off)
     s = stg.as_strided((height, width), (width, 1), stg.storage_offset())
@@ -81,7 +87,7 @@ def test_one_2d_copy_unless_the_rows_cross_a_registration(runtime, height, width
     for ptr, n in regs:
         register_pinned_range(ptr, n)
     try:
-        staged_mod._copy_2d(h, s, to_host=to_host, stream=STREAM)
+        _copy_rect(h, s, to_host)
     finally:
         for ptr, _ in regs:
             unregister_pinned_range(ptr)
@@ -110,7 +116,7 @@ def test_rows_over_the_pitch_limit_copy_row_by_row(runtime, monkeypatch):
     host = torch.arange(64, dtype=torch.uint8)
     stg = torch.zeros(12, dtype=torch.uint8)
     h, s = _views(host, stg, 3, 4, 16, 0)  # pitch 16 > 15
-    staged_mod._copy_2d(h, s, to_host=False, stream=STREAM)
+    _copy_rect(h, s, False)
     assert [c[0] for c in runtime.calls] == ["1d"] * 3
     assert stg.tolist() == [0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35]
 
@@ -120,7 +126,7 @@ def test_one_row_is_one_1d_copy(runtime):
     stg = torch.zeros(64, dtype=torch.uint8)
     h = host.as_strided((1, 64), (0, 1), 0)
     s = stg.as_strided((1, 64), (0, 1), 0)
-    staged_mod._copy_2d(h, s, to_host=False, stream=STREAM)
+    _copy_rect(h, s, False)
     assert [c[0] for c in runtime.calls] == ["1d"] and torch.equal(stg, host)
 
 

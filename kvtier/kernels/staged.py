@@ -343,19 +343,13 @@ class _Rect(NamedTuple):
 
 
 def _copy_2d(host: torch.Tensor, staging: torch.Tensor, *, to_host: bool, stream) -> None:
-    """Asynchronous copy between two 2-D byte views of equal shape, rows contiguous: staging -> host when
-    ``to_host``, else host -> staging (copy engines on CUDA). With CuPy: :func:`_copy_rect` of the views' bytes;
-    without, one torch copy per row, each split at host registration boundaries."""
-    dst, src = (host, staging) if to_host else (staging, host)
+    """Copy between two 2-D byte views of equal shape, rows contiguous, without CuPy: staging -> host when
+    ``to_host``, else host -> staging; asynchronous on ``stream`` (one torch copy per row, each split at host
+    registration boundaries), a plain copy without one (CPU). With CuPy, :func:`_copy_rect` issues the copies."""
     if stream is None:
-        dst.copy_(src)
+        (host if to_host else staging).copy_(staging if to_host else host)
         return
-    height, width = host.shape
-    if _cupy is not None:
-        _copy_rect(host.data_ptr(), staging.data_ptr(), height, width, host.stride(0), staging.stride(0),
-                   to_host=to_host, stream=stream)
-        return
-    for row in range(height):
+    for row in range(host.shape[0]):
         _copy(host[row], staging[row], to_host=to_host, stream=stream)
 
 
