@@ -15,6 +15,7 @@ Run on the GPU machine: ``python bench/probe_bidir.py --out $OUT/probe_bidir.jso
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -25,20 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_transfer import MiB, _bidir_setup, _both, _ce_contiguous  # noqa: E402
 from bench.common import env_info, gbps, time_gpu_ms, write_json  # noqa: E402
-from bench.probe_staged import copy_stats, event_rows, trace_last_run  # noqa: E402
+from bench.probe_staged import copy_stats, event_rows, record_timelines, trace_last_run, with_edge_divisor  # noqa: E402
 from kvtier.kernels import StagedTransfer  # noqa: E402
-from kvtier.kernels import staged as staged_mod  # noqa: E402
-
-
-def _edge_divisor(fn, divisor: int):
-    """``fn`` with the staged path's short edge chunks set to 1/``divisor`` of a chunk (1: no short edges)."""
-    def run():
-        staged_mod.EDGE_CHUNK_DIVISOR = divisor
-        try:
-            return fn()
-        finally:
-            staged_mod.EDGE_CHUNK_DIVISOR = 4
-    return run
 
 
 def per_direction(run: list[dict]) -> dict:
@@ -71,7 +60,7 @@ def main() -> None:
     fns = {
         "copy_engine_contiguous": _both(*_ce_contiguous(host, nbytes), s_store, s_load),
         "default": default,
-        "no_short_edges": _edge_divisor(default, 1),
+        "no_short_edges": with_edge_divisor(default, 1),
         "staging64": staged_pair(StagedTransfer(s.kv, host, staging_bytes=64 * MiB)),
         "buffers3": staged_pair(StagedTransfer(s.kv, host, num_buffers=3)),
     }
@@ -87,16 +76,11 @@ def main() -> None:
     res["over_bound"] = {k: round(g / bound, 4) for k, g in res["combined_gbps"].items()}
     print("combined", res["combined_gbps"], res["over_bound"], flush=True)
     write_json(args.out, res)
-    for k in ("default", "copy_engine_contiguous"):
-        try:
-            run = trace_last_run(fns[k])
-            res[f"timeline_{k}"] = {"events": event_rows(run), **per_direction(run)}
-            t = res[f"timeline_{k}"]
-            print("timeline", k, {x: t[x] for x in t if x != "events"}, flush=True)
-        except Exception as e:  # the profiler may be unavailable; the GB/s above stand alone
-            res[f"timeline_{k}_error"] = repr(e)[:500]
-            print("timeline error", e, flush=True)
-        write_json(args.out, res)
+    def summary(fn):
+        run = trace_last_run(fn)
+        return {"events": event_rows(run), **per_direction(run)}
+    record_timelines(res, args.out,
+                     {k: functools.partial(summary, fns[k]) for k in ("default", "copy_engine_contiguous")})
 
 
 if __name__ == "__main__":

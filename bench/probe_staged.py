@@ -16,6 +16,7 @@ Run on the GPU machine: ``python bench/probe_staged.py --out $OUT/probe_staged.j
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -32,15 +33,35 @@ from kvtier.kernels import StagedTransfer  # noqa: E402
 from kvtier.kernels import staged as staged_mod  # noqa: E402
 
 
-def _load_fn(stager: StagedTransfer, dst, blocks, stream, edge_divisor: int):
+def with_edge_divisor(fn, divisor: int):
+    """``fn`` run with the staged path's short edge chunks at 1/``divisor`` of a chunk (1: no short edges)."""
     def run():
-        staged_mod.EDGE_CHUNK_DIVISOR = edge_divisor
+        staged_mod.EDGE_CHUNK_DIVISOR = divisor
         try:
-            stream.wait_stream(torch.cuda.current_stream())
-            return stager.load(dst, blocks, stream=stream, check=False)
+            return fn()
         finally:
             staged_mod.EDGE_CHUNK_DIVISOR = 4
     return run
+
+
+def _load_fn(stager: StagedTransfer, dst, blocks, stream, edge_divisor: int):
+    def run():
+        stream.wait_stream(torch.cuda.current_stream())
+        return stager.load(dst, blocks, stream=stream, check=False)
+    return with_edge_divisor(run, edge_divisor)
+
+
+def record_timelines(res: dict, out: str, summaries: dict) -> None:
+    """``res["timeline_<name>"] = summarize()`` for each of ``summaries``, printed and written to ``out`` one by
+    one; a failure (the profiler may be unavailable) is recorded instead, and the figures before stand alone."""
+    for name, summarize in summaries.items():
+        try:
+            t = res[f"timeline_{name}"] = summarize()
+            print("timeline", name, {x: t[x] for x in t if x != "events"}, flush=True)
+        except Exception as e:
+            res[f"timeline_{name}_error"] = repr(e)[:500]
+            print("timeline error", e, flush=True)
+        write_json(out, res)
 
 
 def trace_last_run(fn, reps: int = 3) -> list[dict]:
@@ -151,15 +172,7 @@ def main() -> None:
            "round_gbps": {k: [gbps(nbytes, t) for t in v] for k, v in times.items()}}
     print("gbps", res["gbps"], flush=True)
     write_json(args.out, res)
-    for k in ("default", "no_short_tail"):
-        try:
-            res[f"timeline_{k}"] = timeline(fns[k])
-            t = res[f"timeline_{k}"]
-            print("timeline", k, {x: t[x] for x in t if x != "events"}, flush=True)
-        except Exception as e:  # the profiler may be unavailable; the GB/s above stand alone
-            res[f"timeline_{k}_error"] = repr(e)[:500]
-            print("timeline error", e, flush=True)
-        write_json(args.out, res)
+    record_timelines(res, args.out, {k: functools.partial(timeline, fns[k]) for k in ("default", "no_short_tail")})
 
 
 if __name__ == "__main__":

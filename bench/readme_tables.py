@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -76,8 +77,7 @@ def transfer_table() -> str:
         f"| staged, all 36 layers, `page_first`, page 16, 1024 tokens: store / load | {s['staged_d2h_gbps']} / "
         f"{s['staged_h2d_gbps']} GB/s |",
         f"| staged store and load at once, combined | {s['bidirectional_gbps']} GB/s |",
-        *(_bidir_alternating_rows(res["bidir"]["alternating"]) if "alternating" in res.get("bidir", {})
-          else _bidir_repeat_rows()),
+        *_bidir_alternating_rows(res.get("bidir", {}).get("alternating")),
         *([f"| copy engine, contiguous, same bytes: store / load / combined | {bidir_ce['store_gbps']} / "
            f"{bidir_ce['load_gbps']} / {bidir_ce['combined_gbps']} GB/s |"] if bidir_ce else []),
         *_staged_probe_rows(),
@@ -104,22 +104,15 @@ def _latency_row(lat: dict) -> str:
     return f"| one 16-token page × 36 layers, all-layer call, slower direction: {floors} | {values} µs |"
 
 
-def _bidir_alternating_rows(alt: dict) -> list:
-    """Staged store + load at once in rounds alternating with the copy engines' contiguous bound (same run)."""
+def _bidir_alternating_rows(alt: Optional[dict]) -> list:
+    """Staged store + load at once in rounds alternating with the copy engines' contiguous bound (same run), if
+    the run has them."""
+    if alt is None:
+        return []
     med = alt["combined_gbps_median"]
     return [f"| the same, {alt['rounds']} rounds alternating with the copy engines' contiguous bound on the same "
             f"host blocks: staged / bound (ratio), medians | {med['staged']:.2f} / "
             f"{med['copy_engine_contiguous']:.2f} GB/s ({alt['staged_over_copy_engine']}) |"]
-
-
-def _bidir_repeat_rows() -> list:
-    """The bidir section run alone right after the main run, on its machine (bench/results/probes), if committed."""
-    probe = _load("probes/bidir_repeat_h200.json")
-    if probe is None:
-        return []
-    combined = " / ".join(str(r["staged"]["combined_gbps"]) for r in probe["runs"])
-    return [f"| the same, `--sections bidir` alone {len(probe['runs'])} times right after, same machine | "
-            f"{combined} GB/s |"]
 
 
 def _overhead_probe_rows() -> list:
