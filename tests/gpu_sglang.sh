@@ -3,6 +3,8 @@
 #
 #   bash tests/gpu_sglang.sh          (on the GPU machine, repo root; carry the git-ignored folder .whl-sgl)
 #   bash tests/gpu_sglang.sh build    (on a machine with a registry: fills .whl-sgl, ~47 MiB)
+#   bash tests/gpu_sglang.sh exec CMD ARGS...   (steps 1-3, then CMD in that environment instead of the tests;
+#                                                exit status: CMD's; e.g. the end-to-end bench)
 #
 # Run mode:
 #  1. installs the carried cp312 wheels (.whl-sgl: sglang 0.5.23 and the part of its import chain that must be real)
@@ -42,7 +44,7 @@ if [ "${1:-run}" = "build" ]; then
         regex==2026.11.19 PyYAML==6.0.4 tqdm==4.70.1 httpx2==2.16.2 httpcore2==2.16.2 h11==0.16.0 anyio==4.16.0 \
         idna==3.20 sniffio==1.3.1 certifi==2026.10.19.post1 openai==3.57.0 jiter==0.19.0 psutil==7.2.2 \
         requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.3 partial-json-parser==0.2.1.1.post7 \
-        gguf==0.19.0 compressed-tensors==0.20.1 loguru==0.7.3
+        gguf==0.19.0 compressed-tensors==0.20.1 loguru==0.7.3 einops==0.8.2
     for w in "$WHEELS"/sglang-0.5.23-*.whl; do
         "$PY" - "$w" <<'EOF'
 import base64, csv, hashlib, io, os, re, sys, zipfile
@@ -74,9 +76,14 @@ EOF
     exit 0
 fi
 
+MODE=${1:-run}
 LOGDIR=${OUT:-/tmp/kvtier_gpu_out}
 mkdir -p "$LOGDIR"
-exec > >(tee "$LOGDIR/gpu_sglang.log") 2>&1
+if [ "$MODE" = "exec" ]; then
+    exec > >(tee "$LOGDIR/exec.log") 2>&1
+else
+    exec > >(tee "$LOGDIR/gpu_sglang.log") 2>&1
+fi
 SITE=${KVTIER_SITE:-/tmp/site}
 BOOT=${KVTIER_BOOT:-/tmp/kvtier_boot}
 say() { printf '\n=== %s\n' "$*"; }
@@ -222,6 +229,13 @@ if ! "$PY" -c 'import sglang, sglang.srt.managers.schedule_batch, sglang.srt.mem
     echo "ERROR: sglang does not import here (traceback above). If it stops at 'No module named X' for a module"
     echo "       the tests never use, rerun with KVTIER_EXTRA_STUBS=X; otherwise its wheel must join .whl-sgl."
     exit 4
+fi
+
+if [ "$MODE" = "exec" ]; then
+    shift
+    say "running: $*"
+    "$@"
+    exit $?
 fi
 
 CUDA_OK=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)

@@ -112,9 +112,7 @@ class KVTierRadixCache(RadixCache):
         self.kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         kv = paged_kv_from_pool(self.kv_pool, self.page_size)
         self.tier = KVTier(kv, self.tier_config, executor=executor, counter_backend=counter_backend, pool=pool)
-        self.layerwise = self.tier_config.layerwise
-        if self.layerwise:
-            self.kv_pool.register_layer_transfer_counter(self.tier.counter)
+        self.set_layerwise(self.tier_config.layerwise)
 
     @classmethod
     def create_for_test(cls, params: CacheInitParams, config: Optional[TierConfig] = None, **kw) -> KVTierRadixCache:
@@ -123,6 +121,14 @@ class KVTierRadixCache(RadixCache):
         if config is None:
             config = TierConfig(cpu_cache_gb=1 / 1024, page_size=params.page_size, layerwise=False)
         return cls(params, config, **kw)
+
+    def set_layerwise(self, enabled: bool) -> None:
+        """Load host hits layer by layer (the tier's counter registered on the KV pool) or whole (none registered).
+        Takes effect from the next ``init_load_back``."""
+        self.tier.wait_all()  # a registered counter may still be waited on by an in-flight layerwise load
+        self.layerwise = bool(enabled)
+        self.tier.counter.set_consumer(-1)
+        self.kv_pool.register_layer_transfer_counter(self.tier.counter if self.layerwise else None)
 
     # --- lifecycle ---
 
