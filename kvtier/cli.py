@@ -1,152 +1,76 @@
-"""``kvtier`` command line: ``kvtier demo`` runs a real store/load round trip on this machine.
+"""``kvtier`` command line. Imports nothing heavy until a command runs (``kvtier --help`` stays fast).
 
-On a GPU the demo moves a Qwen3-8B-shaped KV cache (36 layers, 8 KV heads x 128, bf16, 16-token pages) through
-pinned host blocks at full size; without CUDA the same kernels run on CPU tensors through the Triton interpreter,
-at a small size. Every byte is verified.
+* ``kvtier demo``: a model serves a prompt cold, from a warm device cache, then from kvtier (``--kernels``: a
+  store/load round trip of the transfer kernels instead).
+* ``kvtier --version``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
-import time
-from typing import Callable, Optional
-
-import torch
-
-from kvtier.geometry import KVGeometry
+from typing import Optional
 
 
-@dataclasses.dataclass
-class DemoPlan:
-    geometry: KVGeometry
-    num_slots: int
-    num_pages: int
-    layout: str
+def _parser() -> argparse.ArgumentParser:
+    from kvtier import __version__
 
-
-def plan_for(device: str) -> DemoPlan:
-    if device == "cuda":
-        return DemoPlan(KVGeometry(36, 8, 128, torch.bfloat16, page_size=16), num_slots=32768, num_pages=512,
-                        layout="page_first")
-    return DemoPlan(KVGeometry(4, 2, 64, torch.bfloat16, page_size=16), num_slots=1024, num_pages=24,
-                    layout="page_first")
-
-
-class _Timer:
-    """Wall time on CPU, CUDA events on GPU."""
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-
-    def __call__(self, fn: Callable[[], Optional[object]]) -> float:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            ev = fn()
-            if isinstance(ev, torch.cuda.Event):
-                torch.cuda.current_stream().wait_event(ev)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-
-
-def run_demo(device: Optional[str] = None, console=None) -> bool:
-    """Fill paged KV, store pages to host blocks, clobber the slots, load into other slots, verify every byte.
-
-    Returns True when every round trip was byte-exact.
-    """
-    from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
-
-    from kvtier.kernels import PagedKV, StagedTransfer, load_pages, store_pages
-
-    console = console or Console()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    plan = plan_for(device)
-    geo, page = plan.geometry, plan.geometry.page_size
-    interp = " (Triton interpreter)" if device == "cpu" else ""
-    console.print(f"[bold]kvtier demo[/bold] on {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}"
-                  f"{interp}: {geo.num_layers} layers x {geo.num_kv_heads} KV heads x {geo.head_dim}, "
-                  f"{str(geo.dtype).replace('torch.', '')}, page {page}, {plan.num_pages} pages "
-                  f"({plan.num_pages * geo.block_bytes / 2**20:.1f} MiB)")
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
-    bufs = []
-    for _ in range(geo.num_layers * geo.kv_count):  # random bytes, never zeros: zeros hide unwritten slots
-        b = torch.empty(geo.device_shape(plan.num_slots), dtype=geo.dtype, device=device)
-        b.view(torch.uint8).random_(0, 256)
-        bufs.append(b)
-    kv = PagedKV(bufs, page_size=page, is_mla=geo.is_mla)
-    host = torch.empty(geo.host_shape(plan.num_pages, plan.layout), dtype=geo.dtype,
-                       pin_memory=(device == "cuda"))
-    pages = torch.randperm(plan.num_slots // page, generator=gen)[:2 * plan.num_pages]
-    slots = (pages[:, None] * page + torch.arange(page)[None]).reshape(-1)
-    src, dst = slots[:plan.num_pages * page], slots[plan.num_pages * page:]
-    blocks = torch.arange(plan.num_pages)
-    if device == "cuda":
-        src, dst = src.cuda(), dst.cuda()
-    nbytes = plan.num_pages * geo.block_bytes
-    timer = _Timer(device)
-    stager = StagedTransfer(kv, host, layout=plan.layout)
-    modes = {
-        "direct": (lambda: store_pages(kv, host, src, blocks, layout=plan.layout),
-                   lambda: load_pages(kv, host, dst, blocks, layout=plan.layout)),
-        "staged": (lambda: stager.store(src, blocks), lambda: stager.load(dst, blocks)),
-    }
-    table = Table(title="device slots -> host blocks (store) -> other device slots (load)")
-    for col in ("mode", "store", "load", "bytes each way", "verified"):
-        table.add_column(col)
-    all_ok = True
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("moving KV", total=len(modes) * 3)
-        for mode, (store, load) in modes.items():
-            source = [b[src].view(torch.uint8).cpu() for b in kv.buffers]
-            if device == "cuda":  # compile the kernels and warm the copy paths before timing
-                store(), load()
-            t_store = timer(store)
-            progress.advance(task)
-            for b in kv.buffers:  # clobber the source slots: the load must come from the host copy
-                b[src] = torch.zeros((), dtype=geo.dtype, device=device)
-            t_load = timer(load)
-            progress.advance(task)
-            ok = all(torch.equal(b[dst].view(torch.uint8).cpu(), s) for b, s in zip(kv.buffers, source))
-            progress.advance(task)
-            for b, s in zip(kv.buffers, source):  # restore for the next mode
-                b[src] = s.to(device).view(geo.dtype)
-            all_ok &= ok
-            table.add_row(mode, _rate(nbytes, t_store), _rate(nbytes, t_load), f"{nbytes / 2**20:.1f} MiB",
-                          "[green]every byte[/green]" if ok else "[red]MISMATCH[/red]")
-    console.print(table)
-    if device == "cpu":
-        console.print("CPU figures time the Triton interpreter, not a transfer: run on a GPU for real speed.")
-    return all_ok
-
-
-def _rate(nbytes: int, seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms = {nbytes / seconds / 1e9:.2f} GB/s"
+    parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a host-side tier for prefix KV caches")
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    demo = sub.add_parser("demo", help="serve a prompt from kvtier after the device cache is dropped",
+                          description="A random-weight Qwen3 serves one prompt cold, from a warm device cache, and "
+                                      "from kvtier after the device cache is dropped; --kernels runs a store/load "
+                                      "round trip of the transfer kernels instead. Fails on any mismatch.")
+    demo.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    demo.add_argument("--kernels", action="store_true", help="the transfer kernels' round trip only")
+    demo.add_argument("--layout", choices=["layer_first", "page_first"], default=None,
+                      help="host block layout (default: layer_first; page_first for --kernels)")
+    demo.add_argument("--whole", action="store_true", help="load the prefix whole, not layer by layer")
+    demo.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default 512 CPU, 8192 GPU)")
+    return parser
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtier", description="kvtier: a host-side tier for prefix KV caches")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="store pages to host blocks and load them back, verifying every byte")
-    demo.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    parser = _parser()
     args = parser.parse_args(argv)
-    if args.device == "cpu":  # CPU tensors need the Triton interpreter, chosen before the kernels are imported
-        if "kvtier.kernels" in sys.modules and torch.cuda.is_available():
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "demo":
+        return _demo(parser, args)
+    return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _demo(parser: argparse.ArgumentParser, args) -> int:
+    if args.prompt_tokens is not None and args.prompt_tokens < 32:
+        parser.error("--prompt-tokens must be at least 32")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        print("kvtier demo: --device cuda, but CUDA is not available here (torch "
+              f"{torch.__version__}, built {'with' if torch.version.cuda else 'without'} CUDA); "
+              "run without --device to use the CPU", file=sys.stderr)
+        return 2
+    device = args.device or ("cuda" if cuda else "cpu")
+    if device == "cpu":  # CPU tensors need the Triton interpreter, chosen before the kernels are imported
+        if "kvtier.kernels" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--device cpu must be chosen before kvtier.kernels is imported")
         os.environ["TRITON_INTERPRET"] = "1"
-    if args.command == "demo":
-        return 0 if run_demo(args.device) else 1
-    return 2
+    from kvtier import demo
+
+    if args.kernels:
+        return 0 if demo.run_kernel_demo(device, layout=args.layout) else 1
+    try:
+        ok = demo.run_serve_demo(device, layout=args.layout or "layer_first", layerwise=not args.whole,
+                                 prompt_tokens=args.prompt_tokens)
+    except ImportError as e:
+        print(f"kvtier demo needs transformers for its model ({e}): pip install 'kvtier[e2e]', or run "
+              "kvtier demo --kernels", file=sys.stderr)
+        return 2
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,18 +1,48 @@
-"""`kvtier demo` moves real bytes and verifies them; a mismatch makes it fail."""
+"""The ``kvtier`` command line: the demo serves from kvtier and fails on a mismatch; help, version, errors."""
+
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from kvtier import cli
+from kvtier import cli, demo
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ARGS = ["--device", DEVICE] if DEVICE == "cuda" else []
 
 
-def test_demo_round_trip_is_exact():
-    assert cli.main(["demo", "--device", DEVICE] if DEVICE == "cuda" else ["demo"]) == 0
+def test_demo_serves_from_kvtier_and_matches_the_device_cache(capsys):
+    pytest.importorskip("transformers")
+    assert cli.main(["demo", *ARGS, "--prompt-tokens", "96"]) == 0
+    out = capsys.readouterr().out
+    assert "80 of 80 cacheable tokens" in out and "identical" in out
+    if DEVICE == "cpu":
+        assert "TTFT" not in out.split("served three ways")[1].split("\n")[2]  # no timings from the interpreter
 
 
-def test_demo_reports_a_mismatch(monkeypatch):
+def test_serve_demo_reports_lost_kv(monkeypatch):
+    pytest.importorskip("transformers")
+    from kvtier.tier import KVTier
+
+    real = KVTier.load_layerwise
+
+    def lossy(self, tokens, ns, slots, **kw):  # the first loaded page comes back zeroed: the demo must notice
+        task = real(self, tokens, ns, slots, **kw)
+        self.wait(task)
+        for b in self.kv.buffers:
+            b[slots[:16]] = 0
+        return task
+
+    monkeypatch.setattr(KVTier, "load_layerwise", lossy)
+    assert demo.run_serve_demo(DEVICE, prompt_tokens=96) is False
+
+
+def test_kernel_demo_round_trip_is_exact():
+    assert cli.main(["demo", "--kernels", *ARGS]) == 0
+
+
+def test_kernel_demo_reports_a_mismatch(monkeypatch):
     import kvtier.kernels as kernels
 
     real_load = kernels.load_pages
@@ -21,9 +51,35 @@ def test_demo_reports_a_mismatch(monkeypatch):
         real_load(kv, host, slots[:-kv.geometry.page_size], block_ids[:-1], **kw)
 
     monkeypatch.setattr(kernels, "load_pages", lossy_load)
-    assert cli.run_demo(DEVICE) is False
+    assert demo.run_kernel_demo(DEVICE) is False
+
+
+def test_bare_kvtier_prints_help(capsys):
+    assert cli.main([]) == 0
+    assert "usage: kvtier" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    from kvtier import __version__
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"kvtier {__version__}"
 
 
 def test_cli_rejects_unknown_command():
     with pytest.raises(SystemExit):
         cli.main(["bogus"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_demo_on_cuda_without_a_gpu_is_a_clear_error(capsys):
+    assert cli.main(["demo", "--device", "cuda"]) == 2
+    assert "CUDA is not available here" in capsys.readouterr().err
+
+
+def test_python_m_kvtier_and_help_import_no_torch():
+    code = "import runpy, sys; sys.argv = ['kvtier', '--help']\ntry:\n    runpy.run_module('kvtier', run_name='__main__')\n" \
+           "except SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "usage: kvtier" in out.stdout and out.stdout.strip().endswith("False"), out.stdout + out.stderr

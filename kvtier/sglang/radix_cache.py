@@ -193,7 +193,16 @@ class KVTierRadixCache(RadixCache):
             need = min(need, params.mem_quota // self.page_size * self.page_size)
         if self._tp_min(need) < marker.host_len:
             return 0, last_node
-        new_slots = self._alloc_slots(need, last_node)
+        tokens = marker.tokens[:marker.device_len + need]
+        key = RadixKey(tokens, req.extra_key, cache_salt=req.cache_salt)
+        # A request admitted since this one's match may have grafted (part of) the same host range: the device
+        # tree holds it now. Extend from there; a second child under the same key would orphan the first.
+        values, parent = self._match_prefix_helper(last_node, key[marker.device_len:])
+        start = marker.device_len + sum(len(v) for v in values)
+        rest = marker.device_len + need - start
+        if rest == 0:
+            return need, parent
+        new_slots = self._alloc_slots(rest, parent)
         ok = new_slots is not None
         if self._tp_min(int(ok)) == 0:
             if ok:
@@ -201,32 +210,30 @@ class KVTierRadixCache(RadixCache):
             return 0, last_node
         new_slots = new_slots.to(torch.int64)
         new_slots_all = new_slots  # the copy writes through these (see _inflight)
-        tokens = marker.tokens[:marker.device_len + need]
-        start_page = marker.device_len // self.page_size  # the device-held pages are not copied again
+        start_page = start // self.page_size  # the device-held pages are not copied again
         if self.layerwise:
             task = self.tier.load_layerwise(tokens, marker.ns, new_slots, start_page=start_page)
         else:
             task = self.tier.load(tokens, marker.ns, new_slots, start_page=start_page)
-        local = min(need, task.num_pages * self.page_size)
+        local = min(rest, task.num_pages * self.page_size)
         loaded = self._tp_min(local)  # every rank grafts the same length: device trees stay identical
         if local > loaded:
             self.tier.wait(task)  # the slots past `loaded` are being written: free them only after the copy
-        if loaded < need:
+        if loaded < rest:
             self.token_to_kv_pool_allocator.free(new_slots[loaded:])
             new_slots = new_slots[:loaded]
         if self.layerwise:
             self.tier.counter.set_consumer(task.producer_index)
         elif not task.done:
             self._fence_forward(task)
-        node = last_node
+        node = parent
         if loaded > 0:
-            node = self._graft(last_node, RadixKey(tokens, req.extra_key, cache_salt=req.cache_salt),
-                               marker.device_len, new_slots)
+            node = self._graft(parent, key, start, new_slots)
         if not task.done:
             self._lock_until_done(task.id, node, new_slots_all)
-        if loaded < need:  # SGLang 0.5.23: all promised tokens or none
+        if loaded < rest:  # SGLang 0.5.23: all promised tokens or none
             return 0, last_node
-        return loaded, node
+        return need, node
 
     def _alloc_slots(self, need: int, last_node: TreeNode) -> Optional[torch.Tensor]:
         alloc = self.token_to_kv_pool_allocator
@@ -239,6 +246,8 @@ class KVTierRadixCache(RadixCache):
         return alloc.alloc(need)
 
     def _graft(self, parent: TreeNode, key: RadixKey, start: int, slots: torch.Tensor) -> TreeNode:
+        """A new child of ``parent`` holding ``key[start:start + len(slots)]`` in ``slots`` (no child of ``parent``
+        starts with that page: :meth:`init_load_back` matched past any first)."""
         node = TreeNode(priority=parent.priority)
         node.key = key[start:start + len(slots)]
         node.value = slots

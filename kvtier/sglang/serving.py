@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from array import array
+from typing import Optional
 
 import torch
 
@@ -58,6 +59,7 @@ class Served:
         loaded: tokens kvtier loaded (``init_load_back``).
         computed: prompt tokens the prefill computed.
         total_s: match to the release of the last output token, seconds.
+        logits: every step's logits on the CPU (``serve(..., keep_logits=True)`` only).
     """
 
     output: list[int]
@@ -68,6 +70,7 @@ class Served:
     loaded: int
     computed: int
     total_s: float = 0.0
+    logits: Optional[list] = None
 
 
 class Server:
@@ -136,7 +139,7 @@ class Server:
 
     # --- serving ---
 
-    def serve(self, tokens, max_new_tokens: int) -> Served:
+    def serve(self, tokens, max_new_tokens: int, *, keep_logits: bool = False) -> Served:
         """Serve one request end to end (see the module docstring) and return what happened."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -162,7 +165,14 @@ class Server:
         self.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, n)), row.to(torch.int32))
         req.kv.kv_committed_len = req.kv.kv_allocated_len = req.extend_end = n
         toks = torch.tensor(list(tokens[pre:]), dtype=torch.int64, device=self.model.device)
-        out = [greedy(self.model.forward(self.kv_pool, toks, pre, new, row))]
+        kept = []
+
+        def step(logits: torch.Tensor) -> int:
+            if keep_logits:
+                kept.append(logits.cpu())
+            return greedy(logits)
+
+        out = [step(self.model.forward(self.kv_pool, toks, pre, new, row))]
         ttft = time.perf_counter() - t0
 
         for pos in range(n, n + max_new_tokens - 1):  # decode: the last output token's KV is never computed
@@ -172,12 +182,13 @@ class Server:
             req.kv.kv_committed_len = req.kv.kv_allocated_len = pos + 1
             last = torch.tensor([out[-1]], dtype=torch.int64, device=self.model.device)
             req.output_ids.append(out[-1])
-            out.append(greedy(self.model.forward(self.kv_pool, last, pos, slot, row)))
+            out.append(step(self.model.forward(self.kv_pool, last, pos, slot, row)))
         req.output_ids.append(out[-1])
         release_kv_cache(req, cache, checkpoint=True)
         if self.tier is not None:
             cache.check_hicache_events()
-        return Served(out, ttft, n, device_len, host_hit, loaded, n - pre, time.perf_counter() - t0)
+        return Served(out, ttft, n, device_len, host_hit, loaded, n - pre, time.perf_counter() - t0,
+                      kept if keep_logits else None)
 
     def _new_request(self, tokens, max_new_tokens: int) -> Req:
         self._rid += 1

@@ -1,0 +1,67 @@
+"""Failure modes of a real SGLang deployment (issue: production hardening), each pinned by a test named after it,
+against sglang 0.5.23's own pools, allocator, Req and release path on the CPU."""
+
+from array import array
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import kvtier.sglang as ks  # noqa: E402
+
+if ks.installed_sglang_version() != ks.SUPPORTED_SGLANG_VERSION:
+    pytest.skip(f"needs sglang=={ks.SUPPORTED_SGLANG_VERSION}", allow_module_level=True)
+
+from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+
+from tests import sglang_helpers as h  # noqa: E402
+
+
+def _match(s, req):
+    toks = req.full_untruncated_fill_ids
+    return s.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", toks)), req=req))
+
+
+def _load_back(s, req, m):
+    lock = s.cache.lock(m.last_device_node)
+    try:
+        return s.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                         host_hit_length=m.host_hit_length, req=req))
+    finally:
+        s.cache.unlock(lock)
+
+
+def _finish(s, req, node, prefix_len):
+    """Lock the prefix, run the forward and release the request as the scheduler would after its admission."""
+    req.prefix_len = prefix_len
+    req.last_node = node
+    req.kv.cache_protected_len = prefix_len
+    req.lock = s.cache.lock(node)
+    assert h.run_forward(s, req) is not None
+    h.release(s, req)
+
+
+@pytest.mark.parametrize("second_len", [12, 16], ids=["same_prefix", "longer_prompt"])
+def test_two_requests_matched_before_admission_do_not_graft_twice(second_len):
+    """Both requests match the same host prefix before either is admitted; the second's load-back must reuse the
+    node the first grafted (it used to overwrite it in ``parent.children``, leaving an unreachable node whose
+    eviction later failed an assertion in ``_delete_leaf``)."""
+    s = h.build(kv_size=64)
+    free0 = s.allocator.available_size()
+    toks = list(range(30, 30 + second_len + 1))
+    h.serve(s, toks[:13])  # 3 pages go to the host
+    h.flush_device(s)
+    a, b = h.make_req(s, toks[:13]), h.make_req(s, toks)
+    ma, mb = _match(s, a), _match(s, b)
+    assert ma.host_hit_length == mb.host_hit_length == 12
+    la, na = _load_back(s, a, ma)
+    lb, nb = _load_back(s, b, mb)
+    assert la == lb == 12
+    assert len(s.cache.root_node.children) == 1  # one child for the prefix, not two under one key
+    assert s.cache.total_size() == 12  # the prefix's slots once
+    s.cache.wait_all()
+    h.check_kv(s, s.cache.path_device_indices(nb)[:12], toks, 0, 0)
+    _finish(s, a, na, 12)
+    _finish(s, b, nb, 12)
+    h.assert_clean(s, free0)  # the flush evicts every node: none is unreachable
