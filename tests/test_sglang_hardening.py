@@ -15,6 +15,7 @@ if ks.installed_sglang_version() != ks.SUPPORTED_SGLANG_VERSION:
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 
+from kvtier.tier.executor import DeferredExecutor  # noqa: E402
 from tests import sglang_helpers as h  # noqa: E402
 
 
@@ -65,3 +66,35 @@ def test_two_requests_matched_before_admission_do_not_graft_twice(second_len):
     _finish(s, a, na, 12)
     _finish(s, b, nb, 12)
     h.assert_clean(s, free0)  # the flush evicts every node: none is unreachable
+
+
+def test_a_zero_page_load_does_not_cancel_an_earlier_loads_waits():
+    """Two requests of one batch load layerwise; the second's host pages were evicted after its match, so its load
+    copies nothing. The forward must still wait for the first request's in-flight load (the zero-page load used to
+    set the consumer to -1, and the forward read layers still being copied)."""
+    ex = DeferredExecutor()
+    s = h.build(kv_size=96, layerwise=True, executor=ex)
+    free0 = s.allocator.available_size()
+    ta, tb = list(range(10, 23)), list(range(50, 63))
+    for t in (ta, tb):
+        h.serve(s, t)
+    ex.release_all()
+    h.flush_device(s)
+    a, b = h.make_req(s, ta), h.make_req(s, tb)
+    ma = _match(s, a)
+    la, na = _load_back(s, a, ma)
+    assert la == 12 and ex.pending("load") > 0
+    slot = s.cache.tier.counter.consumer_index
+    assert slot >= 0
+    mb = _match(s, b)
+    assert mb.host_hit_length == 12
+    s.cache.tier.evict(10**6)  # b's pages leave the host (a's are locked by its load)
+    lb, nb = _load_back(s, b, mb)
+    assert lb == 0
+    assert s.cache.tier.counter.consumer_index == slot  # the batch's forward still waits for a's layers
+    ex.release_all()
+    h.check_kv(s, s.cache.path_device_indices(na)[:12], ta, 0, 0, via_pool=True)
+    assert s.cache.tier.counter.consumer_index == -1  # the forward read every layer: the load is consumed
+    _finish(s, a, na, 12)
+    s.req_to_token_pool.free(b)
+    h.assert_clean(s, free0)

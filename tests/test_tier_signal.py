@@ -81,6 +81,20 @@ def test_wait_until_refuses_layers_never_issued():
         c.wait_until(layer)
 
 
+def test_the_last_layers_wait_consumes_the_slot():
+    """A forward that waited on every layer has consumed its load: the next batch's forward waits on nothing."""
+    c = LayerDoneCounter(3, device="cpu")
+    slot = c.update_producer()
+    for layer in range(3):
+        c.complete(layer)
+    c.set_consumer(slot)
+    for layer in range(3):
+        assert c.consumer_index == slot
+        c.wait_until(layer)
+        c.wait_until(layer)  # K then V of one layer: both wait
+    assert c.consumer_index == -1
+
+
 def test_layers_complete_in_order_and_a_reused_slot_starts_over():
     c = LayerDoneCounter(2, device="cpu")
     s0 = c.update_producer()

@@ -139,7 +139,6 @@ class TierEngine:
         toks = torch.tensor(tokens[cached:], dtype=torch.int64, device=dev)
         out = [greedy(self.model.forward(self.pool, toks, cached, slots[cached:n], slots[:n]))]
         ttft = time.perf_counter() - t0
-        self.tier.counter.set_consumer(-1)
         for pos in range(n, n + max_new_tokens - 1):
             last = torch.tensor([out[-1]], dtype=torch.int64, device=dev)
             out.append(greedy(self.model.forward(self.pool, last, pos, slots[pos:pos + 1], slots[:pos + 1])))

@@ -222,9 +222,9 @@ class KVTierRadixCache(RadixCache):
         if loaded < rest:
             self.token_to_kv_pool_allocator.free(new_slots[loaded:])
             new_slots = new_slots[:loaded]
-        if self.layerwise:
+        if self.layerwise and task.producer_index >= 0:  # a zero-page load keeps the batch's earlier loads' waits
             self.tier.counter.set_consumer(task.producer_index)
-        elif not task.done:
+        elif not self.layerwise and not task.done:
             self._fence_forward(task)
         node = parent
         if loaded > 0:

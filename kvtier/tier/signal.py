@@ -9,7 +9,10 @@ Protocol (the object an engine registers on its KV pool; SGLang's ``register_lay
   Before a slot is reused, the load stream waits (on the GPU, never the host) on the slot's previous last-layer
   event: SGLang asserts on the host that the event has finished instead, which fails when loads run 3 batches ahead.
 * Consumer (the forward pass): ``set_consumer(slot)`` (-1: nothing to wait for), then ``wait_until(i)`` before
-  reading layer ``i`` makes the *current* stream wait on event ``i``: the host returns at once (a few us).
+  reading layer ``i`` makes the *current* stream wait on event ``i``: the host returns at once (a few us). The
+  wait for the last layer consumes the slot: the consumer goes back to -1, so the next batch's forward (which may
+  have loaded nothing) waits on nothing. Several loads of one batch on one load stream need only the last one's
+  slot as consumer: its layer ``i`` event is recorded after every earlier load's copies, in stream order.
   ``wait_until`` raises if layer ``i`` of the consumer slot was never recorded (waiting on an unrecorded CUDA event
   is a silent no-op, which would read stale KV).
 * Contract: the consumer issues its waits for a slot before the producer comes back around to it (``num_slots - 1``
@@ -245,6 +248,8 @@ class LayerDoneCounter:
             raise RuntimeError(f"layer {layer} of load slot {slot} was never issued ({self._recorded[slot]} of "
                                f"{self.num_layers} layers recorded): waiting would read stale KV")
         self._ev.wait_current(self.events[slot][layer])
+        if layer == self.num_layers - 1:  # this forward has queued all its waits: the slot is consumed
+            self.consumer_index = -1
 
     def is_done(self, slot: Optional[int] = None) -> bool:
         """True when every layer of ``slot`` (default: the producer slot) has landed."""
