@@ -22,7 +22,9 @@ from kvtier.index import Namespace, PageTrie
 from kvtier.index._state import BLOCK, DEPTH, FL_INDEXED, HINT, HPOS, LOCK, M_HEAP, M_INDEXED, NCHILD, PARENT, TICK
 
 PAGE = 2
-NAMESPACES = [None, Namespace(extra_key="a"), Namespace(lora_id=1)]
+# more namespaces than the trie's first 4 slots: registration, reclaim of empty ones and growth all run
+NAMESPACES = [None, Namespace(extra_key="a"), Namespace(lora_id=1), Namespace(extra_key="b"), Namespace(cache_salt="s"),
+              Namespace(extra_key="a", lora_id=2), Namespace(lora_id="x")]
 DEFAULT = Namespace()
 
 tokens_st = st.lists(st.integers(0, 3), max_size=12)
@@ -320,11 +322,12 @@ class IndexMachine(RuleBasedStateMachine):
         s = self.trie._st
         mask = int(self.trie._mask)
         chain: dict = {}
+        by_id = {i: ns for ns, i in self.trie._ns_ids.items()}
 
         def h(x):
             if x not in chain:
                 p = int(s.i32[PARENT, x])
-                seed = h(p) if p >= 0 else int(self.trie._ns_seeds[-1 - p])
+                seed = h(p) if p >= 0 else by_id[-1 - p].seed
                 chain[x] = xxhash.xxh64_intdigest(s.tokens[x].astype("<u4").tobytes(), seed) & mask
             return chain[x]
 

@@ -281,3 +281,31 @@ def test_lazy_heap_keys_bound_ticks_and_evict_in_lru_order():
         live = np.flatnonzero(st_.i32[DEPTH] >= 0)
         oldest = min((int(x) for x in live if st_.i32[NCHILD, x] == 0), key=lambda x: (st_.i64[TICK, x], x))
         assert t.evict(1).tolist() == [st_.i64[BLOCK, oldest]]
+
+
+def test_lookup_of_an_unknown_namespace_registers_nothing():
+    trie = PageTrie(4)
+    toks = np.arange(8)
+    for k in range(200):
+        assert trie.match(toks, Namespace(cache_salt=f"salt-{k}")).num_pages == 0
+    assert len(trie._ns_ids) == 1  # only the default namespace
+    assert trie.remove(toks, Namespace(cache_salt="never")).size == 0 and len(trie._ns_ids) == 1
+
+
+def test_namespaces_that_hold_no_pages_are_reclaimed():
+    """Every distinct cache_salt / LoRA id used to stay registered for ever (across reset too), each one
+    growing the namespace table; ids of namespaces whose pages are all gone are now reused."""
+    trie = PageTrie(4)
+    keep = Namespace(extra_key="kept")
+    trie.insert(np.arange(8), np.array([0, 1]), keep)
+    for k in range(2000):
+        ns = Namespace(cache_salt=f"tenant-{k}")
+        trie.insert(np.arange(100, 108), np.array([2, 3]), ns)
+        assert trie.match(np.arange(100, 108), ns).num_pages == 2
+        trie.match(np.arange(8), keep)  # the kept namespace is the most recently used: evict takes the tenant's
+        assert sorted(trie.evict(2).tolist()) == [2, 3]
+    assert trie._st.ns_slots <= 16 and len(trie._ns_ids) <= 16
+    m = trie.match(np.arange(8), keep)
+    assert m.num_pages == 2 and m.block_ids.tolist() == [0, 1]
+    trie.reset()
+    assert len(trie._ns_ids) == 1 and trie._st.ns_slots == 4

@@ -48,7 +48,7 @@ from collections import namedtuple
 import numba
 import numpy as np
 
-__all__ = ["TrieState", "new_state", "grow_nodes", "grow_namespaces", "with_table", "table_slots_for", "state_nbytes",
+__all__ = ["FREE_PARENT", "TrieState", "new_state", "grow_nodes", "grow_namespaces", "with_table", "table_slots_for", "state_nbytes",
            "blob_views"]
 
 # rows of i32
@@ -75,6 +75,7 @@ M_PAGE = 9        # page size
 M_MASK = 10       # page-hash mask (uint64 bit pattern; all ones except in collision tests)
 M_INDEXED = 11    # pages in the table (FL_INDEXED); the table's load is M_INDEXED / slots <= 3/4
 NS_BASE = 16      # per namespace: hint, seed
+FREE_PARENT = -(2**31)  # i32[PARENT] of a free slot: equals no node and no namespace root code
 
 TABLE_MAX_LOAD_NUM, TABLE_MAX_LOAD_DEN = 3, 4
 
@@ -171,7 +172,7 @@ def blob_views(blob):
 def _init_nodes(st: TrieState, start: int) -> None:
     """Free-slot values for node slots ``start:`` (written once: no page faults in later inserts)."""
     st.i32[:, start:] = 0
-    st.i32[PARENT, start:] = -(2**31)
+    st.i32[PARENT, start:] = FREE_PARENT
     st.i32[DEPTH, start:] = -1
     st.i32[HINT, start:] = -1
     st.i32[HPOS, start:] = -1

@@ -25,8 +25,8 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from ._state import (M_FALLBACK, M_HEAP, M_INDEXED, M_PROT, M_TOTAL, NS_BASE, TrieState, grow_namespaces, grow_nodes, new_state,
-                     state_nbytes, table_slots_for, with_table)
+from ._state import (FREE_PARENT, M_FALLBACK, M_HEAP, M_HIGH, M_INDEXED, M_PROT, M_TOTAL, NS_BASE, PARENT,
+                     TrieState, grow_namespaces, grow_nodes, new_state, state_nbytes, table_slots_for, with_table)
 from ._tokens import as_token_array
 from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace
 from .trie import (BAD_BLOCK_COUNT, BAD_BLOCKS, BAD_TOKENS, F_TOUCH, NEED_HASH, NEED_NODES, NEED_TABLE, NOT_LOCKED,
@@ -130,10 +130,8 @@ class PageTrie:
         self._capacity = None if capacity is None else int(capacity)
         self._initial = max(1, int(initial_nodes) if capacity is None else min(int(initial_nodes), max(capacity, 1)))
         self._mask = np.uint64(FULL_HASH_MASK if _hash_bits == 64 else (1 << _hash_bits) - 1)
-        self._ns_ids: dict[Namespace, int] = {DEFAULT_NAMESPACE: 0}
-        self._ns_seeds: list[np.uint64] = [np.uint64(DEFAULT_NAMESPACE.seed)]
         self._set_state(new_state(self._page_size, self._initial, self._limit(), mask=int(self._mask)))
-        self._write_seeds()
+        self._forget_namespaces()
 
     def _limit(self) -> int:
         return -1 if self._capacity is None else self._capacity
@@ -143,25 +141,64 @@ class PageTrie:
         self._a = (st.i32, st.i64, st.i8, st.tokens, st.table, st.meta)  # the arguments of gallop/remove
         self._blob = st.blob  # the state argument of the hot entry points (match, insert)
 
-    def _write_seeds(self) -> None:
-        for i, seed in enumerate(self._ns_seeds):
-            self._st.meta[NS_BASE + 2 * i + 1] = np.int64(np.uint64(seed).view(np.int64))
+    # ---- namespaces -------------------------------------------------------------------------------
+    # A namespace gets an id (its meta slots: first-page hint, seed) when a page is inserted under it; a lookup
+    # of an unregistered namespace registers nothing. Ids of namespaces that hold no page are reclaimed when
+    # every slot is taken (one pass over the nodes, then at least as many registrations before the next).
+    def _forget_namespaces(self) -> None:
+        self._ns_ids: dict[Namespace, int] = {DEFAULT_NAMESPACE: 0}
+        self._ns_free: list[int] = []  # reclaimed ids
+        self._ns_next = 1  # ids below it were handed out
+        self._st.meta[NS_BASE] = -1
+        self._st.meta[NS_BASE + 1] = np.int64(np.uint64(DEFAULT_NAMESPACE.seed).view(np.int64))
 
-    # ---- boundary helpers -------------------------------------------------------------------------
-    def _ns(self, ns: Namespace | None) -> int:
+    def _ns_lookup(self, ns: Namespace | None) -> int:
+        """The id of ``ns``; -1 when it holds nothing (never registered, or reclaimed)."""
         if ns is None:
             return 0
         i = self._ns_ids.get(ns)
         if i is None:
             if not isinstance(ns, Namespace):
                 raise TypeError(f"ns must be a kvtier.index.Namespace or None, got {type(ns).__name__}")
-            i = len(self._ns_seeds)
-            self._ns_ids[ns] = i
-            self._ns_seeds.append(np.uint64(ns.seed))
+            return -1
+        return i
+
+    def _ns(self, ns: Namespace | None) -> int:
+        """The id of ``ns``, registered now if needed (O(1) amortized)."""
+        i = self._ns_lookup(ns)
+        if i >= 0:
+            return i
+        if not self._ns_free and self._ns_next >= self._st.ns_slots:
+            self._reclaim_namespaces()
+        if self._ns_free:
+            i = self._ns_free.pop()
+        else:
+            i = self._ns_next
+            self._ns_next += 1
             if i >= self._st.ns_slots:
                 self._set_state(grow_namespaces(self._st, 2 * self._st.ns_slots))
-            self._write_seeds()
+        self._ns_ids[ns] = i
+        self._st.meta[NS_BASE + 2 * i] = -1
+        self._st.meta[NS_BASE + 2 * i + 1] = np.int64(np.uint64(ns.seed).view(np.int64))
         return i
+
+    def _reclaim_namespaces(self) -> None:
+        """Free the ids of namespaces without a live page; grow the namespace table when that frees under a
+        quarter of it (so the next pass comes after at least that many registrations)."""
+        parent = self._st.i32[PARENT, :int(self._st.meta[M_HIGH])]
+        roots = parent[(parent < 0) & (parent != FREE_PARENT)]
+        live = set((-1 - roots).tolist())
+        for ns, i in list(self._ns_ids.items()):
+            if i and i not in live:
+                del self._ns_ids[ns]
+                self._ns_free.append(i)
+        if len(self._ns_free) < self._st.ns_slots // 4:
+            self._set_state(grow_namespaces(self._st, 2 * self._st.ns_slots))
+
+    @property
+    def num_namespaces(self) -> int:
+        """Registered namespaces (the default one included)."""
+        return len(self._ns_ids)
 
     @staticmethod
     def _raise(status: int) -> None:
@@ -178,7 +215,9 @@ class PageTrie:
             q, key = tokens, "aq"
         else:
             q, key = _token_key(tokens)
-        i = 0 if ns is None else self._ns(ns)
+        i = 0 if ns is None else self._ns_lookup(ns)
+        if i < 0:  # nothing held in that namespace (and a lookup registers nothing)
+            return _tuple_new(MatchResult, (0, _empty(0, _I64), -1, 0))
         n = len(q) // self._page_size
         out = _empty(n, _I64)
         if method == "walk":
@@ -278,7 +317,9 @@ class PageTrie:
     def remove(self, tokens, ns: Namespace | None = None) -> np.ndarray:
         """Free the held pages of ``tokens`` from the deepest up while unlocked leaves; their block ids."""
         q, key = _token_key(tokens)
-        i = self._ns(ns)
+        i = self._ns_lookup(ns)
+        if i < 0:
+            return _empty(0, _I64)
         status, blocks = _remove(key, *self._a, q, i)
         if status != OK:
             self._raise(status)
@@ -286,9 +327,8 @@ class PageTrie:
 
     def reset(self) -> None:
         """Drop every page (locks included) and shrink back to the initial size."""
-        self._set_state(new_state(self._page_size, self._initial, self._limit(), self._st.ns_slots,
-                                  mask=int(self._mask)))
-        self._write_seeds()
+        self._set_state(new_state(self._page_size, self._initial, self._limit(), mask=int(self._mask)))
+        self._forget_namespaces()
 
     # ---- growth -----------------------------------------------------------------------------------
     def _grow_nodes(self, deficit: int) -> None:

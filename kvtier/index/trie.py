@@ -52,7 +52,7 @@ import numpy as np
 from ._config import NUMBA_CACHE
 from ._heap import hp_pop, hp_push, hp_remove
 from ._simd import diff16, prefetch
-from ._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, GEN, HASH, HINT, HITS, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH,
+from ._state import (FREE_PARENT, BLOCK, DEPTH, FL_INDEXED, FLAGS, GEN, HASH, HINT, HITS, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH,
                      M_INDEXED, M_LIMIT, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
                      TABLE_MAX_LOAD_NUM, TICK, TIER, blob_views)
 from ._table import EMPTY, tb_delete, tb_home, tb_insert, tb_node, tb_tag
@@ -78,7 +78,7 @@ F_GALLOP = 2
 
 _HITS_MAX = 2147483647
 _PF = 32  # pages ahead the chain loop prefetches (measured 8-64: about the same, none: +0.3 us per tail)
-_FREE_PARENT = -2147483648  # parent of a free slot: equals no node and no namespace root code
+_FREE_PARENT = FREE_PARENT  # a numba global constant
 
 # Hot loops never pass the state namedtuple to a helper: each such call increments and decrements
 # the reference count of all its arrays (measured: 80 ns per call). Helpers take plain arrays.
