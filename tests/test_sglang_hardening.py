@@ -98,3 +98,22 @@ def test_a_zero_page_load_does_not_cancel_an_earlier_loads_waits():
     _finish(s, a, na, 12)
     s.req_to_token_pool.free(b)
     h.assert_clean(s, free0)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_prefill_decode_disaggregation_is_refused(mode):
+    """PD disaggregation's early send of cached prefix KV would read slots a kvtier load is still writing."""
+    import types
+
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    s = h.build()
+    params = CacheInitParams(disable=False, req_to_token_pool=s.req_to_token_pool,
+                             token_to_kv_pool_allocator=s.allocator, page_size=s.page_size)
+    ctx = registry.TreeCacheBuildContext(
+        server_args=types.SimpleNamespace(disaggregation_mode=mode), params=params, is_hybrid_swa=False,
+        is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+        model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+    with pytest.raises(ValueError, match=f"--disaggregation-mode {mode}"):
+        ks.factory(ctx)

@@ -99,6 +99,10 @@ def unsupported_reasons(ctx) -> list[str]:
         reasons.append("attention context parallelism (attn_cp_size > 1) is not supported yet")
     if getattr(params, "pp_size", 1) > 1:
         reasons.append("pipeline parallelism (pp_size > 1) is not supported yet")
+    mode = getattr(ctx.server_args, "disaggregation_mode", "null") if ctx.server_args is not None else "null"
+    if mode not in (None, "null"):
+        reasons.append(f"prefill/decode disaggregation (--disaggregation-mode {mode}) is not supported yet: the "
+                       "prefill server's early send of cached prefixes does not see kvtier's in-flight loads")
     return reasons
 
 
