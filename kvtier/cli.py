@@ -55,8 +55,8 @@ def _demo(parser: argparse.ArgumentParser, args) -> int:
               "run without --device to use the CPU", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if cuda else "cpu")
-    if device == "cpu":  # CPU tensors need the Triton interpreter, chosen before the kernels are imported
-        if "kvtier.kernels" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    if device == "cpu" and cuda:  # CPU tensors beside a GPU: the interpreter, chosen before triton is imported
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--device cpu must be chosen before kvtier.kernels is imported")
         os.environ["TRITON_INTERPRET"] = "1"
     from kvtier import demo

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -174,3 +178,58 @@ def test_staged_transfer_rejects_bad_settings(kw, match):
     kv = make_kv(GEO, NUM_SLOTS, "cpu", gen)
     with pytest.raises(ValueError, match=match):
         StagedTransfer(kv, make_host(GEO, NUM_BLOCKS, "page_first", "cpu", gen), **kw)
+
+
+_ROUND_TRIP = """
+import os, torch
+import kvtier.kernels as K
+from kvtier.geometry import KVGeometry
+print("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET"))
+geo = KVGeometry(2, 2, 8, torch.float16, page_size=4)
+bufs = [torch.randn(32, 2, 8).half() for _ in range(4)]
+kv = K.PagedKV.mha(bufs[0::2], bufs[1::2], page_size=4)
+host = torch.zeros(geo.host_shape(4, "page_first"), dtype=torch.float16)
+src = [b[:8].clone() for b in bufs]
+K.store_pages(kv, host, torch.arange(8), torch.tensor([2, 0]), layout="page_first")
+K.load_pages(kv, host, torch.arange(8, 16), torch.tensor([2, 0]), layout="page_first")
+print("exact", all(torch.equal(b[8:16], s) for b, s in zip(bufs, src)))
+"""
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    e.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=e)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen where CUDA is absent")
+def test_importing_the_kernels_leaves_triton_interpret_unset():
+    """Importing kvtier.kernels used to set TRITON_INTERPRET=1 for the whole process (and its children)."""
+    out = _python(_ROUND_TRIP)
+    assert out.returncode == 0, out.stderr
+    assert "TRITON_INTERPRET None" in out.stdout and "exact True" in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs CPU tensors through the interpreter")
+@pytest.mark.parametrize("path", ["load_pages", "DirectCopy", "staged"])
+def test_kvtier_check_range_checks_launches_that_skip_their_checks(path):
+    """check=False with an out-of-range slot is an illegal access (or silent corruption); KVTIER_CHECK=1 turns
+    every such launch into an IndexError before it runs."""
+    launch = {
+        "load_pages": "K.load_pages(kv, host, bad, ids, layout='page_first', check=False)",
+        "DirectCopy": "K.DirectCopy(kv, host, bad, ids, to_host=False, layout='page_first', check=False).launch(0)",
+        "staged": "K.StagedTransfer(kv, host, layout='page_first').load(bad, ids, check=False)",
+    }[path]
+    code = _ROUND_TRIP + f"""
+bad, ids = torch.arange(30, 38), torch.tensor([1, 3])
+before = [b.clone() for b in bufs]
+try:
+    {launch}
+    print("launched")
+except IndexError as e:
+    print("refused:", e)
+print("untouched", all(torch.equal(b, o) for b, o in zip(bufs, before)))
+"""
+    out = _python(code, KVTIER_CHECK="1")
+    assert "refused: slots holds 37, out of range for 32 device slots" in out.stdout, out.stdout + out.stderr
+    assert "untouched True" in out.stdout

@@ -9,22 +9,19 @@ Torch and Triton only; no engine is imported here, so any engine can call these 
     copy = DirectCopy(kv, host_blocks, slots, block_ids, to_host=False)   # checked once ...
     copy.launch(layers=3)                                      # ... launched per layer (a layerwise load)
 
-On a machine without CUDA the kernels run on CPU tensors through the Triton interpreter: importing this package
-sets ``TRITON_INTERPRET=1`` there unless the variable is already set.
+On a machine without CUDA the kernels run on CPU tensors through the Triton interpreter, chosen for kvtier's
+kernels only (the process's ``TRITON_INTERPRET`` is left as it is). ``check=False`` skips the index range checks;
+``KVTIER_CHECK=1`` forces them on every launch (debugging).
 """
 
-import os
+from kvtier.kernels._interpret import interpreter_for_import
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kvtier.kernels.paged_kv import PagedKV  # noqa: E402
-from kvtier.kernels.reference import copy_pages_ref  # noqa: E402
-from kvtier.kernels.staged import StagedTransfer  # noqa: E402
-from kvtier.kernels.staged_copy import StagedCopy  # noqa: E402
-from kvtier.kernels.transfer import DEFAULT_PROGRAMS, DirectCopy, load_pages, store_pages  # noqa: E402
+with interpreter_for_import():
+    from kvtier.kernels.paged_kv import PagedKV  # noqa: E402
+    from kvtier.kernels.reference import copy_pages_ref  # noqa: E402
+    from kvtier.kernels.staged import StagedTransfer  # noqa: E402
+    from kvtier.kernels.staged_copy import StagedCopy  # noqa: E402
+    from kvtier.kernels.transfer import DEFAULT_PROGRAMS, DirectCopy, load_pages, store_pages  # noqa: E402
 
 __all__ = ["PagedKV", "store_pages", "load_pages", "DirectCopy", "copy_pages_ref", "StagedTransfer",
            "StagedCopy", "DEFAULT_PROGRAMS"]

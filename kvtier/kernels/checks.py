@@ -9,12 +9,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Union
 
+import os
+
 import torch
 from triton import knobs
 
 from kvtier.geometry import check_layout
 from kvtier.kernels.paged_kv import PagedKV
 from kvtier.kernels.pinned import is_pinned
+
+
+# Whether kvtier's kernels run through the Triton interpreter (decided when they are decorated: see _interpret.py).
+INTERPRETED = bool(knobs.runtime.interpret)
+
+CHECK_ENV = "KVTIER_CHECK"
+
+
+def forced_checks() -> bool:
+    """``KVTIER_CHECK=1``: every launch range-checks its indices, device-side ones too (a device sync per launch:
+    for debugging; ``check=False`` with a bad index is otherwise an illegal memory access or silent corruption)."""
+    return os.environ.get(CHECK_ENV, "") == "1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +113,9 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
     if not isinstance(kv, PagedKV):
         raise TypeError(f"kv must be a kvtier PagedKV (build one with PagedKV.mha / PagedKV.mla), "
                         f"got {type(kv).__name__}")
-    if not kv.is_cuda and not knobs.runtime.interpret:
+    if not kv.is_cuda and not INTERPRETED:
         raise ValueError(f"KV buffers on {kv.device} can only be moved through the Triton interpreter: set "
-                         "TRITON_INTERPRET=1 before importing kvtier (it is set by default where CUDA is absent)")
+                         "TRITON_INTERPRET=1 before importing kvtier (the default where CUDA is absent)")
     num_blocks = check_blocks_tensor(kv, blocks, layout, host_side=host_side)
     slots = _as_index_tensor("slots", slots, kv.device)
     block_ids = _as_index_tensor("block_ids", block_ids, kv.device)
@@ -109,7 +123,7 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
     if slots.numel() != block_ids.numel() * page:
         raise ValueError(f"{slots.numel()} slots for {block_ids.numel()} blocks: need page_size ({page}) slots "
                          f"per block")
-    if check_indices:
+    if check_indices or forced_checks():
         _check_range("slots", slots, kv.num_slots, "device slots", distinct=not writes_blocks)
         _check_range("block_ids", block_ids, num_blocks, "host blocks", distinct=writes_blocks)
     if slots.device != kv.device:

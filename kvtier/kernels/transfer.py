@@ -26,9 +26,9 @@ from typing import Optional, Union
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
-from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
+from kvtier.kernels.checks import INTERPRETED as _INTERPRETED
+from kvtier.kernels.checks import LayerSpan, check_transfer, forced_checks, layer_span
 from kvtier.kernels.paged_kv import PagedKV, as_words
 
 try:  # the raw cudaStream_t of a device's current stream, without building a torch Stream (Triton does the same)
@@ -127,8 +127,6 @@ def _copy_pages_kernel(
             tl.store(dev_ptrs, tl.load(blk_ptrs, mask=mask), mask=mask)
 
 
-# Triton picks the interpreter when the kernel is decorated (TRITON_INTERPRET at import), so read the knob once.
-_INTERPRETED = bool(knobs.runtime.interpret)
 
 
 def default_programs(nbytes: int) -> int:
@@ -243,6 +241,7 @@ class DirectCopy:
             raise ValueError(f"num_programs must be an int >= 1, got {num_programs!r}")
         # Indices already on the device with no range check need no stream: skip the stream and device contexts
         # (~20 us of host time); otherwise their checks and uploads run on ``stream``.
+        check = check or forced_checks()
         quiet = kv.is_cuda and not check and _ready(slots, kv) and _ready(block_ids, kv)
         with contextlib.nullcontext() if quiet else on_stream(kv, stream):
             slots, block_ids, num_blocks = check_transfer(kv, host, slots, block_ids, layout=layout,
