@@ -117,3 +117,32 @@ def test_prefill_decode_disaggregation_is_refused(mode):
         model_config=None, tp_size=1, tp_rank=0, tp_group=None)
     with pytest.raises(ValueError, match=f"--disaggregation-mode {mode}"):
         ks.factory(ctx)
+
+
+def test_chunked_prefill_copies_each_page_once():
+    """Each chunk's checkpoint stores the tree-owned prefix; while the previous chunk's store is in flight its pages
+    are not in the host index yet, so the next checkpoint used to copy them again."""
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache
+
+    ex = DeferredExecutor()
+    s = h.build(kv_size=96, executor=ex)
+    free0 = s.allocator.available_size()
+    toks = list(range(200, 225))  # 6 full pages + 1 token
+    req = h.make_req(s, toks)
+    h.admit(s, req)
+    assert h.run_forward(s, req) is not None  # the KV of every token is written; now replay it as 3 chunks
+    for end in (8, 16, 24):
+        req.extend_end = req.kv.kv_committed_len = end
+        checkpoint_kv_cache(req, s.cache)
+    req.extend_end = req.kv.kv_committed_len = len(toks)
+    h.release(s, req)
+    ex.release_all()
+    s.cache.wait_all()
+    st = s.cache.tier.stats()
+    assert st["pages_stored"] == 6 and s.cache.tier.lookup(toks) == 6
+    assert st["pages_store_duplicate"] == 0
+    assert st["bytes_d2h"] == 6 * s.cache.tier.pool.block_bytes  # each page crossed PCIe once
+    h.flush_device(s)
+    a = h.serve(s, toks)  # and what came back is the request's KV
+    assert a.loaded == 24
+    h.assert_clean(s, free0)

@@ -105,6 +105,10 @@ class KVTierRadixCache(RadixCache):
         # it on kvtier's stream, so dropping it early would let the caching allocator hand its memory to the next
         # allocation on the engine's stream while the copy may not have read it yet.
         self._inflight: dict[int, tuple[TreeNode, Optional[torch.Tensor]]] = {}
+        # Chunked prefill checkpoints a request several times: one store per request in flight at a time.
+        self._store_of_req: dict[str, int] = {}  # request id -> its store in flight
+        self._req_of_store: dict[int, str] = {}  # the reverse
+        self._held_store: dict[str, tuple] = {}  # request id -> (tokens, ns, slots, locked node) of a later checkpoint
         self.tier: Optional[KVTier] = None
         self.layerwise = False
         if self.disable:
@@ -145,6 +149,9 @@ class KVTierRadixCache(RadixCache):
         if hasattr(self, "_inflight"):
             self._inflight.clear()  # the tree their locks were on is gone
             self._markers.clear()
+            self._store_of_req.clear()
+            self._req_of_store.clear()
+            self._held_store.clear()
 
     # --- match ---
 
@@ -280,9 +287,24 @@ class KVTierRadixCache(RadixCache):
             return
         tokens = req.full_untruncated_fill_ids[:n]
         slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64, copy=True)
-        task = self.tier.store(tokens, _namespace(req.extra_key, req.cache_salt), slots)
+        ns = _namespace(req.extra_key, req.cache_salt)
+        if req.rid in self._store_of_req:
+            # Its previous checkpoint's store is in flight: those pages are not in the host index yet, so storing
+            # now would copy them again. Hold this one (its path locked) until that store completes.
+            held = self._held_store.pop(req.rid, None)
+            if held is not None:
+                self.dec_lock_ref(held[3])
+            self.inc_lock_ref(req.last_node)
+            self._held_store[req.rid] = (tokens, ns, slots, req.last_node)
+            return
+        self._store(req.rid, tokens, ns, slots, req.last_node)
+
+    def _store(self, rid, tokens, ns, slots: torch.Tensor, node: TreeNode) -> None:
+        task = self.tier.store(tokens, ns, slots)
         if not task.done:
-            self._lock_until_done(task.id, req.last_node, slots)
+            self._lock_until_done(task.id, node, slots)
+            self._store_of_req[rid] = task.id
+            self._req_of_store[task.id] = rid
 
     # --- completions / eviction ---
 
@@ -297,6 +319,13 @@ class KVTierRadixCache(RadixCache):
             rec = self._inflight.pop(tid, None)
             if rec is not None:
                 self.dec_lock_ref(rec[0])
+            rid = self._req_of_store.pop(tid, None)
+            if rid is not None:
+                del self._store_of_req[rid]
+                held = self._held_store.pop(rid, None)
+                if held is not None:  # the request's next checkpoint: its earlier pages are held now
+                    self._store(rid, *held)
+                    self.dec_lock_ref(held[3])
 
     def check_hicache_events(self) -> None:
         self._drain()
@@ -315,9 +344,11 @@ class KVTierRadixCache(RadixCache):
 
     def wait_all(self) -> None:
         """Block until every in-flight transfer completes and drop its locks (tests, shutdown)."""
-        if self.tier is not None:
+        while self.tier is not None:
             self.tier.wait_all()
-            self._drain()
+            self._drain()  # may issue a held checkpoint's store
+            if not self._held_store and not self.tier.inflight_ids:
+                break
 
     @property
     def num_inflight(self) -> int:
