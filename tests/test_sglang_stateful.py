@@ -3,6 +3,8 @@ evictions, in any order. Invariants: every prefix handed to a request holds exac
 (checked at each admission), and once everything is released and the device tree flushed, the allocator's free
 count is back to its start and nothing is locked or in flight."""
 
+import itertools
+
 import pytest
 
 pytest.importorskip("sglang")
@@ -17,6 +19,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 
+from kvtier.tier import DeferredExecutor, FailingExecutor  # noqa: E402
 from tests import sglang_helpers as h  # noqa: E402
 
 BASES = [list(range(1000 * b + 1, 1000 * b + 17)) for b in range(2)]  # 16 tokens each
@@ -24,10 +27,12 @@ NAMESPACES = [None, "lora-a"]  # ns_tag = index
 
 
 class BackendMachine(RuleBasedStateMachine):
+    executor = staticmethod(lambda: None)  # the tier's default (copies complete at once on the CPU)
+
     def __init__(self):
         super().__init__()
         # 16 device pages of 4 tokens; 8 host blocks (512 B each), so the host evicts too
-        self.s = h.build(kv_size=64, page_size=4, host_blocks_kb=4, max_reqs=8)
+        self.s = h.build(kv_size=64, page_size=4, host_blocks_kb=4, max_reqs=8, executor=self.executor())
         self.free0 = self.s.allocator.available_size()
         self.running = []
 
@@ -107,3 +112,18 @@ class BackendMachine(RuleBasedStateMachine):
 BackendMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=16, deadline=None,
                                             suppress_health_check=list(HealthCheck))
 test_backend_stateful = BackendMachine.TestCase
+
+
+_SEEDS = itertools.count()
+
+
+class FailingBackendMachine(BackendMachine):
+    """The same requests with copies in flight (released when the scheduler waits) and a fifth of them failing
+    while being issued: a failed load is recomputed, a failed store is not cached, nothing leaks."""
+
+    executor = staticmethod(lambda: FailingExecutor(DeferredExecutor(), 0.2, next(_SEEDS)))
+
+
+FailingBackendMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=100, deadline=None,
+                                                   suppress_health_check=list(HealthCheck))
+test_backend_stateful_with_failing_copies = FailingBackendMachine.TestCase

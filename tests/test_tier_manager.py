@@ -352,3 +352,53 @@ def test_load_from_a_start_page_copies_only_the_pages_after_it(layerwise):
     assert load(toks, None, dst, start_page=5).num_pages == 0  # nothing past the held prefix
     with pytest.raises(ValueError, match="start_page"):
         tier.load(toks, None, dst, start_page=-1)
+
+
+class _FailOnce:
+    """An executor whose next ``run`` raises (after issuing its copy when ``after``), then behaves."""
+
+    def __init__(self, inner, after: bool) -> None:
+        self.inner, self.after, self.armed = inner, after, True
+
+    def run(self, name, fn, own_stream=False):
+        if self.armed and not self.after:
+            self.armed = False
+            raise RuntimeError("CUDA error: out of memory (injected)")
+        self.inner.run(name, fn, own_stream)
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("launch failed (injected)")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before_issue", "after_issue"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_a_failed_copy_is_unwound_and_the_tier_carries_on(after, layerwise):
+    """An exception while issuing a store or a load used to propagate with the task's blocks allocated and its
+    index path locked, for ever. Now the task fails, gives everything back, and the next copies work."""
+    ex = DeferredExecutor()
+    tier = make_tier(num_blocks=8, executor=ex)
+    toks = np.arange(6)  # 3 pages
+    src = page_slots(0, 3, TINY.page_size)
+    fill_random_(tier, src, seed=3)
+    tier.executor = _FailOnce(ex, after)
+    task = tier.store(toks, None, src)
+    assert task.status == "failed" and task.done and task.num_pages == 0
+    assert tier.pool.num_free == 8 and tier.index.total_pages == 0 and ex.pending("store") == 0
+    assert tier.stats()["failed_stores"] == 1 and task.id in tier.poll()
+    ok = tier.store(toks, None, src)  # the tier carries on
+    tier.wait(ok)
+    assert ok.status == "done" and tier.lookup(toks) == 3
+    want = slot_bytes(tier, src)
+    dst = page_slots(4, 3, TINY.page_size)
+    tier.executor = _FailOnce(ex, after)
+    load = (tier.load_layerwise if layerwise else tier.load)(toks, None, dst)
+    assert load.status == "failed" and load.num_pages == 0 and load.producer_index == -1
+    assert tier.index.protected_pages == 0 and ex.pending("load") == 0  # unlocked, nothing left to run
+    assert tier.stats()["failed_loads"] == 1
+    load = (tier.load_layerwise if layerwise else tier.load)(toks, None, dst)
+    tier.wait(load)
+    assert load.num_pages == 3 and all(torch.equal(a, b) for a, b in zip(slot_bytes(tier, dst), want))
+    assert accounted_blocks(tier) == (5, 3, 0)

@@ -7,10 +7,10 @@
 """
 
 from kvtier.tier.abstract import HostTier
-from kvtier.tier.executor import CudaExecutor, DeferredExecutor, ImmediateExecutor
+from kvtier.tier.executor import CudaExecutor, DeferredExecutor, FailingExecutor, ImmediateExecutor, InjectedFailure
 from kvtier.tier.host_pool import HostBlockPool
 from kvtier.tier.manager import KVTier, TierStats, TierTask
 from kvtier.tier.signal import LayerDoneCounter
 
 __all__ = ["HostTier", "HostBlockPool", "LayerDoneCounter", "KVTier", "TierTask", "TierStats", "CudaExecutor",
-           "ImmediateExecutor", "DeferredExecutor"]
+           "ImmediateExecutor", "DeferredExecutor", "FailingExecutor", "InjectedFailure"]

@@ -20,11 +20,14 @@ A ``Completion`` has ``done() -> bool`` (never blocks), ``wait()`` (blocks the h
 * :class:`DeferredExecutor`: CPU, for tests: ``fn`` is queued per stream and runs only when the test releases it
   (or someone waits on a completion behind it), in issue order per stream, as a GPU would run it. This makes
   in-flight copies real: a block freed or reused too early shows up as wrong bytes.
+* :class:`FailingExecutor`: wraps another and makes some ``run`` calls raise, before or after issuing (tests and
+  fault drills: the tier must unwind every failed copy).
 """
 
 from __future__ import annotations
 
 import collections
+import random
 import time
 from typing import Callable, Optional
 
@@ -181,3 +184,33 @@ class DeferredExecutor:
     def release_all(self) -> None:
         for name in STREAM_NAMES:
             self.release(name, len(self.queues[name]))
+
+
+class InjectedFailure(RuntimeError):
+    """A copy failure injected by :class:`FailingExecutor`."""
+
+
+class FailingExecutor:
+    """Wraps an executor; each ``run`` raises :class:`InjectedFailure` with probability ``rate`` (from ``seed``):
+    half of them before issuing ``fn`` (a launch that never happened), half after (part of a copy is on the stream
+    and still runs). Everything else is the wrapped executor's."""
+
+    def __init__(self, inner, rate: float = 0.1, seed: int = 0) -> None:
+        if not 0 <= rate <= 1:
+            raise ValueError(f"rate must be in [0, 1], got {rate!r}")
+        self.inner, self.rate = inner, rate
+        self._rng = random.Random(seed)
+        self.failures = 0
+
+    def run(self, name: str, fn: Callable[[], None], own_stream: bool = False) -> None:
+        r = self._rng.random()
+        if r < self.rate / 2:
+            self.failures += 1
+            raise InjectedFailure(f"injected failure before issuing on the {name} stream")
+        self.inner.run(name, fn, own_stream)
+        if r < self.rate:
+            self.failures += 1
+            raise InjectedFailure(f"injected failure after issuing on the {name} stream")
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 from typing import Optional, Union
 
@@ -54,6 +55,8 @@ from kvtier.tier.abstract import HostTier
 from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
 from kvtier.tier.host_pool import HostBlockPool, synchronized
 from kvtier.tier.signal import LayerDoneCounter
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["KVTier", "TierTask", "TierStats", "AUTO_STAGED_LOAD_BYTES", "AUTO_STAGED_LAYER_BYTES",
            "AUTO_STAGED_MIN_SLICE_BYTES"]
@@ -85,7 +88,8 @@ class TierTask:
         num_pages: pages this task copies (store: new pages; load: hit pages loaded).
         num_held: store only: leading pages already held, not copied.
         producer_index: layerwise loads: the LayerDoneCounter slot to set as consumer (-1: nothing to wait for).
-        status: ``"inflight"``, ``"done"`` or ``"cancelled"``.
+        status: ``"inflight"``, ``"done"``, ``"cancelled"`` or ``"failed"`` (issuing its copy raised: nothing
+            was stored or loaded, ``num_pages`` is 0, and everything it took is given back).
     """
 
     id: int
@@ -128,6 +132,8 @@ class TierStats:
     pages_loaded: int = 0
     pages_evicted: int = 0
     cancelled: int = 0
+    failed_stores: int = 0  # issuing the copy raised: unwound, nothing stored
+    failed_loads: int = 0  # issuing the copy raised: unwound, nothing loaded (the engine recomputes)
     bytes_d2h: int = 0
     bytes_h2d: int = 0
     seconds_d2h: float = 0.0  # device time of completed stores (CUDA events; wall time on CPU)
@@ -199,6 +205,8 @@ class KVTier(HostTier):
         self.counter = LayerDoneCounter(geo.num_layers, device=kv.device if kv.is_cuda else "cpu",
                                         backend=counter_backend)
         self._staged_transfer: Optional[StagedTransfer] = None
+        if kv.is_cuda and self.config.transfer_mode != "direct":
+            self._staged()  # staging buffers now, where the engine's memory planning sees them, not mid-serving
         self._inflight: dict[int, _Inflight] = {}  # task id -> in-flight copy
         self._finished: list[int] = []  # task ids finalized since the last poll
         self._next_id = 0
@@ -257,7 +265,10 @@ class KVTier(HostTier):
         task.num_pages = int(ids.size)
         end = held + ids.size
         new_slots = slots[held * P:end * P]
-        completion = self._launch("store", lambda: self._copy(True, new_slots, ids))
+        try:
+            completion = self._launch("store", lambda: self._copy(True, new_slots, ids))
+        except Exception as e:
+            return self._failed(task, "store", e, ids=ids, handle=m if held else None)
         self._inflight[task.id] = _Inflight(task, completion, toks[:end * P].copy(), ns, ids,
                                             np.array(m.block_ids[:held], dtype=np.int64), m if held else None,
                                             task.num_pages * self.pool.block_bytes)
@@ -417,6 +428,17 @@ class KVTier(HostTier):
         self.index.lock(m)  # the whole matched path: the copied pages hang from the prefix
         ids = np.array(m.block_ids[start_page:start_page + copied])
         dst = slots[:copied * P]
+        try:
+            completion = self._issue_load(task, dst, ids, layerwise, on_layer_start)
+        except Exception as e:
+            return self._failed(task, "load", e, handle=m)
+        self._inflight[task.id] = _Inflight(task, completion, toks[:0], ns, ids, np.empty(0, np.int64), m,
+                                            copied * self.pool.block_bytes)
+        return task
+
+    def _issue_load(self, task: TierTask, dst: torch.Tensor, ids: np.ndarray, layerwise: bool, on_layer_start):
+        """Issue a load's copies (whole, or per layer with the counter's events); its completion."""
+        copied = ids.size
         if not layerwise:
             completion = self._launch("load", lambda: self._copy(False, dst, ids))
         else:
@@ -444,8 +466,28 @@ class KVTier(HostTier):
                 # after wait(task), not through wait_until.
                 self.counter.complete(layer, slot=task.producer_index, stream=stream)
             completion = ex.fence("load")
-        self._inflight[task.id] = _Inflight(task, completion, toks[:0], ns, ids, np.empty(0, np.int64), m,
-                                            copied * self.pool.block_bytes)
+        return completion
+
+    def _failed(self, task: TierTask, stream: str, error: Exception, *, ids: Optional[np.ndarray] = None,
+                handle=None) -> TierTask:
+        """Unwind a copy whose issue raised: wait for whatever of it reached the stream (it may still read or
+        write the slots and blocks), give its blocks back, unlock its path, count it; the task fails."""
+        try:
+            self.executor.fence(stream).wait()
+        except Exception:  # the stream itself is broken: nothing more can be waited for
+            logger.exception("kvtier: waiting for the %s stream after a failed copy failed too", stream)
+        if ids is not None:
+            self.pool.free(ids)
+        if handle is not None:
+            self.index.unlock(handle)
+        if stream == "store":
+            self._stats.failed_stores += 1
+        else:
+            self._stats.failed_loads += 1
+        logger.warning("kvtier: %s of %d pages failed and was unwound (%s: %s)", task.kind, task.num_pages,
+                       type(error).__name__, error)
+        task.num_pages, task.producer_index, task.status = 0, -1, "failed"
+        self._finished.append(task.id)
         return task
 
     def _mode(self, to_host: bool, nbytes: int, per_layer: bool = False) -> str:
