@@ -2,8 +2,11 @@
 
 Keys (FlexKV-like; every key is optional, unknown keys are an error that names the allowed ones):
 
-* ``cpu_cache_gb`` (float > 0, default 16): size of the pinned host pool in GiB (2**30 bytes). The pool holds
-  ``floor(cpu_cache_gb * 2**30 / block_bytes)`` blocks of one page of every layer, K and V.
+* ``cpu_cache_gb`` (float > 0, default 16): size of the pinned host pool in GiB (2**30 bytes), **per rank**: with
+  TP each rank pins its own pool for its shard of the heads, so a host pins ``cpu_cache_gb`` times its local ranks.
+  The pool holds ``floor(cpu_cache_gb * 2**30 / block_bytes)`` blocks of one page of every layer, K and V. Under
+  SGLang it must fit the rank's share of host memory (what is available, less SGLang's 10 GiB reserve, divided
+  between the ranks of the host); elsewhere, what is available less 2 GiB.
 * ``page_size`` (int >= 1, default 16): tokens per page and per host block. It must equal the engine's page size
   (SGLang's ``--page-size``): the tier moves whole engine pages and the manager rejects a KV pool whose
   ``PagedKV`` was built with another page size.

@@ -146,3 +146,36 @@ def test_chunked_prefill_copies_each_page_once():
     a = h.serve(s, toks)  # and what came back is the request's KV
     assert a.loaded == 24
     h.assert_clean(s, free0)
+
+
+def test_host_pool_is_sized_against_this_ranks_share(monkeypatch):
+    """cpu_cache_gb is per rank; each rank used to check machine-wide free memory on its own, so 8 ranks could
+    each pin what fits once. The factory now checks SGLang's per-rank budget (available less its reserve, divided
+    between the host's ranks)."""
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.pool_host import base as host_base
+
+    s = h.build()
+    params = CacheInitParams(disable=False, req_to_token_pool=s.req_to_token_pool,
+                             token_to_kv_pool_allocator=s.allocator, page_size=s.page_size)
+    ctx = registry.TreeCacheBuildContext(server_args=None, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+                                         enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+                                         model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+    avail = 64 << 30
+    monkeypatch.setattr(host_base, "available_host_memory_bytes", lambda **kw: avail)
+    monkeypatch.setattr(host_base, "ranks_per_host", lambda: 8)  # (64 - 10) / 8 = 6.75 GiB per rank
+    cfg = h.TierConfig(cpu_cache_gb=8, page_size=s.page_size)
+    monkeypatch.setattr(ks, "_config_for", lambda p: cfg)
+    with pytest.raises(ValueError, match=r"does not fit this rank's share of host memory, 6\.75 GiB"):
+        ks.factory(ctx)
+    monkeypatch.setattr(ks, "_config_for", lambda p: h.TierConfig(cpu_cache_gb=1 / 1024, page_size=s.page_size))
+    assert ks.factory(ctx).tier.pool.num_blocks > 0
+
+
+def test_release_host_resources_unpins_the_pool():
+    s = h.build()
+    h.serve(s, list(range(1, 10)))
+    s.cache.release_host_resources()
+    assert s.cache.tier.pool.destroyed
+    s.cache.release_host_resources()  # idempotent, as SGLang's contract says

@@ -145,4 +145,18 @@ def factory(ctx):
     except AttributeError:
         pass
     return KVTierRadixCache(params, config, tp_group=tp_group if ctx.tp_size > 1 else None,
-                            forward_stream=forward_stream)
+                            forward_stream=forward_stream, host_budget_bytes=host_budget(config.cpu_cache_bytes))
+
+
+def host_budget(requested_bytes: int):
+    """This rank's share of host memory by SGLang's own rule for HiCache pools (what is available, less its 10 GiB
+    reserve, divided between the ranks of the host); None when SGLang cannot tell."""
+    try:
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_bytes
+    except ImportError:  # pragma: no cover - sglang 0.5.23 has it
+        return None
+    try:
+        return int(host_memory_budget_bytes(requested_bytes))
+    except Exception as e:  # no cgroup or /proc information: fall back to kvtier's own check
+        logger.warning("kvtier: SGLang's host memory budget is unknown (%s); checking the machine's instead", e)
+        return None

@@ -91,10 +91,13 @@ class KVTierRadixCache(RadixCache):
         tp_group: the TP CPU (gloo) process group when TP > 1, else None.
         forward_stream: the CUDA stream the forward pass runs on (whole loads make it wait); None: current stream.
         executor / counter_backend / pool: passed to :class:`KVTier` (tests).
+        host_budget_bytes: this rank's share of host memory (the factory asks SGLang's host-memory budget: what
+            is available, less SGLang's reserve, split between the ranks of the host); the pinned pool must fit.
     """
 
     def __init__(self, params: CacheInitParams, config: Optional[TierConfig] = None, *, tp_group=None,
-                 forward_stream=None, executor=None, counter_backend: str = "auto", pool=None) -> None:
+                 forward_stream=None, executor=None, counter_backend: str = "auto", pool=None,
+                 host_budget_bytes: Optional[int] = None) -> None:
         super().__init__(params)
         self.tier_config = config if config is not None else TierConfig.from_env()
         self.tp_group = tp_group
@@ -115,7 +118,8 @@ class KVTierRadixCache(RadixCache):
             return
         self.kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         kv = paged_kv_from_pool(self.kv_pool, self.page_size)
-        self.tier = KVTier(kv, self.tier_config, executor=executor, counter_backend=counter_backend, pool=pool)
+        self.tier = KVTier(kv, self.tier_config, executor=executor, counter_backend=counter_backend, pool=pool,
+                           host_budget_bytes=host_budget_bytes)
         self.set_layerwise(self.tier_config.layerwise)
 
     @classmethod
@@ -341,6 +345,12 @@ class KVTierRadixCache(RadixCache):
     def release_aborted_request(self, handle) -> None:
         super().release_aborted_request(handle)
         self._markers.pop(handle, None)
+
+    def release_host_resources(self) -> None:
+        """SGLang's graceful shutdown: wait for kvtier's copies, then unpin and free the host pool (idempotent)."""
+        super().release_host_resources()
+        if self.tier is not None:
+            self.tier.destroy()
 
     def wait_all(self) -> None:
         """Block until every in-flight transfer completes and drop its locks (tests, shutdown)."""

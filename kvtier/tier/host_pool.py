@@ -39,7 +39,9 @@ PIN_MEMORY_MAX_BYTES = 1 * GiB
 # code 2 on an H200 host); registration costs ~0.1 s/GiB either way.
 REGISTER_CHUNK_BYTES = 64 * GiB
 PAGE_ALIGN = 4096  # chunk boundaries fall on OS page boundaries: two registrations never share a page
-DEFAULT_RESERVE_GB = 2.0  # host memory left free when sizing the pool against what is available
+# Host memory left free when a pool is sized against what the machine has (no engine budget given): the process's
+# own heap, the engine's other host buffers and the page cache need room; an engine passes its per-rank budget.
+DEFAULT_RESERVE_GB = 2.0
 
 
 def synchronized(method):
@@ -99,6 +101,8 @@ class HostBlockPool:
         register_chunk_bytes: largest single ``cudaHostRegister`` (tests use small values to force several).
         pin_memory_max_bytes: pools up to this size are pinned by torch's allocator, bigger ones registered.
         reserve_gb: host memory to leave free; the pool is refused if it would not.
+        budget_bytes: this process's share of host memory, given by the engine (SGLang splits what is available,
+            less a reserve, between the ranks of a host); checked instead of the machine's available memory.
 
     Raises:
         ValueError: the pool is empty, or bigger than the available host memory minus ``reserve_gb``.
@@ -108,7 +112,7 @@ class HostBlockPool:
     def __init__(self, geometry: KVGeometry, num_blocks: Optional[int] = None, *,
                  cpu_cache_gb: Optional[float] = None, layout: str = "layer_first", pin: Optional[bool] = None,
                  register_chunk_bytes: int = REGISTER_CHUNK_BYTES, pin_memory_max_bytes: int = PIN_MEMORY_MAX_BYTES,
-                 reserve_gb: float = DEFAULT_RESERVE_GB) -> None:
+                 reserve_gb: float = DEFAULT_RESERVE_GB, budget_bytes: Optional[int] = None) -> None:
         check_layout(layout)
         self._lock = threading.RLock()
         self.geometry, self.layout = geometry, layout
@@ -130,7 +134,7 @@ class HostBlockPool:
             pin = cuda
         if pin and not cuda:
             raise RuntimeError("cannot pin host memory: CUDA is not available (use pin=False or pin=None)")
-        self._check_memory(reserve_gb)
+        self._check_memory(reserve_gb, budget_bytes)
 
         self._registered: list[int] = []  # data pointers of cudaHostRegister'ed chunks, unregistered by destroy()
         self.pinned_bytes = 0
@@ -169,7 +173,13 @@ class HostBlockPool:
 
     # --- sizing and pinning ---
 
-    def _check_memory(self, reserve_gb: float) -> None:
+    def _check_memory(self, reserve_gb: float, budget_bytes: Optional[int]) -> None:
+        if budget_bytes is not None:
+            if self.nbytes > budget_bytes:
+                raise ValueError(f"host pool of {self.nbytes / GiB:.2f} GiB does not fit this rank's share of host "
+                                 f"memory, {budget_bytes / GiB:.2f} GiB (what is available, less the engine's "
+                                 f"reserve, split between the ranks of this host); lower cpu_cache_gb")
+            return
         avail = available_memory_bytes()
         if avail is None:
             return
@@ -212,6 +222,11 @@ class HostBlockPool:
         self.pinned_bytes = 0
 
     @synchronized
+    @property
+    def destroyed(self) -> bool:
+        """True once :meth:`destroy` has released the memory."""
+        return getattr(self, "_destroyed", True)
+
     def destroy(self) -> None:
         """Unregister pinned chunks and drop the memory; idempotent. No transfer may use the pool afterwards."""
         if getattr(self, "_destroyed", True):

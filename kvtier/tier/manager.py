@@ -180,10 +180,11 @@ class KVTier(HostTier):
         executor: how copies are issued (default: :class:`CudaExecutor` on CUDA, :class:`ImmediateExecutor` on
             CPU; tests pass a :class:`~kvtier.tier.executor.DeferredExecutor`).
         counter_backend: LayerDoneCounter backend (``"auto"``, ``"cupy"``, ``"torch"``, ``"host"``).
+        host_budget_bytes: this process's share of host memory (the engine's), which the pool must fit.
     """
 
     def __init__(self, kv: PagedKV, config: Optional[TierConfig] = None, *, pool: Optional[HostBlockPool] = None,
-                 executor=None, counter_backend: str = "auto") -> None:
+                 executor=None, counter_backend: str = "auto", host_budget_bytes: Optional[int] = None) -> None:
         self._lock = threading.RLock()
         self.config = config if config is not None else TierConfig.from_env()
         geo = kv.geometry
@@ -192,7 +193,8 @@ class KVTier(HostTier):
                              " they must match (set page_size in the kvtier config to the engine's page size)")
         self.kv, self.geometry, self.page_size = kv, geo, geo.page_size
         if pool is None:
-            pool = HostBlockPool(geo, cpu_cache_gb=self.config.cpu_cache_gb, layout=self.config.host_layout)
+            pool = HostBlockPool(geo, cpu_cache_gb=self.config.cpu_cache_gb, layout=self.config.host_layout,
+                                 budget_bytes=host_budget_bytes)
         elif pool.geometry != geo or pool.layout != self.config.host_layout:
             raise ValueError(f"host pool geometry/layout ({pool.geometry}, {pool.layout}) does not match the KV pool "
                              f"({geo}, {self.config.host_layout})")
@@ -370,8 +372,10 @@ class KVTier(HostTier):
         return int(ids.size)
 
     def destroy(self) -> None:
-        """Wait for in-flight copies and release the host pool (unpins it)."""
+        """Wait for in-flight copies and release the host pool (unpins it); idempotent."""
         with self._lock:
+            if self.pool.destroyed:
+                return
             self.reset()
             self.pool.destroy()
 
