@@ -27,7 +27,9 @@ NAMESPACES = [None, Namespace(extra_key="a"), Namespace(lora_id=1), Namespace(ex
               Namespace(extra_key="a", lora_id=2), Namespace(lora_id="x")]
 DEFAULT = Namespace()
 
-tokens_st = st.lists(st.integers(0, 3), max_size=12)
+# mostly small ids (prefixes are shared), sometimes wide ones: the smallest wide id, one whose low 32 bits are a
+# small id's, the largest (the trie holds wide ids as codes: page_trie.py)
+tokens_st = st.lists(st.one_of(st.integers(0, 3), st.sampled_from([2**31, 2**32 + 1, 2**63 - 1])), max_size=12)
 ns_st = st.sampled_from(NAMESPACES)
 
 
@@ -132,14 +134,15 @@ class Model:
 
 
 def snapshot(trie: PageTrie):
-    """(ns_id, token prefix) -> node for every live node, walking parent links."""
+    """(ns_id, token prefix) -> node for every live node, walking parent links (wide ids decoded)."""
     s = trie._st
     live = np.flatnonzero(s.i32[DEPTH] >= 0)
+    ids = {code: v for v, code in trie._codes.items()}
     out = {}
     for x in live:
         toks, y = [], int(x)
         while y >= 0:
-            toks[:0] = s.tokens[y].tolist()
+            toks[:0] = [ids.get(t, t) for t in s.tokens[y].tolist()]
             y = int(s.i32[PARENT, y])
         out[(-1 - y, tuple(toks))] = int(x)
     return out

@@ -151,7 +151,7 @@ def test_reset():
 
 # ---- bad input ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("op", ["match", "insert", "remove"])
-@pytest.mark.parametrize("toks, err", [([0, -1], ValueError), ([2**32, 0], ValueError),
+@pytest.mark.parametrize("toks, err", [([0, -1], ValueError), ([2**63, 0], ValueError),
                                        (np.zeros(2, np.float64), TypeError), (np.zeros((1, 2), np.int64), ValueError),
                                        ([0, 2**64], ValueError)])
 def test_bad_tokens(op, toks, err):
@@ -309,3 +309,28 @@ def test_namespaces_that_hold_no_pages_are_reclaimed():
     assert m.num_pages == 2 and m.block_ids.tolist() == [0, 1]
     trie.reset()
     assert len(trie._ns_ids) == 1 and trie._st.ns_slots == 4
+
+
+def test_wide_token_ids_are_matched_and_verified_exactly():
+    """SGLang's multimodal pad values (MM_PAD_SHIFT_VALUE + a 62-bit hash) used to fail match_prefix with
+    ValueError (ids had to be < 2**32), killing the scheduler on the first image request."""
+    pad = [1_000_000 + (v & ((1 << 62) - 1)) for v in (0x1234_5678_9ABC_DEF0, 0x0FED_CBA9_8765_4321)]
+    text = list(range(100, 108))
+    prompt = text + [pad[0]] * 8 + [pad[1]] * 4 + text[:4]  # 24 tokens, 6 pages of 4
+    trie = PageTrie(4)
+    assert trie.match(array("q", prompt)).num_pages == 0 and trie.num_wide_ids == 0  # a lookup assigns nothing
+    trie.insert(array("q", prompt), np.arange(6))
+    assert trie.num_wide_ids == 2
+    for form in (array("q", prompt), np.array(prompt, dtype=np.int64), np.array(prompt, dtype=np.uint64), prompt):
+        m = trie.match(form)
+        assert m.num_pages == 6 and m.block_ids.tolist() == list(range(6))
+    other = prompt[:8] + [pad[0] + 1] + prompt[9:]  # another image: diverges at its first pad token
+    assert trie.match(array("q", other)).num_pages == 2
+    low = prompt[:8] + [pad[0] & 0xFFFFFFFF] + prompt[9:]  # the same low 32 bits, as a text id
+    assert trie.match(array("q", low)).num_pages == 2
+    code_like = prompt[:8] + [1 << 31] * 8 + prompt[16:]  # the raw value of a code
+    assert trie.match(array("q", code_like)).num_pages == 2
+    assert trie.match(array("q", text)).num_pages == 2  # text pages hash and match as before
+    assert trie.remove(array("q", prompt)).tolist() == [5, 4, 3, 2, 1, 0]
+    trie.reset()
+    assert trie.num_wide_ids == 0

@@ -179,3 +179,23 @@ def test_release_host_resources_unpins_the_pool():
     s.cache.release_host_resources()
     assert s.cache.tier.pool.destroyed
     s.cache.release_host_resources()  # idempotent, as SGLang's contract says
+
+
+def test_multimodal_pad_ids_are_matched_stored_and_loaded():
+    """SGLang puts image pad values (MM_PAD_SHIFT_VALUE + a 62-bit hash, up to 2**62 + 10**6) into the radix key;
+    the index took ids < 2**32 only and match_prefix raised ValueError, killing the scheduler."""
+    from sglang.srt.managers.schedule_batch import MM_PAD_SHIFT_VALUE
+
+    pads = [MM_PAD_SHIFT_VALUE + (0x3FFF_FFFF_FFFF_0000 + k) for k in range(4)]
+    s = h.build(kv_size=64)
+    free0 = s.allocator.available_size()
+    toks = [11, 12, 13, 14] + pads * 2 + [15, 16, 17]  # 15 tokens: 3 full pages, two of them pads
+    a = h.serve(s, toks)
+    assert a.host_hit == 0
+    h.flush_device(s)
+    a = h.serve(s, toks)  # serve() checks every loaded element against the KV the pads produced
+    assert (a.device_len, a.host_hit, a.loaded) == (0, 12, 12)
+    other = toks[:4] + [pads[0] + 1] + toks[5:]  # another image
+    h.flush_device(s)
+    assert h.serve(s, other).loaded == 4
+    h.assert_clean(s, free0)

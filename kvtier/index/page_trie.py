@@ -27,7 +27,7 @@ import numpy as np
 
 from ._state import (FREE_PARENT, M_FALLBACK, M_HEAP, M_HIGH, M_INDEXED, M_PROT, M_TOTAL, NS_BASE, PARENT,
                      TrieState, grow_namespaces, grow_nodes, new_state, state_nbytes, table_slots_for, with_table)
-from ._tokens import as_token_array
+from ._tokens import RAW_MAX, as_token_array
 from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace
 from .trie import (BAD_BLOCK_COUNT, BAD_BLOCKS, BAD_TOKENS, F_TOUCH, NEED_HASH, NEED_NODES, NEED_TABLE, NOT_LOCKED,
                    OK, STALE_HANDLE, tr_evict, tr_index_path, tr_insert, tr_lock, tr_match, tr_match_gallop,
@@ -89,7 +89,7 @@ _lock = _FastCall(tr_lock)
 _evict = _FastCall(tr_evict)
 
 _STATUS_MSG = {
-    BAD_TOKENS: "token ids must be in [0, 2**32)",
+    BAD_TOKENS: "token ids must be in [0, 2**63)",
     BAD_BLOCKS: "block ids must be >= 0",
     STALE_HANDLE: "stale handle: its page was evicted or removed since the match/insert that returned it",
     NOT_LOCKED: "unlock of a path that is not locked",
@@ -107,11 +107,23 @@ _BOOL = np.dtype(bool)
 
 
 def _token_key(tokens):
-    """(tokens as the jitted code takes them, _FastCall key)."""
+    """(a caller's tokens as the jitted code takes them, _FastCall key). uint32 is the trie's code type, so a
+    caller's uint32 array is widened."""
     if type(tokens) is array and tokens.typecode == "q":  # SGLang's RadixKey: read in place
         return tokens, "aq"
     q = as_token_array(tokens)
+    if q.dtype == np.uint32:
+        q = q.astype(np.int64)
     return q, q.dtype.char
+
+
+# Wide ids: token ids >= 2**31 (SGLang's multimodal pad values are MM_PAD_SHIFT_VALUE plus a 62-bit hash) reach
+# the 32-bit trie as codes in [2**31, 2**32): each distinct wide id inserted gets the next code, so codes stand
+# for ids one to one and every hit is still verified against the real ids. A lookup of a wide id never inserted
+# uses _UNSEEN, which no stored token equals. Token arrays with no wide id (text) go to the jitted code as they
+# are; one with a wide id is refused there (BAD_TOKENS) and retried coded.
+_FIRST_CODE = RAW_MAX + 1
+_UNSEEN = (1 << 32) - 1
 
 
 class PageTrie:
@@ -132,6 +144,7 @@ class PageTrie:
         self._mask = np.uint64(FULL_HASH_MASK if _hash_bits == 64 else (1 << _hash_bits) - 1)
         self._set_state(new_state(self._page_size, self._initial, self._limit(), mask=int(self._mask)))
         self._forget_namespaces()
+        self._forget_codes()
 
     def _limit(self) -> int:
         return -1 if self._capacity is None else self._capacity
@@ -145,6 +158,39 @@ class PageTrie:
     # A namespace gets an id (its meta slots: first-page hint, seed) when a page is inserted under it; a lookup
     # of an unregistered namespace registers nothing. Ids of namespaces that hold no page are reclaimed when
     # every slot is taken (one pass over the nodes, then at least as many registrations before the next).
+    def _forget_codes(self) -> None:
+        self._codes: dict[int, int] = {}  # wide id -> its code
+        self._next_code = _FIRST_CODE
+
+    def _coded(self, q, register: bool) -> np.ndarray:
+        """``q`` as uint32 codes: ids below 2**31 as they are, wide ids by their code (new ones get one when
+        ``register``, else ``_UNSEEN``)."""
+        a = np.frombuffer(q, dtype=np.int64) if type(q) is array else np.asarray(q)
+        if a.size and int(a.min()) < 0:
+            raise ValueError(f"token ids must be in [0, 2**63), got {int(a.min())}")
+        wide = a > RAW_MAX
+        out = np.where(wide, 0, a).astype(np.uint32)
+        values, where = np.unique(a[wide], return_inverse=True)
+        codes = np.empty(values.size, dtype=np.uint32)
+        for k, v in enumerate(values.tolist()):
+            c = self._codes.get(v)
+            if c is None:
+                if not register:
+                    c = _UNSEEN
+                elif self._next_code >= _UNSEEN:
+                    raise ValueError(f"the index holds {_UNSEEN - _FIRST_CODE} distinct token ids >= 2**31, its most")
+                else:
+                    c = self._codes[v] = self._next_code
+                    self._next_code += 1
+            codes[k] = c
+        out[wide] = codes[where]
+        return out
+
+    @property
+    def num_wide_ids(self) -> int:
+        """Distinct token ids >= 2**31 the index has codes for."""
+        return len(self._codes)
+
     def _forget_namespaces(self) -> None:
         self._ns_ids: dict[Namespace, int] = {DEFAULT_NAMESPACE: 0}
         self._ns_free: list[int] = []  # reclaimed ids
@@ -220,16 +266,23 @@ class PageTrie:
             return _tuple_new(MatchResult, (0, _empty(0, _I64), -1, 0))
         n = len(q) // self._page_size
         out = _empty(n, _I64)
+        flags = F_TOUCH if touch else 0
         if method == "walk":
             fn = _match_get(key)
             if fn is not None:
-                m, node, gen = fn(self._blob, q, i, F_TOUCH if touch else 0, out)
+                m, node, gen = fn(self._blob, q, i, flags, out)
             else:
-                m, node, gen = _match(key, self._blob, q, i, F_TOUCH if touch else 0, out)
+                m, node, gen = _match(key, self._blob, q, i, flags, out)
         elif method == "gallop":
-            m, node, gen = _gallop(key, *self._a, q, i, F_TOUCH if touch else 0, out)
+            m, node, gen = _gallop(key, *self._a, q, i, flags, out)
         else:
             raise ValueError(f"method must be 'walk' or 'gallop', got {method!r}")
+        if m == BAD_TOKENS:  # a wide id: match the codes
+            c = self._coded(q, register=False)
+            if method == "walk":
+                m, node, gen = _match("I", self._blob, c, i, flags, out)
+            else:
+                m, node, gen = _gallop("I", *self._a, c, i, flags, out)
         if m == n:
             return _tuple_new(MatchResult, (m, out, node, gen))
         if m < 0:
@@ -267,6 +320,9 @@ class PageTrie:
                 self._grow_nodes(new)
             elif status == NEED_TABLE:
                 self._grow_table(new)
+            elif status == BAD_TOKENS and key != "I":  # a wide id: insert the codes
+                q, key = self._coded(q, register=True), "I"
+                fn = _insert_get(key)
             elif status == BAD_BLOCK_COUNT:
                 n = len(q) // self._page_size
                 raise ValueError(f"got {b.shape[0]} block ids for {n} full pages "
@@ -321,6 +377,8 @@ class PageTrie:
         if i < 0:
             return _empty(0, _I64)
         status, blocks = _remove(key, *self._a, q, i)
+        if status == BAD_TOKENS:
+            status, blocks = _remove("I", *self._a, self._coded(q, register=False), i)
         if status != OK:
             self._raise(status)
         return blocks
@@ -329,6 +387,7 @@ class PageTrie:
         """Drop every page (locks included) and shrink back to the initial size."""
         self._set_state(new_state(self._page_size, self._initial, self._limit(), mask=int(self._mask)))
         self._forget_namespaces()
+        self._forget_codes()
 
     # ---- growth -----------------------------------------------------------------------------------
     def _grow_nodes(self, deficit: int) -> None:

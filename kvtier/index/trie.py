@@ -56,7 +56,7 @@ from ._state import (FREE_PARENT, BLOCK, DEPTH, FL_INDEXED, FLAGS, GEN, HASH, HI
                      M_INDEXED, M_LIMIT, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
                      TABLE_MAX_LOAD_NUM, TICK, TIER, blob_views)
 from ._table import EMPTY, tb_delete, tb_home, tb_insert, tb_node, tb_tag
-from ._tokens import in_range_from
+from ._tokens import in_range_from, raw_hi
 from .xxh64 import xxh64_token_range
 
 __all__ = ["tr_match", "tr_match_gallop", "tr_insert", "tr_lock", "tr_evict", "tr_remove", "tr_rebuild_table",
@@ -95,7 +95,7 @@ def _page_diff(tokens, x, q, s, ps):
         d |= diff16(tokens, x, j, q, s + j)
         j += 16
     for i in range(j, ps):
-        d |= np.int64(tokens[x, i]) ^ np.int64(q[s + i])
+        d |= (np.int64(tokens[x, i]) ^ np.int64(q[s + i])) | raw_hi(q[s + i])
     return d
 
 
