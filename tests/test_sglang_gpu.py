@@ -85,6 +85,38 @@ def test_device_prefix_plus_host_hit_on_cuda(transfer_mode):
     h.assert_clean(s, free0)
 
 
+@pytest.mark.parametrize("transfer_mode", ["direct", "staged"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_copies_are_ordered_after_the_forward_stream(transfer_mode, layerwise):
+    """The forward runs on its own stream and writes the KV late (a long kernel first). The store (issued from
+    the scheduler's current stream, which did not wait) must copy the written bytes, and a load into slots the
+    forward still reads must not overwrite them before that read: kvtier's copy streams used to wait on the current
+    stream only, while SGLang fences its own host copies on the forward stream."""
+    P = 16
+    forward = torch.cuda.Stream()
+    s = h.build(page_size=P, kv_size=16 * P, device="cuda", transfer_mode=transfer_mode, layerwise=layerwise,
+                forward_stream=forward)
+    free0 = s.allocator.available_size()
+    toks = list(range(3, 3 + 4 * P))
+    req = h.make_req(s, toks)
+    h.admit(s, req)
+    n = len(toks)
+    slots = s.allocator.alloc(n).to(torch.int64)
+    s.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, n)), slots.to(torch.int32))
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = req.extend_end = n
+    forward.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(forward):  # the forward: busy for ~50 ms, then writes the request's KV
+        torch.cuda._sleep(100_000_000)
+        h.write_kv(s, slots, toks, 0, 0)
+    h.release(s, req)  # checkpoint -> store, issued while the forward is still running
+    s.cache.wait_all()
+    forward.synchronize()
+    h.flush_device(s)
+    a = h.serve(s, toks)  # checks the loaded bytes against the forward's KV
+    assert a.loaded == 4 * P
+    h.assert_clean(s, free0)
+
+
 def test_namespaces_and_eviction_pressure_on_cuda():
     """Two namespaces through a device pool that only fits one request: every load is checked byte for byte."""
     P = 16

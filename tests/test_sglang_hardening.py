@@ -148,10 +148,10 @@ def test_chunked_prefill_copies_each_page_once():
     h.assert_clean(s, free0)
 
 
-def test_host_pool_is_sized_against_this_ranks_share(monkeypatch):
+def test_host_pool_is_sized_against_this_ranks_share(monkeypatch, tmp_path):
     """cpu_cache_gb is per rank; each rank used to check machine-wide free memory on its own, so 8 ranks could
     each pin what fits once. The factory now checks SGLang's per-rank budget (available less its reserve, divided
-    between the host's ranks)."""
+    between the host's ranks): an explicit size that does not fit is refused, the default shrinks to fit."""
     from sglang.srt.mem_cache import registry
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.pool_host import base as host_base
@@ -162,15 +162,16 @@ def test_host_pool_is_sized_against_this_ranks_share(monkeypatch):
     ctx = registry.TreeCacheBuildContext(server_args=None, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
                                          enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
                                          model_config=None, tp_size=1, tp_rank=0, tp_group=None)
-    avail = 64 << 30
-    monkeypatch.setattr(host_base, "available_host_memory_bytes", lambda **kw: avail)
-    monkeypatch.setattr(host_base, "ranks_per_host", lambda: 8)  # (64 - 10) / 8 = 6.75 GiB per rank
-    cfg = h.TierConfig(cpu_cache_gb=8, page_size=s.page_size)
-    monkeypatch.setattr(ks, "_config_for", lambda p: cfg)
-    with pytest.raises(ValueError, match=r"does not fit this rank's share of host memory, 6\.75 GiB"):
+    monkeypatch.setattr(host_base, "available_host_memory_bytes", lambda **kw: (10 << 30) + 8 * (64 << 20))
+    monkeypatch.setattr(host_base, "ranks_per_host", lambda: 8)  # (available - 10 GiB) / 8 = 64 MiB per rank
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text(f"cpu_cache_gb: 0.125\npage_size: {s.page_size}\n")
+    monkeypatch.setenv("KVTIER_CONFIG", str(cfg))
+    with pytest.raises(ValueError, match=r"does not fit this rank's share of host memory, 0\.06 GiB"):
         ks.factory(ctx)
-    monkeypatch.setattr(ks, "_config_for", lambda p: h.TierConfig(cpu_cache_gb=1 / 1024, page_size=s.page_size))
-    assert ks.factory(ctx).tier.pool.num_blocks > 0
+    monkeypatch.delenv("KVTIER_CONFIG")
+    cache = ks.factory(ctx)  # the 16 GiB default: 64 MiB here
+    assert cache.tier.pool.nbytes <= 64 << 20 and cache.tier.pool.num_blocks > 0
 
 
 def test_release_host_resources_unpins_the_pool():

@@ -19,6 +19,7 @@ import logging
 import os
 
 SUPPORTED_SGLANG_VERSION = "0.5.23"
+ENV_VAR = "KVTIER_CONFIG"  # kvtier.config.ENV_VAR (kept here so that importing this package needs nothing)
 BACKEND_NAME = "kvtier"
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def unsupported_reasons(ctx) -> list[str]:
 def _config_for(params):
     """The kvtier config: ``$KVTIER_CONFIG`` when set (its page_size must match the engine's), else defaults with
     the engine's page size."""
-    from kvtier.config import ENV_VAR, TierConfig
+    from kvtier.config import TierConfig
 
     if os.environ.get(ENV_VAR, "").strip():
         config = TierConfig.from_env()
@@ -136,6 +137,14 @@ def factory(ctx):
 
     params = ctx.params
     config = _config_for(params)
+    budget = host_budget(config.cpu_cache_bytes)
+    if budget is not None and config.cpu_cache_bytes > budget and not os.environ.get(ENV_VAR, "").strip():
+        # no kvtier config: the default pool shrinks to this rank's share (an explicit size that does not fit
+        # is an error instead, raised when the pool is built)
+        gb = budget / (1 << 30)
+        logger.info("kvtier: default host pool of %.1f GiB per rank exceeds this rank's share of host memory; "
+                    "using %.2f GiB (set cpu_cache_gb in $%s to choose)", config.cpu_cache_gb, gb, ENV_VAR)
+        config = dataclasses.replace(config, cpu_cache_gb=gb)
     tp_group = params.tp_cache_group
     if tp_group is None and ctx.tp_size > 1 and ctx.tp_group is not None:
         tp_group = getattr(ctx.tp_group, "cpu_group", None)
@@ -145,7 +154,7 @@ def factory(ctx):
     except AttributeError:
         pass
     return KVTierRadixCache(params, config, tp_group=tp_group if ctx.tp_size > 1 else None,
-                            forward_stream=forward_stream, host_budget_bytes=host_budget(config.cpu_cache_bytes))
+                            forward_stream=forward_stream, host_budget_bytes=budget)
 
 
 def host_budget(requested_bytes: int):

@@ -32,7 +32,7 @@ from kvtier import sglang as _kvtier_sglang
 from kvtier.config import TierConfig
 from kvtier.index import Namespace
 from kvtier.kernels import PagedKV
-from kvtier.tier import KVTier
+from kvtier.tier import CudaExecutor, KVTier
 
 _kvtier_sglang.check_sglang_version()
 
@@ -89,7 +89,8 @@ class KVTierRadixCache(RadixCache):
         params: SGLang's ``CacheInitParams`` (its allocator's KV pool must be an MHA or MLA pool).
         config: kvtier settings (default :meth:`TierConfig.from_env`); ``page_size`` must equal ``params.page_size``.
         tp_group: the TP CPU (gloo) process group when TP > 1, else None.
-        forward_stream: the CUDA stream the forward pass runs on (whole loads make it wait); None: current stream.
+        forward_stream: the CUDA stream the forward pass runs on: stores and loads are ordered after it, whole
+            loads make it wait; None: the current stream only.
         executor / counter_backend / pool: passed to :class:`KVTier` (tests).
         host_budget_bytes: this rank's share of host memory (the factory asks SGLang's host-memory budget: what
             is available, less SGLang's reserve, split between the ranks of the host); the pinned pool must fit.
@@ -118,6 +119,8 @@ class KVTierRadixCache(RadixCache):
             return
         self.kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         kv = paged_kv_from_pool(self.kv_pool, self.page_size)
+        if executor is None and kv.is_cuda and forward_stream is not None:
+            executor = CudaExecutor(kv.device, order_after=[forward_stream])  # copies fenced on the forward stream
         self.tier = KVTier(kv, self.tier_config, executor=executor, counter_backend=counter_backend, pool=pool,
                            host_budget_bytes=host_budget_bytes)
         self.set_layerwise(self.tier_config.layerwise)

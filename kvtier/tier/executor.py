@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import random
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -91,19 +91,31 @@ class _EventCompletion:
 
 
 class CudaExecutor:
-    """Copies on two CUDA streams (store, load) of ``device``; completions are CUDA events."""
+    """Copies on two CUDA streams (store, load) of ``device``; completions are CUDA events.
 
-    def __init__(self, device: torch.device) -> None:
+    Args:
+        device: the KV pool's device.
+        order_after: engine streams every copy is also ordered after, besides the caller's current stream: the
+            engine's forward stream, where the KV is written and read.
+    """
+
+    def __init__(self, device: torch.device, order_after: Sequence = ()) -> None:
         self.device = device
         self._streams = {name: torch.cuda.Stream(device=device) for name in STREAM_NAMES}
         self._start: dict[str, Optional[torch.cuda.Event]] = {name: None for name in STREAM_NAMES}
+        self._after = [st for st in order_after if st is not None]
 
     def stream(self, name: str) -> torch.cuda.Stream:
         return self._streams[name]
 
     def begin(self, name: str) -> None:
         s = self._streams[name]
+        # A store must not read slots before the work that wrote them, a load must not overwrite slots still read.
         s.wait_stream(torch.cuda.current_stream(self.device))
+        for forward in self._after:
+            # The forward stream can run ahead of the scheduler's current stream (overlap scheduling; prefills
+            # that skip SGLang's shared-read barrier): its writes and reads of the KV are fenced too.
+            s.wait_stream(forward)
         start = torch.cuda.Event(enable_timing=True)
         start.record(s)
         self._start[name] = start
