@@ -237,37 +237,73 @@ def serve(s: Setup, tokens, *, ns_tag: int = 0, extra_key=None, cache_salt=None,
     return a
 
 
-def tp_worker(rank: int, world: int, init_file: str, out_dir: str, device: str = "cpu", page_size: int = 4) -> None:
-    """One TP rank (torch.multiprocessing.spawn target): both ranks store 3 pages, rank 1's host then drops its last
-    page, and both must agree on a 2-page host hit and load it. ``device="cuda"`` puts rank r's pools on cuda:r
-    (the TP CPU group stays gloo, as SGLang's is). Writes ``rank<r>.txt`` (``host_hit loaded no_leak``) and
-    ``rank<r>.json`` (that plus the KV check, the loaded pages' digest, host pages held, the device and the error
-    if any); the parent asserts on them."""
+def tree_digest(s: Setup) -> list:
+    """The device tree as every TP rank must hold it: sizes, then each node's (depth, key length, lock count), and
+    the host tier's page count."""
+    cache = s.cache
+    nodes, stack = [], [(cache.root_node, 0)]
+    while stack:
+        node, depth = stack.pop()
+        for child in node.children.values():
+            nodes.append((depth + 1, len(child.key), child.lock_ref, child.evicted))
+            stack.append((child, depth + 1))
+    return [cache.total_size(), cache.evictable_size(), cache.protected_size(), sorted(nodes),
+            cache.tier.index.total_pages]
+
+
+def tp_skew_worker(rank: int, world: int, init_file: str, out_dir: str, device: str = "cpu",
+                   page_size: int = 4) -> None:
+    """One TP rank (torch.multiprocessing.spawn target) whose copies complete at other moments than the other
+    rank's: rank 0's finish at once, rank 1's only later. After each scheduling round (flush_pending_backups) and
+    eviction both ranks must hold identical trees. Writes ``rank<r>.json`` (the digests, the host hit, what was
+    loaded, the KV check, no leak, or the error); the parent compares them. ``device="cuda"``: rank r on cuda:r."""
     import json
     import traceback
 
     import torch.distributed as dist
 
-    seen = {"rank": rank, "device": device}
+    from kvtier.tier import DeferredExecutor
+
+    seen = {"rank": rank, "device": device, "digests": []}
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(rank)
             device = f"cuda:{rank}"
-            seen.update(device=device, gpu=torch.cuda.get_device_name(rank))
-        s = build(kv_size=8 * page_size, page_size=page_size, device=device, tp_group=dist.group.WORLD)
+        ex = DeferredExecutor() if device == "cpu" else None
+        s = build(kv_size=16 * page_size, page_size=page_size, device=device, tp_group=dist.group.WORLD,
+                  executor=ex)
         free0 = s.allocator.available_size()
-        toks = list(range(3, 3 + 3 * page_size))  # 3 pages
-        serve(s, toks)
-        flush_device(s)
-        if rank == 1:
-            assert s.cache.tier.evict(1) == 1
-        seen["host_pages_before"] = s.cache.tier.stats()["pages_held"]
+        P = page_size
+        if ex is None and rank == 1:  # CUDA: rank 1's copies start 50 ms late on its copy streams
+            executor = s.cache.tier.executor
+            begin = executor.begin
+
+            def late_begin(name: str) -> None:
+                begin(name)
+                with torch.cuda.stream(executor.stream(name)):
+                    torch.cuda._sleep(100_000_000)
+
+            executor.begin = late_begin
+
+        def skewed_round(first_rank_done: bool) -> None:
+            if ex is not None and (rank == 0) == first_rank_done:
+                ex.release_all()
+            s.cache.flush_pending_backups()  # the round's agreement
+            s.cache.evict(EvictParams(num_tokens=10**6))
+            seen["digests"].append(tree_digest(s))
+
+        toks = list(range(3, 3 + 3 * P + 1))
+        serve(s, toks, check=False)  # its store is in flight on both ranks
+        skewed_round(True)  # done on rank 0 only: nothing may be released anywhere
+        skewed_round(False)  # now on rank 1 too: released, evicted on both
         req = make_req(s, toks)
-        a = admit(s, req)
+        a = admit(s, req)  # a host hit: the load is in flight
+        seen.update(host_hit=a.host_hit, loaded=a.loaded)
+        skewed_round(True)
+        skewed_round(False)
         s.cache.wait_all()
         slots = s.cache.path_device_indices(req.last_node)[:req.prefix_len]
-        seen.update(host_hit=a.host_hit, loaded=a.loaded, prefix_len=req.prefix_len, digest=kv_digest(s, slots))
         try:
             check_kv(s, slots, toks, 0, 0)
             seen["kv_ok"] = True
@@ -275,11 +311,11 @@ def tp_worker(rank: int, world: int, init_file: str, out_dir: str, device: str =
             seen.update(kv_ok=False, kv_error=str(e))
         assert run_forward(s, req) is not None
         release(s, req)
+        skewed_round(True)
+        skewed_round(False)
         s.cache.wait_all()
         flush_device(s)
-        seen["no_leak"] = s.allocator.available_size() == free0
-        with open(f"{out_dir}/rank{rank}.txt", "w") as f:
-            f.write(f"{a.host_hit} {a.loaded} {int(seen['no_leak'])}")
+        seen["no_leak"] = s.allocator.available_size() == free0 and s.cache.protected_size() == 0
     except BaseException:
         seen["error"] = traceback.format_exc()
         raise

@@ -135,25 +135,20 @@ def test_namespaces_and_eviction_pressure_on_cuda():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tp2_ranks_agree_on_the_host_hit_on_two_gpus(tmp_path):
-    """Two TP ranks, rank r on cuda:r with a gloo TP CPU group; rank 1's host holds 2 of the 3 pages, rank 0 all 3:
-    both report the MIN hit (2 pages), load the same 2 pages with exact bytes, and leak nothing."""
+def test_tp2_ranks_with_skewed_copies_keep_identical_trees_on_two_gpus(tmp_path):
+    """Two TP ranks, rank r on cuda:r with a gloo TP CPU group; rank 1's copies start 50 ms late: after every
+    round and eviction both ranks hold identical trees, load the same pages with exact bytes, and leak nothing."""
     import torch.multiprocessing as mp
 
     P = 16
     try:
-        mp.spawn(h.tp_worker, args=(2, str(tmp_path / "pg"), str(tmp_path), "cuda", P), nprocs=2, join=True)
+        mp.spawn(h.tp_skew_worker, args=(2, str(tmp_path / "pg"), str(tmp_path), "cuda", P), nprocs=2, join=True)
     finally:
         for r in range(2):
             f = tmp_path / f"rank{r}.json"
             print(f"rank {r}: {f.read_text() if f.exists() else '(no report)'}", file=sys.stderr)
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [x["device"] for x in seen] == ["cuda:0", "cuda:1"]
-    assert [x["host_pages_before"] for x in seen] == [3, 2]
-    for x in seen:
-        assert "error" not in x, x["error"]
-        assert (x["host_hit"], x["loaded"], x["prefix_len"]) == (2 * P, 2 * P, 2 * P), x
-        assert x["kv_ok"], x.get("kv_error")
-        assert x["no_leak"]
-    assert seen[0]["digest"] == seen[1]["digest"]  # the same pages' bytes on both GPUs
-    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == [f"{2 * P} {2 * P} 1"] * 2
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert "error" not in r0 and "error" not in r1, r0.get("error") or r1.get("error")
+    assert r0["digests"] == r1["digests"]
+    assert (r0["host_hit"], r0["loaded"]) == (r1["host_hit"], r1["loaded"]) == (3 * P, 3 * P)
+    assert r0["kv_ok"] and r1["kv_ok"] and r0["no_leak"] and r1["no_leak"]

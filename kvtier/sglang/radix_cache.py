@@ -3,8 +3,14 @@
 What the subclass adds to ``RadixCache`` (every override calls ``super()`` first):
 
 * ``match_prefix``: the device match, plus ``host_hit_length`` = tokens past the device match that kvtier holds
-  (full pages, only when ``params.req`` is given, i.e. a scheduler match). With TP > 1 the ranks agree on the hit
-  (all-reduce MIN over the TP CPU group). The hit is remembered per request for ``init_load_back``.
+  (full pages, only when ``params.req`` is given, i.e. a scheduler match). The hit is remembered per request for
+  ``init_load_back``. No collective: with TP every rank's host index evolves identically (below).
+* TP > 1: every store and load is tracked in issue order and its node stays locked, whatever this rank's outcome,
+  until the ranks agree that every rank has completed it (``_sync``: one all-reduce MIN of the completed count and
+  one MAX of failure flags, in ``flush_pending_backups``, which SGLang calls once per batch, in ``evict`` and in
+  ``wait_all``); then each rank finalizes exactly those, in order (a store failed on any rank is dropped on all).
+  With equal pools (agreed at construction) host indexes, locks and device trees stay identical on every rank
+  whatever each GPU's timing. A load that fails on one rank only is caught by the one MIN of ``init_load_back``.
 * ``init_load_back``: allocates slots for the host hit (evicting device pages if needed), loads through
   ``KVTier.load`` / ``load_layerwise``, grafts a ``TreeNode`` holding the new slots under the device match and
   returns ``(loaded_len, node)``. SGLang 0.5.23 requires all promised tokens or none: when fewer pages arrive
@@ -23,6 +29,8 @@ What the subclass adds to ``RadixCache`` (every override calls ``super()`` first
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 from typing import Any, Optional
 
@@ -32,7 +40,7 @@ from kvtier import sglang as _kvtier_sglang
 from kvtier.config import TierConfig
 from kvtier.index import Namespace
 from kvtier.kernels import PagedKV
-from kvtier.tier import CudaExecutor, KVTier
+from kvtier.tier import CudaExecutor, KVTier, TierTask
 
 _kvtier_sglang.check_sglang_version()
 
@@ -113,6 +121,8 @@ class KVTierRadixCache(RadixCache):
         self._store_of_req: dict[str, int] = {}  # request id -> its store in flight
         self._req_of_store: dict[int, str] = {}  # the reverse
         self._held_store: dict[str, tuple] = {}  # request id -> (tokens, ns, slots, locked node) of a later checkpoint
+        # TP: every store and load in issue order, released only as far as every rank has completed (_sync)
+        self._order: collections.deque[TierTask] = collections.deque()
         self.tier: Optional[KVTier] = None
         self.layerwise = False
         if self.disable:
@@ -121,8 +131,12 @@ class KVTierRadixCache(RadixCache):
         kv = paged_kv_from_pool(self.kv_pool, self.page_size)
         if executor is None and kv.is_cuda and forward_stream is not None:
             executor = CudaExecutor(kv.device, order_after=[forward_stream])  # copies fenced on the forward stream
+        if tp_group is not None:  # every rank's pool holds as many blocks: the host indexes evolve identically
+            agreed = self._tp_min(self.tier_config.cpu_cache_bytes)
+            if agreed < self.tier_config.cpu_cache_bytes:
+                self.tier_config = dataclasses.replace(self.tier_config, cpu_cache_gb=agreed / (1 << 30))
         self.tier = KVTier(kv, self.tier_config, executor=executor, counter_backend=counter_backend, pool=pool,
-                           host_budget_bytes=host_budget_bytes)
+                           host_budget_bytes=host_budget_bytes, finalize="auto" if tp_group is None else "ordered")
         self.set_layerwise(self.tier_config.layerwise)
 
     @classmethod
@@ -159,6 +173,7 @@ class KVTierRadixCache(RadixCache):
             self._store_of_req.clear()
             self._req_of_store.clear()
             self._held_store.clear()
+            self._order.clear()
 
     # --- match ---
 
@@ -179,8 +194,7 @@ class KVTierRadixCache(RadixCache):
             self._markers.pop(req.cache_request_handle, None)
             return base
         ns = _namespace(key.extra_key, key.cache_salt)
-        pages = self.tier.lookup(tokens, ns)
-        pages = self._tp_min(pages)
+        pages = self.tier.lookup(tokens, ns)  # TP: the same on every rank (see _sync), no collective needed
         host_len = pages * self.page_size - device_len
         if host_len <= 0:
             self._markers.pop(req.cache_request_handle, None)
@@ -205,7 +219,7 @@ class KVTierRadixCache(RadixCache):
         need = min(params.host_hit_length, marker.host_len)
         if params.mem_quota is not None:
             need = min(need, params.mem_quota // self.page_size * self.page_size)
-        if self._tp_min(need) < marker.host_len:
+        if need < marker.host_len:
             return 0, last_node
         tokens = marker.tokens[:marker.device_len + need]
         key = RadixKey(tokens, req.extra_key, cache_salt=req.cache_salt)
@@ -216,11 +230,8 @@ class KVTierRadixCache(RadixCache):
         rest = marker.device_len + need - start
         if rest == 0:
             return need, parent
-        new_slots = self._alloc_slots(rest, parent)
-        ok = new_slots is not None
-        if self._tp_min(int(ok)) == 0:
-            if ok:
-                self.token_to_kv_pool_allocator.free(new_slots)
+        new_slots = self._alloc_slots(rest, parent)  # TP: device trees and allocators are identical on every rank
+        if new_slots is None:
             return 0, last_node
         new_slots = new_slots.to(torch.int64)
         new_slots_all = new_slots  # the copy writes through these (see _inflight)
@@ -230,7 +241,7 @@ class KVTierRadixCache(RadixCache):
         else:
             task = self.tier.load(tokens, marker.ns, new_slots, start_page=start_page)
         local = min(rest, task.num_pages * self.page_size)
-        loaded = self._tp_min(local)  # every rank grafts the same length: device trees stay identical
+        loaded = self._tp_min(local)  # a load can fail on one rank only: every rank grafts the same length
         if local > loaded:
             self.tier.wait(task)  # the slots past `loaded` are being written: free them only after the copy
         if loaded < rest:
@@ -243,8 +254,7 @@ class KVTierRadixCache(RadixCache):
         node = parent
         if loaded > 0:
             node = self._graft(parent, key, start, new_slots)
-        if not task.done:
-            self._lock_until_done(task.id, node, new_slots_all)
+        self._track(task, node, new_slots_all)
         if loaded < rest:  # SGLang 0.5.23: all promised tokens or none
             return 0, last_node
         return need, node
@@ -308,37 +318,79 @@ class KVTierRadixCache(RadixCache):
 
     def _store(self, rid, tokens, ns, slots: torch.Tensor, node: TreeNode) -> None:
         task = self.tier.store(tokens, ns, slots)
-        if not task.done:
-            self._lock_until_done(task.id, node, slots)
+        if self._track(task, node, slots):
             self._store_of_req[rid] = task.id
             self._req_of_store[task.id] = rid
 
     # --- completions / eviction ---
 
-    def _lock_until_done(self, task_id: int, node: TreeNode, slots: Optional[torch.Tensor] = None) -> None:
+    def _track(self, task: TierTask, node: TreeNode, slots: Optional[torch.Tensor]) -> bool:
+        """Keep ``node`` locked (and ``slots`` referenced) until ``task`` is released; True when it is tracked.
+        One rank alone: only tasks still in flight. TP: every task, in issue order, whatever this rank's outcome
+        (a copy may be done or failed here and in flight on another rank: the locks must not differ)."""
+        if self.tp_group is None and task.done:
+            return False
         self.inc_lock_ref(node)
-        self._inflight[task_id] = (node, slots)
+        self._inflight[task.id] = (node, slots)
+        if self.tp_group is not None:
+            self._order.append(task)
+        return True
+
+    def _release(self, task_id: int) -> None:
+        """``task_id`` is finalized: unlock its node; a held checkpoint of its request is stored now."""
+        rec = self._inflight.pop(task_id, None)
+        if rec is not None:
+            self.dec_lock_ref(rec[0])
+        rid = self._req_of_store.pop(task_id, None)
+        if rid is not None:
+            del self._store_of_req[rid]
+            held = self._held_store.pop(rid, None)
+            if held is not None:  # the request's next checkpoint: its earlier pages are held now
+                self._store(rid, *held)
+                self.dec_lock_ref(held[3])
 
     def _drain(self) -> None:
-        if self.tier is None:
+        """One rank: release what has completed. TP: nothing (completions are released by :meth:`_sync`)."""
+        if self.tier is None or self.tp_group is not None:
             return
         for tid in self.tier.poll():
-            rec = self._inflight.pop(tid, None)
-            if rec is not None:
-                self.dec_lock_ref(rec[0])
-            rid = self._req_of_store.pop(tid, None)
-            if rid is not None:
-                del self._store_of_req[rid]
-                held = self._held_store.pop(rid, None)
-                if held is not None:  # the request's next checkpoint: its earlier pages are held now
-                    self._store(rid, *held)
-                    self.dec_lock_ref(held[3])
+            self._release(tid)
+
+    def _sync(self) -> None:
+        """Release completed transfers. TP: the ranks agree on how many of the oldest transfers every rank has
+        completed (one all-reduce MIN) and on which of those failed on any rank (one all-reduce MAX); each rank then
+        finalizes exactly those, in issue order (a store failed anywhere is dropped everywhere), so host indexes,
+        locks and device trees stay identical whatever each GPU's timing. SGLang's HiCache drains the same way."""
+        if self.tier is None:
+            return
+        if self.tp_group is None:
+            self._drain()
+            return
+        local = 0
+        for task in self._order:
+            if not self.tier.completed(task):
+                break
+            local += 1
+        n = self._tp_min(local)
+        if n == 0:
+            return
+        batch = [self._order.popleft() for _ in range(n)]
+        failed = self._tp_max([int(t.status == "failed") for t in batch])
+        for task, bad in zip(batch, failed):
+            self.tier.finalize(task, keep=not bad)
+            self._release(task.id)
+        self.tier.poll()  # the tier's reports: every finalized task was released above
+
+    def flush_pending_backups(self) -> None:
+        """SGLang calls this once per processed batch, on every rank: the round's completion agreement."""
+        super().flush_pending_backups()
+        self._sync()
 
     def check_hicache_events(self) -> None:
         self._drain()
 
     def evict(self, params: EvictParams) -> EvictResult:
-        self._drain()
+        self._sync()  # TP: every rank evicts when the same (identical) allocator is short, so all reach this
         return super().evict(params)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
@@ -359,8 +411,8 @@ class KVTierRadixCache(RadixCache):
         """Block until every in-flight transfer completes and drop its locks (tests, shutdown)."""
         while self.tier is not None:
             self.tier.wait_all()
-            self._drain()  # may issue a held checkpoint's store
-            if not self._held_store and not self.tier.inflight_ids:
+            self._sync()  # may issue a held checkpoint's store
+            if not self._held_store and not self.tier.inflight_ids and not self._order:
                 break
 
     @property
@@ -375,6 +427,11 @@ class KVTierRadixCache(RadixCache):
         t = torch.tensor([int(value)], dtype=torch.int64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
         return int(t.item())
+
+    def _tp_max(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
+        return t.tolist()
 
 
 _kvtier_sglang.register()  # importing the backend registers it too (idempotent), as SGLang's own backends do

@@ -181,10 +181,15 @@ class KVTier(HostTier):
             CPU; tests pass a :class:`~kvtier.tier.executor.DeferredExecutor`).
         counter_backend: LayerDoneCounter backend (``"auto"``, ``"cupy"``, ``"torch"``, ``"host"``).
         host_budget_bytes: this process's share of host memory (the engine's), which the pool must fit.
+        finalize: ``"auto"``: a completed copy is finalized (store pages enter the index, locks drop) by the next
+            call that drains; ``"ordered"``: only by :meth:`finalize`, which the engine calls in an order and at
+            moments that every TP rank agrees on, so the index evolves identically on every rank (``wait`` then
+            only blocks, and ``poll`` reports what was finalized).
     """
 
     def __init__(self, kv: PagedKV, config: Optional[TierConfig] = None, *, pool: Optional[HostBlockPool] = None,
-                 executor=None, counter_backend: str = "auto", host_budget_bytes: Optional[int] = None) -> None:
+                 executor=None, counter_backend: str = "auto", host_budget_bytes: Optional[int] = None,
+                 finalize: str = "auto") -> None:
         self._lock = threading.RLock()
         self.config = config if config is not None else TierConfig.from_env()
         geo = kv.geometry
@@ -204,6 +209,9 @@ class KVTier(HostTier):
         if executor is None:
             executor = CudaExecutor(kv.device) if kv.is_cuda else ImmediateExecutor()
         self.executor = executor
+        if finalize not in ("auto", "ordered"):
+            raise ValueError(f"finalize must be 'auto' or 'ordered', got {finalize!r}")
+        self._auto_finalize = finalize == "auto"
         self.counter = LayerDoneCounter(geo.num_layers, device=kv.device if kv.is_cuda else "cpu",
                                         backend=counter_backend)
         self._staged_transfer: Optional[StagedTransfer] = None
@@ -315,20 +323,38 @@ class KVTier(HostTier):
 
     @synchronized
     def wait(self, task: Union[TierTask, int]) -> TierTask:
-        """Block the host until ``task``'s copy has completed, and finalize it (also reported by the next poll)."""
+        """Block the host until ``task``'s copy has completed, and finalize it (also reported by the next poll;
+        ``finalize="ordered"``: only block)."""
         tid = task.id if isinstance(task, TierTask) else int(task)
         rec = self._inflight.get(tid)
         if rec is not None:
             rec.completion.wait()
-            self._finalize(rec, cancelled=False)
+            if self._auto_finalize:
+                self._finalize(rec, cancelled=False)
         return rec.task if rec is not None else task
 
     @synchronized
     def wait_all(self) -> None:
-        """Block until every in-flight copy has completed, and finalize them."""
+        """Block until every in-flight copy has completed, and finalize them (``"ordered"``: only block)."""
         for rec in list(self._inflight.values()):
             rec.completion.wait()
-            self._finalize(rec, cancelled=False)
+            if self._auto_finalize:
+                self._finalize(rec, cancelled=False)
+
+    @synchronized
+    def completed(self, task: Union[TierTask, int]) -> bool:
+        """Whether ``task``'s copy has completed (or it is not in flight); never blocks."""
+        rec = self._inflight.get(task.id if isinstance(task, TierTask) else int(task))
+        return rec is None or rec.completion.done()
+
+    @synchronized
+    def finalize(self, task: Union[TierTask, int], *, keep: bool = True) -> None:
+        """Block until ``task``'s copy completes, then finalize it: a store's pages enter the index (``keep=False``:
+        they are discarded, as by :meth:`cancel`), the locks drop. No-op for a task already finalized."""
+        rec = self._inflight.get(task.id if isinstance(task, TierTask) else int(task))
+        if rec is not None:
+            rec.completion.wait()
+            self._finalize(rec, cancelled=not keep)
 
     @synchronized
     def wait_on_current_stream(self, task: TierTask) -> None:
@@ -543,6 +569,8 @@ class KVTier(HostTier):
         return ids if ids is not None else np.empty(0, np.int64)
 
     def _drain(self) -> None:
+        if not self._auto_finalize:
+            return
         for rec in list(self._inflight.values()):
             if rec.completion.done():
                 self._finalize(rec, cancelled=False)
