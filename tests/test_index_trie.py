@@ -328,7 +328,8 @@ def test_wide_token_ids_are_matched_and_verified_exactly():
     assert trie.match(array("q", other)).num_pages == 2
     low = prompt[:8] + [pad[0] & 0xFFFFFFFF] + prompt[9:]  # the same low 32 bits, as a text id
     assert trie.match(array("q", low)).num_pages == 2
-    code_like = prompt[:8] + [1 << 31] * 8 + prompt[16:]  # the raw value of a code
+    code = trie._codes[pad[0]]  # a caller's id equal to the code that stands for pad[0] in the trie, with no
+    code_like = prompt[:8] + [code] * 8 + text  # wide id after it: only the whole-query check can refuse it
     assert trie.match(array("q", code_like)).num_pages == 2
     assert trie.match(array("q", text)).num_pages == 2  # text pages hash and match as before
     assert trie.remove(array("q", prompt)).tolist() == [5, 4, 3, 2, 1, 0]

@@ -2,9 +2,9 @@
 
 ``diff16(tokens, x, j, q, s)``: the 16-bit mask (as an int64) of the ``i < 16`` with
 ``zext(tokens[x, j + i]) != ext(q[s + i])``, so 0 exactly when the 16 stored tokens equal the 16 query
-ids (a vector ``icmp ne`` into an AVX-512 mask register). The stored tokens are uint32 (zero-extended): ids below
-2**31 as they are, wider ids as the trie's codes in [2**31, 2**32). Query ids are a caller's (int64 or int32,
-sign-extended: one outside ``[0, 2**31)`` compares unequal to every stored token) or codes (uint32). Compiled to vector loads, compares/xors
+ids (a vector ``icmp ne`` into an AVX-512 mask register). The stored tokens are uint32 (zero-extended); query ids
+are int64, int32 (sign-extended) or uint32 (zero-extended). A caller's id in [2**31, 2**32) can equal a stored code
+(page_trie.py: wide ids): the matchers then check the whole query, not only its unmatched tail (``M_WIDE``). Compiled to vector loads, compares/xors
 and a mask test (numba's scalar loop becomes a chain of 16 compare-and-branch pairs). No bounds checks:
 callers guarantee ``j + 16 <= tokens.shape[1]`` and ``s + 16 <= len(q)``.
 
@@ -54,9 +54,6 @@ def diff16(typingctx, tokens, x, j, q, s):
         tvec = _load16(builder, _item_ptr(context, builder, tt, tv, [xv, jv]), tt.dtype)
         qvec = _load16(builder, _item_ptr(context, builder, qt, qv, [sv]), qt.dtype)
         ne = builder.icmp_unsigned("!=", tvec, qvec)  # <16 x i1>: AVX-512 compares into mask registers
-        if qt.dtype.signed:  # a caller's id outside [0, 2**31) never equals a stored token (codes live there)
-            hi = builder.ashr(qvec, ir.Constant(ir.VectorType(_I64, 16), [31] * 16))
-            ne = builder.or_(ne, builder.icmp_unsigned("!=", hi, ir.Constant(ir.VectorType(_I64, 16), [0] * 16)))
         return builder.zext(builder.bitcast(ne, ir.IntType(16)), _I64)
 
     return sig, codegen

@@ -74,6 +74,7 @@ M_FALLBACK = 8    # gallop searches whose verification failed (hash collision) a
 M_PAGE = 9        # page size
 M_MASK = 10       # page-hash mask (uint64 bit pattern; all ones except in collision tests)
 M_INDEXED = 11    # pages in the table (FL_INDEXED); the table's load is M_INDEXED / slots <= 3/4
+M_WIDE = 12       # 1 once the trie holds a code of a wide id (page_trie.py): range checks cover whole queries
 NS_BASE = 16      # per namespace: hint, seed
 FREE_PARENT = -(2**31)  # i32[PARENT] of a free slot: equals no node and no namespace root code
 

@@ -17,8 +17,7 @@ from numba.extending import overload
 
 from ._config import NUMBA_CACHE
 
-__all__ = ["as_token_array", "check_token_range", "in_range_from", "raw_hi", "tokens_in_range", "TOKEN_MAX",
-           "RAW_MAX"]
+__all__ = ["as_token_array", "check_token_range", "in_range_from", "tokens_in_range", "TOKEN_MAX", "RAW_MAX"]
 
 TOKEN_MAX = (1 << 32) - 1
 _NATIVE = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint32))
@@ -66,9 +65,7 @@ RAW_MAX = (1 << 31) - 1  # ids above it reach the trie as codes (page_trie.py: w
 
 def in_range_from(q, start):
     """True when every id of ``q[start:]`` may go to the trie as it is: in [0, 2**31) for signed token arrays
-    (the callers' ids), always for uint32 arrays (the trie's codes, where wide ids were replaced). The jitted
-    matchers check only the unmatched tail: a matched page equals stored codes, which a signed id outside
-    [0, 2**31) never does (``diff16``, ``raw_hi``)."""
+    (the callers' ids), always for uint32 arrays (the trie's codes, where wide ids were replaced)."""
 
 
 @overload(in_range_from, inline="always")
@@ -87,17 +84,6 @@ def _in_range_from(q, start):
 
     return impl
 
-
-def raw_hi(v):
-    """Nonzero when the signed id ``v`` cannot be compared with stored codes as it is (outside [0, 2**31));
-    always 0 for a uint32 code."""
-
-
-@overload(raw_hi, inline="always")
-def _raw_hi(v):
-    if isinstance(v, types.Integer) and not v.signed:
-        return lambda v: np.int64(0)
-    return lambda v: np.int64(v) >> 31
 
 
 @numba.njit(cache=NUMBA_CACHE)

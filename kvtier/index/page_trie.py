@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from ._state import (FREE_PARENT, M_FALLBACK, M_HEAP, M_HIGH, M_INDEXED, M_PROT, M_TOTAL, NS_BASE, PARENT,
+from ._state import (FREE_PARENT, M_FALLBACK, M_HEAP, M_HIGH, M_INDEXED, M_PROT, M_TOTAL, M_WIDE, NS_BASE, PARENT,
                      TrieState, grow_namespaces, grow_nodes, new_state, state_nbytes, table_slots_for, with_table)
 from ._tokens import RAW_MAX, as_token_array
 from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace
@@ -182,6 +182,7 @@ class PageTrie:
                 else:
                     c = self._codes[v] = self._next_code
                     self._next_code += 1
+                    self._st.meta[M_WIDE] = 1  # from now on a caller's id can equal a stored code
             codes[k] = c
         out[wide] = codes[where]
         return out

@@ -53,10 +53,10 @@ from ._config import NUMBA_CACHE
 from ._heap import hp_pop, hp_push, hp_remove
 from ._simd import diff16, prefetch
 from ._state import (FREE_PARENT, BLOCK, DEPTH, FL_INDEXED, FLAGS, GEN, HASH, HINT, HITS, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH,
-                     M_INDEXED, M_LIMIT, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
+                     M_INDEXED, M_LIMIT, M_MASK, M_WIDE, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
                      TABLE_MAX_LOAD_NUM, TICK, TIER, blob_views)
 from ._table import EMPTY, tb_delete, tb_home, tb_insert, tb_node, tb_tag
-from ._tokens import in_range_from, raw_hi
+from ._tokens import in_range_from
 from .xxh64 import xxh64_token_range
 
 __all__ = ["tr_match", "tr_match_gallop", "tr_insert", "tr_lock", "tr_evict", "tr_remove", "tr_rebuild_table",
@@ -95,7 +95,7 @@ def _page_diff(tokens, x, q, s, ps):
         d |= diff16(tokens, x, j, q, s + j)
         j += 16
     for i in range(j, ps):
-        d |= (np.int64(tokens[x, i]) ^ np.int64(q[s + i])) | raw_hi(q[s + i])
+        d |= np.int64(tokens[x, i]) ^ np.int64(q[s + i])
     return d
 
 
@@ -293,7 +293,9 @@ def _gallop(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out):
 @numba.njit(inline="always")
 def _match_end(i32, i64, q, meta, ps, m, node, flags):
     """Range check of the unmatched tail, then the touch; returns (pages or status, node, gen)."""
-    if not in_range_from(q, m * ps):  # the matched pages equal stored ones, so they are in range
+    # The matched pages equal stored ones, so only the unmatched tail needs the range check, unless the trie holds
+    # codes of wide ids (M_WIDE): a caller's id in [2**31, 2**32) can equal one, so the whole query is checked.
+    if not in_range_from(q, m * ps * (1 - meta[M_WIDE])):
         return BAD_TOKENS, -1, 0
     if flags & F_TOUCH:
         tick = meta[M_TICK] + 1
@@ -413,7 +415,7 @@ def tr_insert(blob, q, ns_id, blocks, new_mask):
     if neg < 0:
         return BAD_BLOCKS, 0, 0, -1, 0
     m, node = _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks[:0], 0, -1)
-    if not in_range_from(q, m * ps):
+    if not in_range_from(q, m * ps * (1 - meta[M_WIDE])):
         return BAD_TOKENS, 0, 0, -1, 0
     want = n - m
     limit = meta[M_LIMIT]
@@ -578,7 +580,7 @@ def tr_remove(i32, i64, i8, tokens, table, meta, q, ns_id):
     n = len(q) // ps
     out = np.empty(n, dtype=np.int64)
     m, x = _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, out, 0, -1)
-    if not in_range_from(q, m * ps):
+    if not in_range_from(q, m * ps * (1 - meta[M_WIDE])):
         return BAD_TOKENS, out[:0]
     hpos = i32[HPOS]
     k = 0
