@@ -1,5 +1,6 @@
 """The ``kvtier`` command line: the demo serves from kvtier and fails on a mismatch; help, version, errors."""
 
+import os
 import subprocess
 import sys
 
@@ -83,3 +84,14 @@ def test_python_m_kvtier_and_help_import_no_torch():
            "except SystemExit:\n    pass\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "usage: kvtier" in out.stdout and out.stdout.strip().endswith("False"), out.stdout + out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen where CUDA is absent")
+def test_demo_in_a_fresh_process_without_triton_interpret():
+    """As a user runs it: building the model imports triton, which used to happen before kvtier's kernels could
+    choose the interpreter, so every copy failed (and was unwound) and the demo served nothing from kvtier."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--prompt-tokens", "48"], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "32 of 32 cacheable tokens" in out.stdout

@@ -114,8 +114,9 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
         raise TypeError(f"kv must be a kvtier PagedKV (build one with PagedKV.mha / PagedKV.mla), "
                         f"got {type(kv).__name__}")
     if not kv.is_cuda and not INTERPRETED:
-        raise ValueError(f"KV buffers on {kv.device} can only be moved through the Triton interpreter: set "
-                         "TRITON_INTERPRET=1 before importing kvtier (the default where CUDA is absent)")
+        raise ValueError(f"KV buffers on {kv.device} can only be moved through the Triton interpreter, chosen when "
+                         "triton is imported: import kvtier.kernels before anything imports triton, or set "
+                         "TRITON_INTERPRET=1")
     num_blocks = check_blocks_tensor(kv, blocks, layout, host_side=host_side)
     slots = _as_index_tensor("slots", slots, kv.device)
     block_ids = _as_index_tensor("block_ids", block_ids, kv.device)
