@@ -8,6 +8,7 @@ layerwise load against a deliberately slowed load stream.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -402,3 +403,25 @@ def test_a_failed_copy_is_unwound_and_the_tier_carries_on(after, layerwise):
     tier.wait(load)
     assert load.num_pages == 3 and all(torch.equal(a, b) for a, b in zip(slot_bytes(tier, dst), want))
     assert accounted_blocks(tier) == (5, 3, 0)
+
+
+def test_the_first_lookup_after_start_up_does_not_compile():
+    """The index's numba code compiled on the first request (tens of seconds without numba's disk cache); KVTier
+    now compiles it when it is built, so the first lookup of a fresh process is fast."""
+    import subprocess
+    import sys
+
+    code = """
+import time, numpy as np
+from tests.tier_helpers import make_tier
+tier = make_tier()
+t0 = time.perf_counter()
+assert tier.lookup(np.arange(8)) == 0  # what SGLang's match_prefix calls first
+print("first lookup ms", (time.perf_counter() - t0) * 1e3)
+"""
+    env = dict(os.environ, KVTIER_NUMBA_CACHE="0", TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    ms = float(out.stdout.split("first lookup ms")[1])
+    assert ms < 100, f"the first lookup took {ms:.0f} ms"

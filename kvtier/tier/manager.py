@@ -206,6 +206,8 @@ class KVTier(HostTier):
         self.pool = pool
         self.layout = pool.layout
         self.index = PageTrie(self.page_size)
+        logger.info("kvtier: host index ready (numba code compiled or loaded from its cache in %.1f s)",
+                    PageTrie.compile(self.page_size))  # now, not on the first request
         if executor is None:
             executor = CudaExecutor(kv.device) if kv.is_cuda else ImmediateExecutor()
         self.executor = executor
