@@ -58,6 +58,42 @@ def _is_number(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
+def _got(v: Any) -> str:
+    """How a bad value is shown; a string that reads as a number gets a hint (YAML 1.1 takes ``1.0e6``, with no
+    sign in the exponent, for a string)."""
+    if isinstance(v, str):
+        try:
+            float(v)
+        except ValueError:
+            return repr(v)
+        return f"the string {v!r} (YAML reads a number like 1.0e6 as a string: write 1.0e+6 or 1000000)"
+    return repr(v)
+
+
+def _unique_keys(path: str):
+    """A JSON ``object_pairs_hook`` that refuses a key given twice (the last one would silently win)."""
+    def hook(pairs):
+        seen = {}
+        for key, value in pairs:
+            if key in seen:
+                raise _error(f"{path}: key {key!r} is given twice")
+            seen[key] = value
+        return seen
+    return hook
+
+
+def _unique_key_loader(yaml, path: str):
+    """PyYAML's safe loader, refusing a key given twice in a mapping."""
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+            for key in keys:
+                if keys.count(key) > 1:
+                    raise _error(f"{path}: key {key!r} is given twice")
+            return super().construct_mapping(node, deep=deep)
+    return Loader
+
+
 @dataclasses.dataclass(frozen=True)
 class TierConfig:
     """Host tier settings; see the module docstring for each key. Build with :meth:`from_dict`, :meth:`from_file`
@@ -76,21 +112,21 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         if not _is_number(self.cpu_cache_gb) or self.cpu_cache_gb <= 0:
-            raise _error(f"cpu_cache_gb must be a number > 0 (GiB), got {self.cpu_cache_gb!r}")
+            raise _error(f"cpu_cache_gb must be a number > 0 (GiB), got {_got(self.cpu_cache_gb)}")
         if not _is_int(self.page_size) or self.page_size < 1:
-            raise _error(f"page_size must be an int >= 1, got {self.page_size!r}")
+            raise _error(f"page_size must be an int >= 1, got {_got(self.page_size)}")
         if self.host_layout not in HOST_LAYOUTS:
             raise _error(f"host_layout must be one of {sorted(HOST_LAYOUTS)}, got {self.host_layout!r}")
         if self.transfer_mode not in TRANSFER_MODES:
             raise _error(f"transfer_mode must be one of {list(TRANSFER_MODES)}, got {self.transfer_mode!r}")
         if self.num_programs is not None and (not _is_int(self.num_programs) or self.num_programs < 1):
-            raise _error(f"num_programs must be an int >= 1 or null, got {self.num_programs!r}")
+            raise _error(f"num_programs must be an int >= 1 or null, got {_got(self.num_programs)}")
         if not isinstance(self.layerwise, bool):
             raise _error(f"layerwise must be true or false, got {self.layerwise!r}")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise _error(f"eviction_policy must be one of {list(EVICTION_POLICIES)}, got {self.eviction_policy!r}")
         if not _is_number(self.ssd_cache_gb) or self.ssd_cache_gb < 0:
-            raise _error(f"ssd_cache_gb must be a number >= 0 (GiB), got {self.ssd_cache_gb!r}")
+            raise _error(f"ssd_cache_gb must be a number >= 0 (GiB), got {_got(self.ssd_cache_gb)}")
         if self.ssd_cache_dir is not None and (not isinstance(self.ssd_cache_dir, str) or not self.ssd_cache_dir):
             raise _error(f"ssd_cache_dir must be a non-empty string or null, got {self.ssd_cache_dir!r}")
         object.__setattr__(self, "cpu_cache_gb", float(self.cpu_cache_gb))
@@ -133,7 +169,7 @@ class TierConfig:
             raise _error(f"cannot read {path}: {e}") from None
         if ext == ".json":
             try:
-                data = json.loads(text) if text.strip() else {}
+                data = json.loads(text, object_pairs_hook=_unique_keys(path)) if text.strip() else {}
             except json.JSONDecodeError as e:
                 raise _error(f"{path}: invalid JSON: {e}") from None
         else:
@@ -142,7 +178,7 @@ class TierConfig:
             except ImportError:  # pragma: no cover - pyyaml is a dependency
                 raise ImportError("reading a YAML kvtier config needs PyYAML: pip install pyyaml") from None
             try:
-                data = yaml.safe_load(text)
+                data = yaml.load(text, Loader=_unique_key_loader(yaml, path))
             except yaml.YAMLError as e:
                 raise _error(f"{path}: invalid YAML: {e}") from None
             data = {} if data is None else data

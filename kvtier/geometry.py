@@ -24,6 +24,8 @@ from typing import Literal
 
 import torch
 
+from kvtier._checks import check_count
+
 HostLayout = Literal["page_first", "layer_first"]
 HOST_LAYOUTS: tuple[str, ...] = ("page_first", "layer_first")
 
@@ -94,6 +96,7 @@ class KVGeometry:
     def host_shape(self, num_blocks: int, layout: HostLayout = "page_first") -> tuple[int, ...]:
         """Shape of a host tensor holding ``num_blocks`` blocks in ``layout``."""
         check_layout(layout)
+        num_blocks = check_count("num_blocks", num_blocks, 0)
         tail = (self.page_size, self.num_kv_heads, self.head_dim)
         if layout == "page_first":
             return (num_blocks, self.num_layers, self.kv_count, *tail)

@@ -97,3 +97,20 @@ def test_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "nope.yaml"))
     with pytest.raises(ValueError, match="cannot read"):
         TierConfig.from_env()
+
+
+def test_a_yaml_number_read_as_a_string_gets_a_hint(tmp_path):
+    f = tmp_path / "kvtier.yaml"
+    f.write_text("cpu_cache_gb: 1.0e6\n")  # YAML 1.1: no sign in the exponent, so a string
+    with pytest.raises(ValueError, match=r"got the string '1\.0e6' \(YAML reads a number like 1\.0e6 as a string"):
+        TierConfig.from_file(f)
+
+
+@pytest.mark.parametrize("name, text", [("kvtier.yaml", "page_size: 16\npage_size: 32\n"),
+                                        ("kvtier.json", '{"page_size": 16, "page_size": 32}')])
+def test_a_key_given_twice_is_an_error(tmp_path, name, text):
+    """The last one used to win silently."""
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(ValueError, match="key 'page_size' is given twice"):
+        TierConfig.from_file(f)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -233,3 +234,73 @@ print("untouched", all(torch.equal(b, o) for b, o in zip(bufs, before)))
     out = _python(code, KVTIER_CHECK="1")
     assert "refused: slots holds 37, out of range for 32 device slots" in out.stdout, out.stdout + out.stderr
     assert "untouched True" in out.stdout
+
+
+# --- inputs that used to slip through (a new user's first hour) ---
+
+@pytest.mark.parametrize("slots, ids", [([0.9, 1.9, 2.9, 3.9], [0]), ([True, False, True, True], [0]),
+                                        ([0, 1, 2, 3], [0.7]), (np.array([0.0, 1, 2, 3]), [0])],
+                         ids=["float_slots", "bool_slots", "float_blocks", "numpy_float_slots"])
+def test_float_and_bool_indices_are_refused_before_any_write(slots, ids):
+    """They used to be truncated and used: [0.9, 1.9, 2.9, 3.9] stored slots 0-3 into block 0."""
+    geo = KVGeometry(2, 2, 8, torch.float16, page_size=4)
+    kv = make_kv(geo, 32, "cpu", torch.Generator().manual_seed(0))
+    host = make_host(geo, 4, "page_first", "cpu", torch.Generator().manual_seed(1))
+    before = host.clone()
+    with pytest.raises(TypeError, match="must hold integers"):
+        store_pages(kv, host, slots, ids, layout="page_first")
+    assert torch.equal(as_bytes(host), as_bytes(before))
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_an_empty_staged_transfer_is_a_no_op(layout):
+    """It used to fail with ZeroDivisionError in layer_first while every other path treats it as a no-op."""
+    geo = KVGeometry(2, 2, 8, torch.float16, page_size=4)
+    kv = make_kv(geo, 32, "cpu", torch.Generator().manual_seed(0))
+    host = make_host(geo, 4, layout, "cpu", torch.Generator().manual_seed(1))
+    st = StagedTransfer(kv, host, layout=layout)
+    empty = torch.empty(0, dtype=torch.int64)
+    assert st.store(empty, empty) is None and st.load(empty, empty) is None
+    store_pages(kv, host, [], [], layout=layout)
+
+
+def test_a_plain_list_as_kv_is_a_type_error():
+    geo = KVGeometry(2, 2, 8, torch.float16, page_size=4)
+    host = torch.zeros(geo.host_shape(4, "page_first"), dtype=torch.float16)
+    for call in (lambda: store_pages([1, 2], host, [0, 1, 2, 3], [0]), lambda: StagedTransfer([1, 2], host),
+                 lambda: DirectCopy([1, 2], host, [0, 1, 2, 3], [0], to_host=True)):
+        with pytest.raises(TypeError, match="kv must be a kvtier PagedKV"):
+            call()
+
+
+@pytest.mark.parametrize("kw", [{"staging_bytes": -1}, {"num_buffers": True}, {"scatter_programs": 2.5},
+                                {"gather_programs": True}])
+def test_staged_counts_must_be_ints(kw):
+    geo = KVGeometry(2, 2, 8, torch.float16, page_size=4)
+    kv = make_kv(geo, 32, "cpu", torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=f"{next(iter(kw))} must be an int >= 1"):
+        StagedTransfer(kv, make_host(geo, 4, "page_first", "cpu", torch.Generator().manual_seed(1)), **kw)
+
+
+def test_counts_refuse_bools_and_negative_shapes():
+    geo = KVGeometry(2, 2, 8, torch.float16, page_size=4)
+    kv = make_kv(geo, 32, "cpu", torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="num_programs must be an int >= 1, got True"):
+        DirectCopy(kv, make_host(geo, 4, "page_first", "cpu", torch.Generator().manual_seed(1)), [0, 1, 2, 3], [0], to_host=True, num_programs=True)
+    with pytest.raises(ValueError, match="num_blocks must be an int >= 0, got -1"):
+        geo.host_shape(-1)
+
+
+def test_direct_copy_on_cpu_does_not_launch_through_the_callers_indices():
+    """DirectCopy kept the caller's CPU index tensor: changing it after the checks launched unchecked indices."""
+    geo = KVGeometry(2, 2, 8, torch.float16, page_size=4)
+    kv = make_kv(geo, 32, "cpu", torch.Generator().manual_seed(0))
+    host = make_host(geo, 4, "page_first", "cpu", torch.Generator().manual_seed(1))
+    slots, ids = torch.arange(4, dtype=torch.int64), torch.tensor([1])
+    copy = DirectCopy(kv, host, slots, ids, to_host=True, layout="page_first")
+    before = host.clone()
+    slots += 4  # after the checks: must not change what the copy moves
+    ids[0] = 2
+    copy.launch(0)
+    assert torch.equal(as_bytes(host[1, 0, 0]), as_bytes(kv.buffers[0][:4]))  # slots 0-3 into block 1
+    assert torch.equal(as_bytes(host[2]), as_bytes(before[2]))  # block 2 untouched

@@ -54,12 +54,24 @@ def layer_span(layers: Union[None, int, range], num_layers: int) -> LayerSpan:
     return LayerSpan(layers.start, len(layers))
 
 
+def check_kv(kv) -> None:
+    if not isinstance(kv, PagedKV):
+        raise TypeError(f"kv must be a kvtier PagedKV (build one with PagedKV.mha / PagedKV.mla), "
+                        f"got {type(kv).__name__}")
+
+
 def _as_index_tensor(name: str, idx, device: torch.device) -> torch.Tensor:
     if not isinstance(idx, torch.Tensor):
         try:
-            idx = torch.as_tensor(idx, dtype=torch.int64)
-        except (TypeError, ValueError) as e:
+            idx = torch.as_tensor(idx)
+        except (TypeError, ValueError, RuntimeError) as e:
             raise TypeError(f"{name} must be a 1-D int64 tensor (or a sequence of ints): {e}") from None
+        if idx.numel() == 0:
+            idx = idx.to(torch.int64)
+        elif idx.dtype == torch.bool or idx.dtype.is_floating_point or idx.dtype.is_complex:
+            raise TypeError(f"{name} must hold integers, got {idx.dtype} values (floats and bools are not indices)")
+        else:
+            idx = idx.to(torch.int64)
     if idx.dtype != torch.int64:
         raise TypeError(f"{name} must be int64, got {idx.dtype}")
     if idx.dim() != 1:
@@ -110,9 +122,7 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
     """Validate one transfer; return the slot and block indices as contiguous int64 tensors (on the KV device;
     block ids stay where they are when ``block_ids_to_device`` is False), and the number of blocks the blocks
     tensor holds."""
-    if not isinstance(kv, PagedKV):
-        raise TypeError(f"kv must be a kvtier PagedKV (build one with PagedKV.mha / PagedKV.mla), "
-                        f"got {type(kv).__name__}")
+    check_kv(kv)
     if not kv.is_cuda and not INTERPRETED:
         raise ValueError(f"KV buffers on {kv.device} can only be moved through the Triton interpreter, chosen when "
                          "triton is imported: import kvtier.kernels before anything imports triton, or set "

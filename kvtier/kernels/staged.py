@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from kvtier.geometry import KVGeometry
-from kvtier.kernels.checks import LayerSpan, check_blocks_tensor, check_transfer, layer_span
+from kvtier._checks import check_count
+from kvtier.kernels.checks import LayerSpan, check_blocks_tensor, check_kv, check_transfer, layer_span
 from kvtier.kernels.paged_kv import PagedKV
 from kvtier.kernels.pinned import split_at_registrations
 from kvtier.kernels.transfer import launch_copy_pages, on_stream
@@ -148,7 +149,8 @@ class StagedTransfer:
         gather_programs: programs of the gather kernel (stores).
         scatter_programs: programs of the scatter kernel (loads).
 
-    ``store`` and ``load`` are asynchronous and return a CUDA event (None on CPU) that completes with the transfer:
+    ``store`` and ``load`` are asynchronous and return a CUDA event (None on CPU, or when no page moves) that
+    completes with the transfer:
     for a store, when the host blocks hold the bytes; for a load, when the slots do (the load is also ordered on
     ``stream``). A store and a load may run at once; two stores (or two loads) run one after the other.
     """
@@ -156,11 +158,11 @@ class StagedTransfer:
     def __init__(self, kv: PagedKV, host: torch.Tensor, *, layout: str = "page_first",
                  staging_bytes: int = STAGING_BYTES, num_buffers: int = NUM_BUFFERS,
                  gather_programs: int = GATHER_PROGRAMS, scatter_programs: int = SCATTER_PROGRAMS) -> None:
-        if num_buffers < 1:
-            raise ValueError(f"num_buffers must be >= 1, got {num_buffers}")
-        for name, value in (("gather_programs", gather_programs), ("scatter_programs", scatter_programs)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_kv(kv)
+        num_buffers = check_count("num_buffers", num_buffers)
+        gather_programs = check_count("gather_programs", gather_programs)
+        scatter_programs = check_count("scatter_programs", scatter_programs)
+        staging_bytes = check_count("staging_bytes", staging_bytes)
         self.num_blocks = check_blocks_tensor(kv, host, layout, host_side=True)
         self.kv, self.host, self.layout = kv, host, layout
         self._host_bytes = host.reshape(-1).view(torch.uint8)  # the copies address host blocks in bytes
@@ -193,6 +195,8 @@ class StagedTransfer:
             slots, block_ids, _ = check_transfer(kv, self.host, slots, block_ids, layout=self.layout,
                                                  host_side=True, writes_blocks=to_host, check_indices=check,
                                                  block_ids_to_device=False)
+            if block_ids.numel() == 0:
+                return None  # nothing to move: a no-op, as on the direct path
             host_ids = block_ids.cpu().numpy()
             work = torch.cuda.current_stream() if kv.is_cuda else None
             direction = self._store if to_host else self._load

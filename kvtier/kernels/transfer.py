@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from kvtier.kernels.checks import INTERPRETED as _INTERPRETED
-from kvtier.kernels.checks import LayerSpan, check_transfer, forced_checks, layer_span
+from kvtier._checks import check_count
+from kvtier.kernels.checks import LayerSpan, check_kv, check_transfer, forced_checks, layer_span
 from kvtier.kernels.paged_kv import PagedKV, as_words
 
 try:  # the raw cudaStream_t of a device's current stream, without building a torch Stream (Triton does the same)
@@ -237,8 +238,10 @@ class DirectCopy:
     def __init__(self, kv: PagedKV, host: torch.Tensor, slots, block_ids, *, to_host: bool,
                  layout: str = "page_first", num_programs: Optional[int] = None, stream=None,
                  tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS, check: bool = True) -> None:
-        if num_programs is not None and (not isinstance(num_programs, int) or num_programs < 1):
-            raise ValueError(f"num_programs must be an int >= 1, got {num_programs!r}")
+        if num_programs is not None:
+            num_programs = check_count("num_programs", num_programs)
+        check_kv(kv)
+        given = (slots, block_ids)
         # Indices already on the device with no range check need no stream: skip the stream and device contexts
         # (~20 us of host time); otherwise their checks and uploads run on ``stream``.
         check = check or forced_checks()
@@ -247,6 +250,10 @@ class DirectCopy:
             slots, block_ids, num_blocks = check_transfer(kv, host, slots, block_ids, layout=layout,
                                                           host_side=True, writes_blocks=to_host,
                                                           check_indices=check)
+        # Launched later: on the CPU never through the caller's own index tensors, which it may change after the
+        # checks (device-side ones are the caller's to keep unchanged until the launches are issued).
+        slots, block_ids = (t.clone() if t is g and t.device.type == "cpu" else t
+                            for t, g in zip((slots, block_ids), given))
         self.kv = kv
         self.num_programs = num_programs
         self._launch = _KernelLaunch(kv, host, slots, block_ids, kv.geometry.host_row_strides(num_blocks, layout),
@@ -267,6 +274,7 @@ class DirectCopy:
 def _transfer(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *, to_host: bool,
               layout: str, layers: Union[None, int, range], num_programs: Optional[int], stream,
               tile_bytes: int, num_warps: int, check: bool) -> None:
+    check_kv(kv)
     span = layer_span(layers, kv.geometry.num_layers)  # a bad ``layers`` fails before any index is uploaded
     DirectCopy(kv, host, slots, block_ids, to_host=to_host, layout=layout, num_programs=num_programs, stream=stream,
                tile_bytes=tile_bytes, num_warps=num_warps, check=check)._fire(span, stream)
@@ -333,7 +341,9 @@ def store_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids:
         stream: torch (or CuPy) stream to launch on; default the current stream.
         tile_bytes: bytes each program keeps in flight; num_warps: warps per program.
         check: validate indices (range, distinct destinations) before launching; costs a device sync when the
-            indices live on the GPU. Shapes, dtypes, devices and pinning are always checked.
+            indices live on the GPU. Shapes, dtypes, devices and pinning are always checked. With ``check=False``
+            an index out of range is an illegal memory access on the GPU and can crash the process on the CPU;
+            ``KVTIER_CHECK=1`` turns the checks back on everywhere.
 
     The copy is asynchronous: the caller must keep the slots' KV unchanged until the stream reaches this point.
     """
