@@ -406,22 +406,23 @@ def test_a_failed_copy_is_unwound_and_the_tier_carries_on(after, layerwise):
 
 
 def test_the_first_lookup_after_start_up_does_not_compile():
-    """The index's numba code compiled on the first request (tens of seconds without numba's disk cache); KVTier
-    now compiles it when it is built, so the first lookup of a fresh process is fast."""
+    """The index's numba code compiled on the first request (9.05 s for the first lookup of a fresh process
+    without numba's disk cache); KVTier now compiles it when it is built, so the first lookup compiles nothing."""
     import subprocess
     import sys
 
     code = """
-import time, numpy as np
+import numpy as np
+from kvtier.index import page_trie
 from tests.tier_helpers import make_tier
 tier = make_tier()
-t0 = time.perf_counter()
+entry = [page_trie._match, page_trie._insert, page_trie._lock, page_trie._evict, page_trie._remove]
+before = [len(f._by_key) for f in entry]
 assert tier.lookup(np.arange(8)) == 0  # what SGLang's match_prefix calls first
-print("first lookup ms", (time.perf_counter() - t0) * 1e3)
+print("compiled on the first lookup:", sum(len(f._by_key) for f in entry) - sum(before))
 """
-    env = dict(os.environ, KVTIER_NUMBA_CACHE="0", TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
-    ms = float(out.stdout.split("first lookup ms")[1])
-    assert ms < 100, f"the first lookup took {ms:.0f} ms"
+    assert "compiled on the first lookup: 0" in out.stdout, out.stdout
