@@ -517,7 +517,7 @@ class KVTier(HostTier):
         else:
             self._stats.failed_loads += 1
         logger.warning("kvtier: %s of %d pages failed and was unwound (%s: %s)", task.kind, task.num_pages,
-                       type(error).__name__, error)
+                       type(error).__name__, error, exc_info=error)
         task.num_pages, task.producer_index, task.status = 0, -1, "failed"
         self._finished.append(task.id)
         return task
