@@ -1,6 +1,6 @@
 """KV geometry: the shape of one model's paged KV cache, on the device and in host blocks.
 
-Units (see DESIGN.md):
+Units (see docs/DESIGN.md):
 
 * **row**: one token's K (or V, or MLA latent) vector in one layer, ``num_kv_heads * head_dim`` elements,
   contiguous on the device (SGLang's ``[num_slots, heads, head_dim]`` buffers).
