@@ -115,6 +115,8 @@ def copy_engine_h2d_gbps(nbytes: int, reps: int = 10) -> float:
 
 def ttft_stats(ttfts_s: list[float]) -> dict:
     ms = np.array(ttfts_s) * 1e3
+    if ms.size == 0:
+        return {"n": 0}
     return {"n": int(ms.size), "avg_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
             "p90_ms": float(np.percentile(ms, 90)), "p99_ms": float(np.percentile(ms, 99))}
 
@@ -202,7 +204,10 @@ def run_fixed(plan: Plan, model: PagedDecoder, bw_gbps: float, log) -> tuple[lis
     return rows, cells
 
 
-def run_long(plan: Plan, model: PagedDecoder, log, deadline: float) -> tuple[list, dict]:
+def run_long(plan: Plan, model: PagedDecoder, log, deadline: float, rows: list,
+             checkpoint=lambda: None) -> tuple[list, dict]:
+    """The long workload; ``rows`` is appended to as requests are served and ``checkpoint`` runs after each mode,
+    so what was measured stays if a later mode does not finish."""
     from kvtier.sglang.serving import Server
 
     page, bpt = plan.page_size, model.kv_shape.bytes_per_token(plan.dtype)
@@ -210,27 +215,34 @@ def run_long(plan: Plan, model: PagedDecoder, log, deadline: float) -> tuple[lis
                            min_len=plan.long_min, groups=plan.long_groups)
     total = sum(len(p) for p in prompts)
     longest = max(len(p) for p in prompts) + plan.long_out + 2 * page
-    rows, tier_stats = [], {}
+    tier_stats = {}
     # device: room for every prompt, pass 1 fills, pass 2 measures
     s = Server(model, "device", kv_tokens=total + len(prompts) * 2 * page + 2 * longest, page_size=page,
                max_context=longest)
     warm_up({"device": s}, plan.vocab, page, min(2048, longest // 2))
+    t = time.time()
     for p in prompts:
         s.serve(p, 1)
+    log(f"long device pass 1: {time.time() - t:.1f} s")
+    t = time.time()
     for i, p in enumerate(prompts):
         rows.append(row("long", "device", s.serve(p, plan.long_out), prompt=i, pass_=2))
     assert s.leaked_slots() == 0
     _close(s)
-    log("long device done")
+    log(f"long device pass 2: {time.time() - t:.1f} s")
+    checkpoint()
     # kvtier: pass 1 fills the host tier; pass 2 whole, then pass 2 layerwise, device flushed before each request
     host_gb = (total + len(prompts) * (plan.long_out + 2 * page)) * bpt * 1.05 / 2**30 + 0.05
     s = Server(model, "kvtier_whole", kv_tokens=2 * longest + 4096, page_size=page, max_context=longest,
                cpu_cache_gb=host_gb)
     warm_up({"kvtier_whole": s}, plan.vocab, page, min(2048, longest // 2))
     s.tier.reset()
+    t = time.time()
     for p in prompts:
         s.serve(p, 1)
+    log(f"long kvtier pass 1: {time.time() - t:.1f} s")
     for mode in KVTIER_MODES:
+        t = time.time()
         s.set_layerwise(mode == "kvtier_layerwise")
         before = s.tier.stats()
         for i, p in enumerate(prompts):
@@ -243,7 +255,8 @@ def run_long(plan: Plan, model: PagedDecoder, log, deadline: float) -> tuple[lis
                             "load_gbps": nbytes / secs / 1e9 if secs > 0 else None,
                             "pages_evicted": after["pages_evicted"], "pages_held": after["pages_held"],
                             "pages_store_dropped": after["pages_store_dropped"]}
-        log(f"long {mode} done: {_tier_brief(after)}")
+        log(f"long {mode} pass 2: {time.time() - t:.1f} s; {_tier_brief(after)}")
+        checkpoint()
     assert s.leaked_slots() == 0
     _close(s)
     # recompute last, TTFT only (one output token), until the deadline: the slowest mode, nothing to fill
@@ -315,6 +328,18 @@ def _close(server) -> None:
     _free_gpu()
 
 
+def _memory() -> str:
+    """The process's resident host memory and the GPU memory torch holds (they show one workload's leftovers)."""
+    rss = 0.0
+    try:
+        with open("/proc/self/status") as f:
+            rss = next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) / 2**20
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
+    return f"[rss {rss:.1f} GiB, cuda reserved {gpu:.1f} GiB]"
+
+
 def _free_gpu() -> None:
     import gc
 
@@ -344,8 +369,9 @@ def summarize(plan: Plan, fixed_rows, cells, long_rows, long_tier, chat_rows, bw
     if eq_device:
         s["outputs_equal_kvtier_vs_device"] = (sum(c["equal"] for c in eq_device)
                                                / sum(c["total"] for c in eq_device))
-        s["outputs_equal_vs_recompute"] = (sum(c["equal"] for c in eq_recompute)
-                                           / sum(c["total"] for c in eq_recompute))
+        if eq_recompute:
+            s["outputs_equal_vs_recompute"] = (sum(c["equal"] for c in eq_recompute)
+                                               / sum(c["total"] for c in eq_recompute))
     if long_rows:
         _summarize_long(s, long_rows, long_tier, page)
     if cells:
@@ -368,6 +394,9 @@ def _summarize_long(s: dict, long_rows: list, long_tier: dict, page: int) -> Non
     s["long_tier"] = long_tier
     done = {r["prompt"] for r in by_mode["recompute"]}  # recompute may stop at the deadline: same prompts only
     s["long_recompute_prompts"] = len(done)
+    if not done:  # the deadline came before recompute served a prompt: nothing to compare against
+        s["ttft_speedup_vs_recompute_p50"] = None
+        return
     p50 = {m: float(np.median([r["ttft_ms"] for r in rs if r["prompt"] in done])) for m, rs in by_mode.items()}
     s["ttft_speedup_vs_recompute_p50"] = {m: p50["recompute"] / p50[m] for m in ("device",) + KVTIER_MODES}
 
@@ -416,6 +445,59 @@ def plot(path: str, summary: dict, long_rows: list) -> None:
     fig.savefig(path, dpi=110)
 
 
+def try_plot(path: str, summary: dict, long_rows: list, result_path: str) -> None:
+    try:
+        plot(path, summary, long_rows)
+    except ImportError:
+        print(f"no matplotlib here: plot later with python bench/bench_e2e.py --plot {result_path}")
+
+
+def merge(paths: list, out: str) -> int:
+    """Merge result files of separate runs of this script (one per workload set: a device machine runs at most
+    10 minutes a command) into ``out``; every figure in the summary comes from rows and cells of one run, whose
+    copy-engine bound is its own (``runs`` lists each run's workloads, bound and environment)."""
+    import json
+
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(json.load(f))
+    plans = {json.dumps(p["plan"], sort_keys=True) for p in parts}
+    if len(plans) != 1:
+        raise SystemExit(f"{paths}: the runs used different plans; merge only runs of one plan")
+    wls = [sorted({r["workload"] for r in p["rows"]}) for p in parts]
+    if sum(len(w) for w in wls) != len({x for w in wls for x in w}):
+        raise SystemExit(f"{paths}: a workload appears in more than one run ({wls})")
+    plan = Plan(**{k: (torch.bfloat16 if k == "dtype" else tuple(v) if isinstance(v, list) else v)
+                   for k, v in parts[0]["plan"].items()})
+    rows = [r for p in parts for r in p["rows"]]
+    pick = lambda wl: [r for r in rows if r["workload"] == wl]  # noqa: E731
+    cells = next((p["summary"]["fixed_cells"] for p in parts if "fixed_cells" in p["summary"]), [])
+    long_tier = next((p["summary"]["long_tier"] for p in parts if "long_tier" in p["summary"]), {})
+    summary = summarize(plan, pick("fixed"), cells, pick("long"), long_tier, pick("chat"), None)
+    summary["copy_engine_h2d_gbps"] = {",".join(w): p["summary"]["copy_engine_h2d_gbps"]
+                                       for w, p in zip(wls, parts)}
+    runs = [{"file": os.path.basename(path), "workloads": w, "seconds": p.get("seconds"), "failed": p["failed"],
+             "copy_engine_h2d_gbps": p["summary"]["copy_engine_h2d_gbps"], "env": p["env"]}
+            for path, w, p in zip(paths, wls, parts)]
+    result = {"env": parts[0]["env"], "plan": parts[0]["plan"], "summary": summary, "runs": runs, "rows": rows,
+              "failed": [f for p in parts for f in p["failed"]]}
+    write_json(out, result)
+    print_summary(summary)
+    if cells and pick("long"):
+        try_plot(os.path.splitext(out)[0] + ".png", summary, pick("long"), out)
+    print(f"merged {len(paths)} runs into {out}")
+    return 1 if result["failed"] else 0
+
+
+def print_summary(summary: dict) -> None:
+    keys = ("outputs_equal_kvtier_vs_device", "outputs_equal_vs_recompute", "host_hit_fraction_pass2",
+            "ttft_over_bound_layerwise", "ttft_over_bound_whole", "ttft_speedup_over_ceiling_layerwise",
+            "ttft_speedup_over_ceiling_whole", "ttft_speedup_vs_recompute_p50")
+    for k in keys:
+        print(f"{k}: {summary.get(k)}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "e2e_h200.json"))
@@ -424,7 +506,12 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="fixed,chat,long")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="stop long's recompute pass after this")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a result file")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="only merge result files of separate runs (each with its own workloads and copy-engine "
+                         "bound) into --out, with the summary over all their rows")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     if args.plot:
         import json
 
@@ -438,7 +525,7 @@ def main(argv=None) -> int:
     t0 = time.time()
 
     def log(msg: str) -> None:
-        print(f"[{time.time() - t0:7.1f}s] {msg}", flush=True)
+        print(f"[{time.time() - t0:7.1f}s] {msg} {_memory()}", flush=True)
 
     wanted = set(args.workloads.split(","))
     bw = copy_engine_h2d_gbps(1 << 30) if plan.device == "cuda" else 1.0
@@ -475,7 +562,8 @@ def main(argv=None) -> int:
             chat_rows = attempt("chat", run_chat, plan, model, log) or []
             checkpoint()
         if "long" in wanted:
-            long_rows, long_tier = attempt("long", run_long, plan, model, log, t0 + args.deadline_s) or ([], {})
+            long_rows, long_tier = attempt("long", run_long, plan, model, log, t0 + args.deadline_s,
+                                           long_rows, checkpoint) or (long_rows, {})
         del model
     summary = summarize(plan, fixed_rows, cells, long_rows, long_tier, chat_rows, bw)
     result = {"env": env_info(), "plan": {k: (str(v) if isinstance(v, torch.dtype) else v)
@@ -484,15 +572,8 @@ def main(argv=None) -> int:
               "seconds": time.time() - t0}
     write_json(args.out, result)
     if long_rows and cells:
-        try:
-            plot(os.path.splitext(args.out)[0] + ".png", summary, long_rows)
-        except ImportError:
-            print(f"no matplotlib here: plot later with python bench/bench_e2e.py --plot {args.out}")
-    keys = ("outputs_equal_kvtier_vs_device", "outputs_equal_vs_recompute", "host_hit_fraction_pass2",
-            "ttft_over_bound_layerwise", "ttft_over_bound_whole", "ttft_speedup_over_ceiling_layerwise",
-            "ttft_speedup_over_ceiling_whole", "ttft_speedup_vs_recompute_p50")
-    for k in keys:
-        print(f"{k}: {summary.get(k)}")
+        try_plot(os.path.splitext(args.out)[0] + ".png", summary, long_rows, args.out)
+    print_summary(summary)
     print(f"wrote {args.out} in {time.time() - t0:.0f} s" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0
 

@@ -209,7 +209,69 @@ def layerwise_table() -> str:
     ])
 
 
-TABLES = {"transfer": transfer_table, "index": index_table, "layerwise": layerwise_table}
+def _equal(counts: dict, modes) -> str:
+    eq, tot = sum(counts[m]["equal"] for m in modes), sum(counts[m]["total"] for m in modes)
+    return f"{eq}/{tot}"
+
+
+def e2e_table() -> str:
+    res = _load("e2e_h200.json")
+    if res is None:
+        return "_no results yet_"
+    s = res["summary"]
+    kv = ("kvtier_whole", "kvtier_layerwise")
+    wls = [w for w in ("fixed", "chat", "long") if f"outputs_equal_{w}" in s]
+    eq_kv = ", ".join(f"{w} {_equal(s[f'outputs_equal_{w}'], kv)}" for w in wls)
+    eq_rc = ", ".join(f"{w} {_equal(s[f'outputs_equal_{w}'], ('recompute',))}" for w in wls
+                      if "recompute" in s[f"outputs_equal_{w}"])
+    cells = [f"| {c['prefix_len'] // 1024}k prefix + {c['new_tokens']} new, {s['fixed_layers']} layers: recompute / "
+             f"device / layerwise / whole ms; bound ms; layerwise, whole over bound | "
+             f"{c['ttft_ms']['recompute']:.1f} / {c['ttft_ms']['device']:.1f} / "
+             f"{c['ttft_ms']['kvtier_layerwise']:.1f} / {c['ttft_ms']['kvtier_whole']:.1f}; {c['bound_ms']:.1f}; "
+             f"{c['ttft_over_bound_kvtier_layerwise']:.3f}, {c['ttft_over_bound_kvtier_whole']:.3f} |"
+             for c in s["fixed_cells"]]
+    lt = s["long_ttft"]
+    modes = ("recompute", "device", "kvtier_layerwise", "kvtier_whole")
+    sp = s["ttft_speedup_vs_recompute_p50"]
+    longest = s["ttft_speedup_vs_recompute_longest_prefix"]
+    runs = "; ".join(f"{'+'.join(r['workloads'])} {r['copy_engine_h2d_gbps']:.2f}" for r in res.get("runs", []))
+    ct = s["chat_ttft"]
+    return "\n".join([
+        "| end to end, H200: random-weight Qwen3 (Qwen3-8B shapes), SGLang 0.5.23 pool, tree cache, scheduler "
+        "sequence | value |",
+        "|---|---|",
+        f"| outputs equal, kvtier (whole and layerwise) vs warm device cache (target 1.0) | "
+        f"{s['outputs_equal_kvtier_vs_device']:.3f} ({eq_kv}) |",
+        f"| outputs equal, recompute vs warm device cache | {s['outputs_equal_vs_recompute']:.3f} ({eq_rc}) |",
+        *cells,
+        f"| worst layerwise / bound at 8k and 28k (target <= 1.15); whole | {s['ttft_over_bound_layerwise']:.3f}; "
+        f"{s['ttft_over_bound_whole']:.3f} |",
+        f"| worst speedup over the ceiling at 8k and 28k (target >= 0.85), layerwise / whole | "
+        f"{s['ttft_speedup_over_ceiling_layerwise']:.3f} / {s['ttft_speedup_over_ceiling_whole']:.3f} |",
+        "| 28k prefix, speedup vs recompute, layerwise / whole: " + "; ".join(
+            f"{k.split('+')[1]} new" for k in longest) + " | " + "; ".join(
+            f"{v['kvtier_layerwise']:.1f}x / {v['kvtier_whole']:.1f}x" for v in longest.values()) + " |",
+        f"| {lt['device']['n']} long prompts, {s['long_layers']} layers, pass 2 TTFT p50 / p90 / p99 ms: "
+        + ", ".join(m.replace("kvtier_", "") for m in modes) + " | " + "; ".join(
+            f"{lt[m]['p50_ms']:.1f} / {lt[m]['p90_ms']:.1f} / {lt[m]['p99_ms']:.1f}" for m in modes) + " |",
+        "| long prompts, p50 TTFT speedup vs recompute: device / layerwise / whole | "
+        + (" / ".join(f"{sp[m]:.2f}x" for m in ("device", "kvtier_layerwise", "kvtier_whole")) if sp else "–")
+        + " |",
+        f"| long prompts, host-hit fraction of page-aligned prompt tokens, pass 2 (target >= 0.99) | "
+        f"{s['host_hit_fraction_pass2']:.4f} |",
+        f"| long prompts, prefill tokens computed: recompute / kvtier | {s['long_prefill_tokens_computed']['recompute']}"
+        f" / {s['long_prefill_tokens_computed']['kvtier_layerwise']} |",
+        "| long prompts, host tier load GB/s, layerwise / whole | "
+        f"{s['long_tier']['kvtier_layerwise']['load_gbps']:.1f} / {s['long_tier']['kvtier_whole']['load_gbps']:.1f} |",
+        "| chat (device pool smaller than the history), TTFT p50 ms and prefill tokens: recompute, device "
+        "(room for all), device (small), layerwise, whole | " + "; ".join(
+            f"{ct[m]['p50_ms']:.1f} ms {s['chat_prefill_tokens_computed'][m]}"
+            for m in ("recompute", "device", "device_small", "kvtier_layerwise", "kvtier_whole")) + " |",
+        f"| copy-engine H2D bound GB/s, per run (each run's ratios use its own) | {runs} |",
+    ])
+
+
+TABLES = {"transfer": transfer_table, "index": index_table, "layerwise": layerwise_table, "e2e": e2e_table}
 
 
 def render(readme: str) -> str:

@@ -44,7 +44,8 @@ if [ "${1:-run}" = "build" ]; then
         regex==2026.11.19 PyYAML==6.0.4 tqdm==4.70.1 httpx2==2.16.2 httpcore2==2.16.2 h11==0.16.0 anyio==4.16.0 \
         idna==3.20 sniffio==1.3.1 certifi==2026.10.19.post1 openai==3.57.0 jiter==0.19.0 psutil==7.2.2 \
         requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.3 partial-json-parser==0.2.1.1.post7 \
-        gguf==0.19.0 compressed-tensors==0.20.1 loguru==0.7.3 einops==0.8.2
+        gguf==0.19.0 compressed-tensors==0.20.1 loguru==0.7.3 einops==0.8.2 \
+        rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 Pygments==2.21.0
     for w in "$WHEELS"/sglang-0.5.23-*.whl; do
         "$PY" - "$w" <<'EOF'
 import base64, csv, hashlib, io, os, re, sys, zipfile

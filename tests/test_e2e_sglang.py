@@ -108,3 +108,26 @@ def test_bench_smoke_runs_every_workload(tmp_path):
     assert summary["outputs_equal_kvtier_vs_device"] == 1.0
     assert summary["host_hit_fraction_pass2"] == 1.0
     assert {c["prefix_len"] for c in summary["fixed_cells"]} == {32, 64}
+
+
+def test_bench_runs_split_by_workload_merge_into_one_summary(tmp_path):
+    """A device machine runs at most 10 minutes a command: the workloads run apart and merge. A long run whose
+    recompute pass reached its deadline before any prompt still summarizes (no speedup to report)."""
+    import json
+
+    from bench import bench_e2e
+
+    a, b, merged = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "m.json"
+    assert bench_e2e.main(["--smoke", "--workloads", "fixed,chat", "--out", str(a)]) == 0
+    assert bench_e2e.main(["--smoke", "--workloads", "long", "--deadline-s", "0", "--out", str(b)]) == 0
+    long_only = json.loads(b.read_text())["summary"]
+    assert long_only["long_recompute_prompts"] == 0 and long_only["ttft_speedup_vs_recompute_p50"] is None
+    assert bench_e2e.main(["--merge", str(a), str(b), "--out", str(merged)]) == 0
+    res = json.loads(merged.read_text())
+    s = res["summary"]
+    assert [r["workloads"] for r in res["runs"]] == [["chat", "fixed"], ["long"]]
+    assert s["outputs_equal_kvtier_vs_device"] == 1.0 and s["host_hit_fraction_pass2"] == 1.0
+    assert {c["prefix_len"] for c in s["fixed_cells"]} == {32, 64} and "chat_ttft" in s
+    assert set(s["copy_engine_h2d_gbps"]) == {"chat,fixed", "long"}
+    with pytest.raises(SystemExit, match="more than one run"):
+        bench_e2e.main(["--merge", str(a), str(a), "--out", str(tmp_path / "x.json")])
