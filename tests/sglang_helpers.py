@@ -197,6 +197,25 @@ def run_forward(s: Setup, req: Req, ns_tag: int = 0) -> Optional[torch.Tensor]:
     return new
 
 
+def admit_checked(s: Setup, tokens, *, extra_key=None, ns_tag: int = 0) -> tuple[Optional[Req], Admitted]:
+    """Admit a request (state machines): check what match_prefix and init_load_back report and, after the copies
+    complete, the prefix's KV; run the forward. The request is None when there is no room for it (not admitted,
+    as the scheduler would not)."""
+    req = make_req(s, tokens, extra_key=extra_key)
+    a = admit(s, req)
+    assert a.host_hit % s.page_size == 0 and a.loaded in (0, a.host_hit)
+    assert req.prefix_len == a.device_len + a.loaded
+    if req.prefix_len:
+        s.cache.wait_all()
+        check_kv(s, s.cache.path_device_indices(req.last_node)[:req.prefix_len], tokens, 0, ns_tag)
+    if run_forward(s, req, ns_tag) is None:
+        s.cache.unlock(req.lock)
+        req.lock = None
+        s.req_to_token_pool.free(req)
+        return None, a
+    return req, a
+
+
 def release(s: Setup, req: Req, *, checkpoint: bool = True) -> None:
     """Finish (or abort, ``checkpoint=False``) the request through SGLang's own release path."""
     release_kv_cache(req, s.cache, checkpoint=checkpoint)

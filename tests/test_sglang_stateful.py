@@ -40,20 +40,7 @@ class BackendMachine(RuleBasedStateMachine):
         return BASES[base][:n] + [5000 + t for t in suffix]
 
     def _admit_and_forward(self, tokens, ns):
-        s = self.s
-        req = h.make_req(s, tokens, extra_key=NAMESPACES[ns])
-        a = h.admit(s, req)
-        assert a.host_hit % s.page_size == 0 and a.loaded in (0, a.host_hit)
-        assert req.prefix_len == a.device_len + a.loaded
-        if req.prefix_len:
-            s.cache.wait_all()
-            h.check_kv(s, s.cache.path_device_indices(req.last_node)[:req.prefix_len], tokens, 0, ns)
-        if h.run_forward(s, req, ns) is None:  # no room: the scheduler would not admit it
-            s.cache.unlock(req.lock)
-            req.lock = None
-            s.req_to_token_pool.free(req)
-            return None
-        return req
+        return h.admit_checked(self.s, tokens, extra_key=NAMESPACES[ns], ns_tag=ns)[0]
 
     @rule(base=st.integers(0, 1), n=st.integers(1, 16), suffix=st.lists(st.integers(0, 3), max_size=4),
           ns=st.integers(0, 1), flush_first=st.booleans())

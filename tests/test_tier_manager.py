@@ -405,6 +405,35 @@ def test_a_failed_copy_is_unwound_and_the_tier_carries_on(after, layerwise):
     assert accounted_blocks(tier) == (5, 3, 0)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before_issue", "after_issue"])
+def test_an_ordered_tier_keeps_a_failed_copys_blocks_and_lock_until_it_is_finalized(after):
+    """TP ranks finalize in an agreed order (finalize="ordered"). A copy that failed while being issued on one rank
+    used to give its blocks back at once while the same copy was still in flight on another: the ranks' next
+    allocations then evicted different host pages and their trees diverged. Now a failed copy keeps its blocks and
+    lock until it is finalized, and finalizing discards it whatever ``keep`` says."""
+    ex = DeferredExecutor()
+    tier = make_tier(num_blocks=8, executor=ex, finalize="ordered")
+    toks = np.arange(6)  # 3 pages
+    src = page_slots(0, 3, TINY.page_size)
+    fill_random_(tier, src, seed=3)
+    tier.executor = _FailOnce(ex, after)
+    task = tier.store(toks, None, src)
+    assert task.status == "failed" and tier.completed(task)
+    assert tier.pool.num_free == 5 and task.id not in tier.poll()  # held, as the other ranks' copy is
+    tier.finalize(task, keep=True)
+    assert task.status == "failed" and task.id in tier.poll()
+    assert tier.pool.num_free == 8 and tier.index.total_pages == 0  # discarded: a failed copy is never kept
+    ok = tier.store(toks, None, src)
+    tier.finalize(ok)
+    assert ok.status == "done" and tier.lookup(toks) == 3
+    tier.executor = _FailOnce(ex, after)
+    load = tier.load(toks, None, page_slots(4, 3, TINY.page_size))
+    assert load.status == "failed" and tier.index.protected_pages == 3  # the path stays locked until finalized
+    tier.finalize(load)
+    assert load.status == "failed" and tier.index.protected_pages == 0
+    assert accounted_blocks(tier) == (5, 3, 0)
+
+
 def test_the_first_lookup_after_start_up_does_not_compile():
     """The index's numba code compiled on the first request (9.05 s for the first lookup of a fresh process
     without numba's disk cache); KVTier now compiles it when it is built, so the first lookup compiles nothing."""

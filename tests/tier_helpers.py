@@ -15,12 +15,13 @@ TINY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float16,
 
 
 def make_tier(geo: KVGeometry = TINY, *, num_slots: int = 128, num_blocks: int = 16, device: str = "cpu",
-              layout: str = "layer_first", mode: str = "auto", executor=None, seed: int = 0) -> KVTier:
+              layout: str = "layer_first", mode: str = "auto", executor=None, seed: int = 0,
+              finalize: str = "auto") -> KVTier:
     gen = torch.Generator().manual_seed(seed)
     kv = make_kv(geo, num_slots, device, gen)
     cfg = TierConfig(page_size=geo.page_size, host_layout=layout, transfer_mode=mode, cpu_cache_gb=1.0)
     pool = HostBlockPool(geo, num_blocks, layout=layout)
-    return KVTier(kv, cfg, pool=pool, executor=executor, counter_backend="auto")
+    return KVTier(kv, cfg, pool=pool, executor=executor, counter_backend="auto", finalize=finalize)
 
 
 def slot_bytes(tier: KVTier, slots) -> list[torch.Tensor]:

@@ -116,6 +116,22 @@ class _Inflight:
     nbytes: int
 
 
+class _Completed:
+    """The completion of a copy that has nothing left to run (a failed issue kept for ordered finalization)."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+    def seconds(self) -> Optional[float]:
+        return None
+
+
+_COMPLETED = _Completed()
+
+
 @dataclasses.dataclass
 class TierStats:
     """Counters since construction (``reset`` keeps them)."""
@@ -503,15 +519,24 @@ class KVTier(HostTier):
     def _failed(self, task: TierTask, stream: str, error: Exception, *, ids: Optional[np.ndarray] = None,
                 handle=None) -> TierTask:
         """Unwind a copy whose issue raised: wait for whatever of it reached the stream (it may still read or
-        write the slots and blocks), give its blocks back, unlock its path, count it; the task fails."""
+        write the slots and blocks), give its blocks back, unlock its path, count it; the task fails.
+
+        ``finalize="ordered"``: the blocks and the lock are kept, as for a copy in flight, until the engine
+        finalizes the task (which then discards it): TP ranks whose copies failed and succeeded alike hold the same
+        blocks until they agree, so their host pools and indexes evolve identically."""
         try:
             self.executor.fence(stream).wait()
         except Exception:  # the stream itself is broken: nothing more can be waited for
             logger.exception("kvtier: waiting for the %s stream after a failed copy failed too", stream)
-        if ids is not None:
-            self.pool.free(ids)
-        if handle is not None:
-            self.index.unlock(handle)
+        if not self._auto_finalize:
+            self._inflight[task.id] = _Inflight(task, _COMPLETED, np.empty(0, np.int64), None,
+                                                ids if ids is not None else np.empty(0, np.int64),
+                                                np.empty(0, np.int64), handle, 0)
+        else:
+            if ids is not None:
+                self.pool.free(ids)
+            if handle is not None:
+                self.index.unlock(handle)
         if stream == "store":
             self._stats.failed_stores += 1
         else:
@@ -519,7 +544,8 @@ class KVTier(HostTier):
         logger.warning("kvtier: %s of %d pages failed and was unwound (%s: %s)", task.kind, task.num_pages,
                        type(error).__name__, error, exc_info=error)
         task.num_pages, task.producer_index, task.status = 0, -1, "failed"
-        self._finished.append(task.id)
+        if self._auto_finalize:
+            self._finished.append(task.id)
         return task
 
     def _mode(self, to_host: bool, nbytes: int, per_layer: bool = False) -> str:
@@ -578,9 +604,12 @@ class KVTier(HostTier):
                 self._finalize(rec, cancelled=False)
 
     def _finalize(self, rec: _Inflight, *, cancelled: bool) -> None:
-        """The copy of ``rec`` has completed: insert / free / unlock, and account."""
+        """The copy of ``rec`` has completed: insert / free / unlock, and account (a failed copy is discarded
+        and stays failed)."""
         task = rec.task
         del self._inflight[task.id]
+        failed = task.status == "failed"
+        cancelled = cancelled or failed
         secs = rec.completion.seconds()
         if task.kind == "store":
             self._stats.bytes_d2h += rec.nbytes
@@ -601,7 +630,7 @@ class KVTier(HostTier):
                 self._stats.pages_loaded += task.num_pages
         if rec.handle is not None:
             self.index.unlock(rec.handle)
-        if cancelled:
+        if cancelled and not failed:
             self._stats.cancelled += 1
-        task.status = "cancelled" if cancelled else "done"
+        task.status = "failed" if failed else "cancelled" if cancelled else "done"
         self._finished.append(task.id)
