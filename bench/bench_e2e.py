@@ -517,7 +517,8 @@ def main(argv=None) -> int:
 
         with open(args.plot) as f:
             res = json.load(f)
-        plot(os.path.splitext(args.plot)[0] + ".png", res["summary"], [r for r in res["rows"] if r["workload"] == "long"])
+        long_rows = [r for r in res["rows"] if r["workload"] == "long"]
+        plot(os.path.splitext(args.plot)[0] + ".png", res["summary"], long_rows)
         return 0
     plan = smoke_plan() if args.smoke else gpu_plan(args.long_layers)
     if plan.device == "cuda" and not torch.cuda.is_available():

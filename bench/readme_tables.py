@@ -259,8 +259,8 @@ def e2e_table() -> str:
         + " |",
         f"| long prompts, host-hit fraction of page-aligned prompt tokens, pass 2 (target >= 0.99) | "
         f"{s['host_hit_fraction_pass2']:.4f} |",
-        f"| long prompts, prefill tokens computed: recompute / kvtier | {s['long_prefill_tokens_computed']['recompute']}"
-        f" / {s['long_prefill_tokens_computed']['kvtier_layerwise']} |",
+        "| long prompts, prefill tokens computed: recompute / kvtier | "
+        f"{s['long_prefill_tokens_computed']['recompute']} / {s['long_prefill_tokens_computed']['kvtier_layerwise']} |",
         "| long prompts, host tier load GB/s, layerwise / whole | "
         f"{s['long_tier']['kvtier_layerwise']['load_gbps']:.1f} / {s['long_tier']['kvtier_whole']['load_gbps']:.1f} |",
         "| chat (device pool smaller than the history), TTFT p50 ms and prefill tokens: recompute, device "

@@ -5,6 +5,7 @@ forward writes KV -> checkpoint/release)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from array import array
 from typing import Optional
 
@@ -284,6 +285,7 @@ def tp_skew_worker(rank: int, world: int, init_file: str, out_dir: str, device: 
     from kvtier.tier import DeferredExecutor
 
     seen = {"rank": rank, "device": device, "digests": []}
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # tests talk over loopback only
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         if device.startswith("cuda"):

@@ -156,6 +156,7 @@ def _rank_main(rank: int, world: int, init_file: str, commands, replies) -> None
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # tests talk over loopback only
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     state: Optional[RankState] = None

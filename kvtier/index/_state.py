@@ -1,7 +1,7 @@
 """Trie state: six numpy arrays (struct of arrays) in one buffer, allocated and grown from Python.
 
 Every array argument costs numba about 15-40 ns to unbox per call, so the per-node fields are packed
-into an int32, an int64 and an int8 block, and the namespace table lives in ``meta``. Since round 4 the
+into an int32, an int64 and an int8 block, and the namespace table lives in ``meta``. The
 six arrays are views of one 64-byte-aligned byte buffer ``blob`` (a 128-byte int64 header with the
 sizes and offsets, then the arrays); the hot entry points (``tr_match``, ``tr_insert``) take only the
 buffer and rebuild the views in jitted code (``blob_views``), the others take the views.
@@ -29,7 +29,7 @@ Node ``x`` (0 <= x < number of node slots) is described by column ``x`` of every
                              the uint64 bit pattern stored as int64; valid only when FL_INDEXED is set
     i8[TIER, x]      int8    storage tier of the block (0 = host memory; reserved for the SSD tier)
     i8[FLAGS, x]     int8    FL_INDEXED: the node is in ``table`` and ``i64[HASH, x]`` is valid (lazy
-                             indexing, round 4: see trie.py); a node without it has a stale hash field
+                             indexing: see trie.py); a node without it has a stale hash field
     tokens[x, :]     uint32  the page's token ids (a hash hit is confirmed against these)
 
 Rows indexed by heap position ``i`` (not by node): ``i32[HEAP, i]`` the node at heap position i and
@@ -37,9 +37,10 @@ Rows indexed by heap position ``i`` (not by node): ``i32[HEAP, i]`` the node at 
 evictable nodes keyed by (tick, node), size ``meta[M_HEAP]``).
 
 ``table`` (int64 slots ``(hash tag << 32) | node``, open addressing with linear probing, -1 = empty,
-power-of-two size, load <= 3/4; see _table.py; since round 4 it holds the indexed pages only). ``meta`` (int64): counters at the indices below, then two slots per
-namespace from ``NS_BASE``: ``meta[NS_BASE + 2 * ns_id]`` the namespace's last first-page node (a
-hint, -1: none) and ``meta[NS_BASE + 2 * ns_id + 1]`` its seed (uint64 bit pattern).
+power-of-two size, load <= 3/4; see _table.py; it holds the indexed pages only). ``meta`` (int64):
+counters at the indices below, then two slots per namespace from ``NS_BASE``: ``meta[NS_BASE + 2 * ns_id]``
+the namespace's last first-page node (a hint, -1: none) and ``meta[NS_BASE + 2 * ns_id + 1]`` its seed
+(uint64 bit pattern).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ validates input, grows the arrays and raises):
     node to the namespace root comparing every page's tokens and depth; if anything disagrees (a hash
     collision made the predicate lie) the result is recomputed by ``_walk``. So a collision costs time,
     never a wrong page.
-* Lazy indexing (round 4): a page is hashed and put in the table only when it can be reached no
+* Lazy indexing: a page is hashed and put in the table only when it can be reached no
   other way. FL_INDEXED (``i8[FLAGS, x]``) marks a page that is in the table with a valid stored hash;
   invariants (checked by the state machine after every step):
   I1 an indexed page's stored hash is its chained page hash; the table holds exactly the indexed pages;
@@ -241,8 +241,8 @@ def _probe(table, hcol, parent, depth, tokens, q, ps, k, hb, root_code):
 def _gallop(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out):
     """Gallop + binary search, verified; falls back to ``_walk`` on a failed verification.
 
-    Lazy indexing (round 4): only indexed pages are in the table (first pages, pages with siblings and
-    their ancestors), so "page k is found in the table" is no longer the monotone "page k is cached";
+    Lazy indexing: only indexed pages are in the table (first pages, pages with siblings and their
+    ancestors), so "page k is found in the table" is not the monotone "page k is cached";
     the verified prefix found by the search is a lower bound, and ``_walk`` continues from it."""
     parent = i32[PARENT]
     depth = i32[DEPTH]
@@ -316,7 +316,7 @@ def tr_match(blob, q, ns_id, flags, blocks_out):
 
     Compiled without numba's reference counting (``_nrt=False``: nothing in here allocates), which
     saves an atomic increment and decrement per array argument and view, and the unboxing wrapper
-    no longer wraps every array in a MemInfo: measured 260 -> 96 ns for a 9-argument call. The state
+    wraps no array in a MemInfo (a 9-argument call costs ~96 ns instead of ~260). The state
     comes as its one buffer (``_state.blob_views``): one array to unbox instead of six.
     """
     i32, i64, i8, tokens, table, meta = blob_views(blob)
