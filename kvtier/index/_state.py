@@ -129,7 +129,7 @@ def _alloc_state(nodes: int, page_size: int, slots: int, meta_len: int) -> TrieS
     """Uninitialised state: one 64-byte-aligned buffer holding a header and the six arrays.
 
     One buffer because the hot entry points take it as their only state argument: numba unboxes
-    every array argument on every call (measured 235 -> 165 ns for 8 -> 3 array arguments)."""
+    every array argument on every call (~235 ns a call with 8 array arguments, ~165 ns with 3)."""
     sizes = (4 * N_I32 * nodes, 8 * N_I64 * nodes, N_I8 * nodes, 4 * nodes * page_size, 8 * slots, 8 * meta_len)
     offs = []
     off = HEADER_BYTES

@@ -31,18 +31,12 @@ from kvtier.kernels.paged_kv import PagedKV
 from kvtier.kernels.pinned import split_at_registrations
 from kvtier.kernels.transfer import launch_copy_pages, on_stream
 
-# Tuned on one H200 (2026-11-29, bench/bench_transfer.py and bench/bench_layerwise.py). Two buffers per direction
-# keep the copy engine busy: a 16 MiB chunk's copy takes ~300 us, its gather ~30 us, and issuing a chunk costs
-# ~60 us of host time, so a store and a load issued from one thread stay ahead of both copy engines (8 MiB chunks
-# left them host-bound at 68 GB/s combined; 8-64 MiB x 2-4 buffers all reach 54.0-54.7 GB/s each way and 94.6-97.5
-# combined, "staged_sweep" in bench/results/probes/transfer_h200_2026-11-29.json; on 2026-11-30 54.1-54.9 each way
-# and 95.6-97.2 combined, bench/results/probes/transfer_h200_run2.json). 32 MiB holds one layer of an 8k-token
-# Qwen3-8B prefix, so a layerwise load is one chunk per layer. The gather/scatter is device-to-device and brief; a
-# scatter that runs beside a forward pass costs it least when it is short: with 64 programs a layerwise load slowed
-# a Qwen3-8B-sized forward (1024 new tokens) by 5%, with 16 by 8%, with 4 by 22% (layerwise_h200.json,
-# "staging_experiment"). The first chunk of a store and the last chunk of a multi-chunk load are a quarter size
-# (chunk_pages): the gather that starts a store and the scatter that ends a load overlap no copy (a 1024-token
-# load's exposed scatter went from 26.7 to 12.3 us, bench/results/probes/probe_staged_h200.json).
+# Two buffers per direction keep the copy engine busy: a chunk's copy outlasts its gather and the host time to
+# issue the next, so a store and a load issued from one thread stay ahead of both copy engines. 32 MiB holds one
+# layer of an 8k-token Qwen3-8B prefix (a layerwise load is one chunk per layer). A scatter beside a forward pass
+# costs it least when it is short (64 programs). The first chunk of a store and the last of a multi-chunk load are
+# a quarter size: that gather and that scatter overlap no copy. Figures and result files: docs/DESIGN.md
+# ("Tuned constants"), bench/results/transfer_notes.md.
 STAGING_BYTES = 32 * 1024 * 1024
 NUM_BUFFERS = 2
 GATHER_PROGRAMS = 16

@@ -38,28 +38,11 @@ except ImportError:  # pragma: no cover - CPU-only torch builds
     def _current_raw_stream(device: int) -> int:
         return torch.cuda.current_stream(device).cuda_stream
 
-# Tuned on one H200 (PCIe Gen5 x16, 2026-11-29): bench/bench_transfer.py --sections sweep (results in
-# bench/results/probes/transfer_h200_2026-11-29.json, "sweep"). The SM path tops out at ~52.4 GB/s D2H and
-# ~51.1 GB/s H2D there (the copy engine reaches ~55). One layer of 64 MiB, Qwen3-8B, 36-layer host layouts,
-# random blocks; GB/s at pages 1 / 16 / 64, D2H/H2D:
-#   programs x warps x tile   layer_first                          page_first
-#   4 x 8 x 64 KiB            51.4/45.9  52.5/49.8  51.9/49.8      32.1/34.2  52.2/48.2  51.8/49.5
-#   4 x 16 x 128 KiB          51.8/50.7  51.2/51.1  52.0/51.0      36.7/45.2  52.2/51.0  52.2/51.0
-#   4 x 32 x 64 KiB           51.9/51.0  52.2/51.1  52.3/51.0      51.8/50.9  52.3/49.6  52.2/51.1
-#   4 x 32 x 128 KiB          52.0/51.0  52.2/50.9  52.1/51.0      45.6/50.6  51.9/49.3  52.5/51.0
-#   4 x 32 x 256 KiB          34.4/28.4  51.9/49.4  44.4/43.0      (registers spill: 256 B per thread is too much)
-#   8 x 8 x 64 KiB            51.9/51.0  52.1/47.6  52.5/50.9      51.1/50.6  52.0/49.4  52.5/51.0
-# Host reads are latency bound over PCIe (and IOMMU misses on scattered blocks: page 1, page_first), so a program
-# needs many loads in flight; 32 warps of 64 B per thread get them with 4 SMs. Scattered host writes (D2H, page 1,
-# page_first) also need many warps: 8 warps per program leave them at 32-37 GB/s.
-# Against SGLang's HiCache kernel on identical work (2026-11-30; "hicache_alternating" in
-# bench/results/probes/transfer_h200_run2.json and hicache_variants_h200.json), 32 KiB tiles loaded 0.1-0.3 GB/s
-# faster, but as the default for loads they slowed the GEMM beside them by 7.7% (64 KiB: 2.2-2.7%) and page-1
-# `page_first` loads to 45 GB/s (bench/results/probes/transfer_h200_load_tile32.json): both directions keep
-# 64 KiB. Store cache hints (.cs, .cg) and evict_first loads changed nothing measurable; nor did a tile shaped so
-# that one warp copies a whole row, as HiCache does (2026-11-30, bench/results/probes/row_warps_h200.json: within
-# +-0.5 GB/s either way, and 9% GEMM slowdown against 3.6% in the same run). Both kernels sit at the SM path's
-# ceiling, below the copy engine's (not verified: SM writes to host likely leave in smaller PCIe packets).
+# The defaults below hold the direct kernel at the SM path's ceiling on an H200 (~52.4 GB/s D2H, ~51.1 H2D; the
+# copy engine reaches ~55) while costing a GEMM beside it least; the reason for each value, and the result file
+# behind it, is in docs/DESIGN.md ("Tuned constants"); the sweeps are in bench/results/transfer_notes.md. Host reads
+# are latency bound over PCIe (and IOMMU misses on scattered blocks), so a program needs many loads in flight:
+# 32 warps of 64 B per thread get them with 4 SMs; scattered host writes need many warps too.
 # DEFAULT_PROGRAMS: persistent programs (one SM each) for bulk transfers.
 # TILE_BYTES: bytes one program loads before it stores (K and V together): the bytes it keeps in flight.
 # NUM_WARPS: warps per program; 32 warps hold a 64 KiB tile in 64 B per thread (4 x 16-byte vectors).

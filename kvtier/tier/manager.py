@@ -74,7 +74,7 @@ AUTO_STAGED_MIN_SLICE_BYTES = 64 * 1024
 # the layer's host issue takes. A StagedCopy planned once per load launches a layer in ~60-77 us of host time on the
 # H200 hosts (bench/probe_overhead.py, bench/results/probes/probe_overhead_staged_copy_h200.json; 36 layers issue
 # in 2.1-2.2 ms, against 1.1-1.3 ms through DirectCopy), and 77 us of copy at 54.5 GB/s is 4 MiB (Qwen3-8B: 1024
-# tokens). Before StagedCopy a staged layer cost ~250 us to issue and this threshold was 16 MiB.
+# tokens).
 AUTO_STAGED_LAYER_BYTES = 4 * 1024 * 1024
 
 
