@@ -528,15 +528,6 @@ class KVTier(HostTier):
             self.executor.fence(stream).wait()
         except Exception:  # the stream itself is broken: nothing more can be waited for
             logger.exception("kvtier: waiting for the %s stream after a failed copy failed too", stream)
-        if not self._auto_finalize:
-            self._inflight[task.id] = _Inflight(task, _COMPLETED, np.empty(0, np.int64), None,
-                                                ids if ids is not None else np.empty(0, np.int64),
-                                                np.empty(0, np.int64), handle, 0)
-        else:
-            if ids is not None:
-                self.pool.free(ids)
-            if handle is not None:
-                self.index.unlock(handle)
         if stream == "store":
             self._stats.failed_stores += 1
         else:
@@ -544,8 +535,13 @@ class KVTier(HostTier):
         logger.warning("kvtier: %s of %d pages failed and was unwound (%s: %s)", task.kind, task.num_pages,
                        type(error).__name__, error, exc_info=error)
         task.num_pages, task.producer_index, task.status = 0, -1, "failed"
+        # Recorded as a completed copy: finalizing it (now, or when the engine does in "ordered" mode) frees its
+        # blocks and unlocks its path, as for any discarded copy.
+        rec = _Inflight(task, _COMPLETED, np.empty(0, np.int64), None,
+                        ids if ids is not None else np.empty(0, np.int64), np.empty(0, np.int64), handle, 0)
+        self._inflight[task.id] = rec
         if self._auto_finalize:
-            self._finished.append(task.id)
+            self._finalize(rec, cancelled=True)
         return task
 
     def _mode(self, to_host: bool, nbytes: int, per_layer: bool = False) -> str:
