@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from array import array
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -93,14 +93,25 @@ def _as_rows(vals: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     return vals.to(device=buf.device, dtype=buf.dtype).view(-1, *([1] * (buf.dim() - 1)))
 
 
+def kv_writer(s: Setup, slots: torch.Tensor, tokens, start: int, ns_tag: int) -> Callable[[], None]:
+    """The fake forward's KV of ``tokens[start:start+len(slots)]``, prepared on the pool's device now; the returned
+    call writes it into ``slots`` on the current stream with device work only (no host copy that would make the
+    host wait for that stream)."""
+    if len(slots) == 0:
+        return lambda: None
+    idx = slots.to(device=s.device, dtype=torch.int64)
+    writes = [(buf, _as_rows(kv_values(tokens, start, len(slots), layer, ns_tag, kind), buf))
+              for layer, bufs in enumerate(layer_buffers(s)) for kind, buf in enumerate(bufs)]
+
+    def write() -> None:
+        for buf, rows in writes:
+            buf[idx] = rows
+    return write
+
+
 def write_kv(s: Setup, slots: torch.Tensor, tokens, start: int, ns_tag: int) -> None:
     """Fake forward: write the KV of ``tokens[start:start+len(slots)]`` into ``slots`` (on the current stream)."""
-    if len(slots) == 0:
-        return
-    idx = slots.to(device=s.device, dtype=torch.int64)
-    for layer, bufs in enumerate(layer_buffers(s)):
-        for kind, buf in enumerate(bufs):
-            buf[idx] = _as_rows(kv_values(tokens, start, len(slots), layer, ns_tag, kind), buf)
+    kv_writer(s, slots, tokens, start, ns_tag)()
 
 
 def check_kv(s: Setup, slots: torch.Tensor, tokens, start: int, ns_tag: int, *, via_pool: bool = False) -> None:

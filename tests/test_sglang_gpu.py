@@ -89,13 +89,16 @@ def test_device_prefix_plus_host_hit_on_cuda(transfer_mode):
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 def test_copies_are_ordered_after_the_forward_stream(transfer_mode, layerwise):
     """The forward runs on its own stream and writes the KV late (a long kernel first). The store (issued from
-    the scheduler's current stream, which did not wait) must copy the written bytes, and a load into slots the
-    forward still reads must not overwrite them before that read: kvtier's copy streams used to wait on the current
-    stream only, while SGLang fences its own host copies on the forward stream."""
+    the scheduler's current stream, which did not wait) must copy the written bytes, as SGLang fences its own host
+    copies on the forward stream."""
     P = 16
     forward = torch.cuda.Stream()
     s = h.build(page_size=P, kv_size=16 * P, device="cuda", transfer_mode=transfer_mode, layerwise=layerwise,
                 forward_stream=forward)
+    warm = list(range(500, 500 + 2 * P))  # a store and a load first: no kernel compiles while the forward runs
+    for _ in range(2):
+        h.serve(s, warm)
+        h.flush_device(s)
     free0 = s.allocator.available_size()
     toks = list(range(3, 3 + 4 * P))
     req = h.make_req(s, toks)
@@ -104,11 +107,13 @@ def test_copies_are_ordered_after_the_forward_stream(transfer_mode, layerwise):
     slots = s.allocator.alloc(n).to(torch.int64)
     s.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, n)), slots.to(torch.int32))
     req.kv.kv_committed_len = req.kv.kv_allocated_len = req.extend_end = n
+    write = h.kv_writer(s, slots, toks, 0, 0)  # the KV values are on the GPU before the forward starts
     forward.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(forward):  # the forward: busy for ~50 ms, then writes the request's KV
         torch.cuda._sleep(100_000_000)
-        h.write_kv(s, slots, toks, 0, 0)
+        write()
     h.release(s, req)  # checkpoint -> store, issued while the forward is still running
+    assert not forward.query(), "the forward finished before the store was issued: the test would prove nothing"
     s.cache.wait_all()
     forward.synchronize()
     h.flush_device(s)
