@@ -50,6 +50,7 @@ class Case:
     num_buffers: int
     seed: int
     block_run: bool = False  # blocks are one run of consecutive ids (else a random pick)
+    skip: int = 0  # the load leaves out the first `skip` tokens of the first block (a prefix held mid-block)
 
 
 @st.composite
@@ -77,7 +78,7 @@ def cases(draw, budget: int = BUDGET_BYTES) -> Case:
                 spare_blocks=draw(st.integers(0, 3)), layers=layers, num_programs=draw(st.integers(1, 5)),
                 tile_bytes=draw(st.sampled_from([256, 4096, 65536])), staging_pages=draw(st.integers(1, 3)),
                 num_buffers=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**31 - 1)),
-                block_run=draw(st.booleans()))
+                block_run=draw(st.booleans()), skip=draw(st.integers(0, geo.page_size - 1)))
 
 
 def _layer_range(layers, num_layers: int) -> range:
@@ -108,7 +109,7 @@ def run_round_trip(case: Case, device: str) -> None:
     if case.mode == "direct":
         kw = dict(layout=case.layout, layers=case.layers, num_programs=case.num_programs, tile_bytes=case.tile_bytes)
         store = lambda s, b: store_pages(kv, host, s, b, **kw)  # noqa: E731
-        load = lambda s, b: load_pages(kv, host, s, b, **kw)  # noqa: E731
+        load = lambda s, b: load_pages(kv, host, s, b, skip_tokens=case.skip, **kw)  # noqa: E731
     elif case.mode == "direct_copy":  # checked and packed once, launched per layer of the span in shuffled order
         order = list(span)
         random.Random(case.seed).shuffle(order)
@@ -116,7 +117,8 @@ def run_round_trip(case: Case, device: str) -> None:
         def per_layer(to_host: bool):
             def run(s, b):
                 copy = DirectCopy(kv, host, s, b, to_host=to_host, layout=case.layout,
-                                  num_programs=case.num_programs, tile_bytes=case.tile_bytes)
+                                  num_programs=case.num_programs, tile_bytes=case.tile_bytes,
+                                  skip_tokens=0 if to_host else case.skip)
                 for layer in order:
                     copy.launch(layer)
             return run
@@ -127,14 +129,14 @@ def run_round_trip(case: Case, device: str) -> None:
                                 gather_programs=case.num_programs, scatter_programs=case.num_programs)
         if case.mode == "staged":
             store = lambda s, b: stager.store(s, b, layers=case.layers)  # noqa: E731
-            load = lambda s, b: stager.load(s, b, layers=case.layers)  # noqa: E731
+            load = lambda s, b: stager.load(s, b, layers=case.layers, skip_tokens=case.skip)  # noqa: E731
         else:  # planned once, launched per layer of the span in shuffled order, the plan reused for each layer
             order = list(span)
             random.Random(case.seed).shuffle(order)
 
             def staged_per_layer(to_host: bool):
                 def run(s, b):
-                    copy = StagedCopy(stager, s, b, to_host=to_host)
+                    copy = StagedCopy(stager, s, b, to_host=to_host, skip_tokens=0 if to_host else case.skip)
                     for layer in order:
                         copy.launch(layer)
                 return run
@@ -152,6 +154,7 @@ def run_round_trip(case: Case, device: str) -> None:
 
     # load into other slots: those rows of the chosen layers equal the source rows; nothing else changes
     host_before = as_bytes(host).clone()
+    dst, src = dst[case.skip:], src[case.skip:]  # the first block's first `skip` tokens stay where they are
     load(dst, blocks)
     if device == "cuda":
         torch.cuda.synchronize()

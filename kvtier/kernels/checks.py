@@ -117,11 +117,11 @@ def check_blocks_tensor(kv: PagedKV, blocks: torch.Tensor, layout: str, *, host_
 
 
 def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layout: str, host_side: bool,
-                   writes_blocks: bool, check_indices: bool,
-                   block_ids_to_device: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
+                   writes_blocks: bool, check_indices: bool, block_ids_to_device: bool = True,
+                   skip_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Validate one transfer; return the slot and block indices as contiguous int64 tensors (on the KV device;
     block ids stay where they are when ``block_ids_to_device`` is False), and the number of blocks the blocks
-    tensor holds."""
+    tensor holds. ``skip_tokens``: leading tokens of the first block not moved."""
     check_kv(kv)
     if not kv.is_cuda and not INTERPRETED:
         raise ValueError(f"KV buffers on {kv.device} can only be moved through the Triton interpreter, chosen when "
@@ -131,9 +131,13 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
     slots = _as_index_tensor("slots", slots, kv.device)
     block_ids = _as_index_tensor("block_ids", block_ids, kv.device)
     page = kv.geometry.page_size
-    if slots.numel() != block_ids.numel() * page:
+    if isinstance(skip_tokens, bool) or not isinstance(skip_tokens, int) or not 0 <= skip_tokens < page:
+        raise ValueError(f"skip_tokens must be an int in [0, page_size={page}), got {skip_tokens!r}")
+    if skip_tokens and block_ids.numel() == 0:
+        raise ValueError(f"skip_tokens={skip_tokens} with no block to skip into")
+    if slots.numel() != block_ids.numel() * page - skip_tokens:
         raise ValueError(f"{slots.numel()} slots for {block_ids.numel()} blocks: need page_size ({page}) slots "
-                         f"per block")
+                         f"per block" + (f", less skip_tokens ({skip_tokens})" if skip_tokens else ""))
     if check_indices or forced_checks():
         _check_range("slots", slots, kv.num_slots, "device slots", distinct=not writes_blocks)
         _check_range("block_ids", block_ids, num_blocks, "host blocks", distinct=writes_blocks)

@@ -15,19 +15,22 @@ def _host_rows(kv: PagedKV, host: torch.Tensor, layout: str, layer: int, kv_inde
 
 
 def copy_pages_ref(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *,
-                   to_host: bool, layout: str = "page_first", layers=None) -> None:
+                   to_host: bool, layout: str = "page_first", layers=None, skip_tokens: int = 0) -> None:
     """What :func:`store_pages` (``to_host=True``) and :func:`load_pages` compute, with torch indexing."""
     geo = kv.geometry
     layer_range = range(geo.num_layers) if layers is None else (
         range(layers, layers + 1) if isinstance(layers, int) else layers)
-    slots = slots.to(kv.device).view(-1, geo.page_size)
+    slots = slots.to(kv.device).view(-1)
+    # the (block, offset in the block) of every token moved
+    tok = torch.arange(skip_tokens, skip_tokens + slots.numel())
+    blocks, offsets = block_ids.cpu().to(torch.int64)[tok // geo.page_size], tok % geo.page_size
     for layer in layer_range:
         for kv_index, buf in enumerate(kv.layer_buffers(layer)):
             # byte views: the copy must be bit-exact whatever the dtype (NaN payloads included)
             rows = _host_rows(kv, host, layout, layer, kv_index).view(torch.uint8)
             dev = buf.view(torch.uint8)
-            blocks_on_host = block_ids.to(rows.device)
+            b, o = blocks.to(rows.device), offsets.to(rows.device)
             if to_host:
-                rows[blocks_on_host] = dev[slots].view(-1, geo.page_size, *dev.shape[1:]).to(rows.device)
+                rows[b, o] = dev[slots].to(rows.device)
             else:
-                dev[slots.view(-1)] = rows[blocks_on_host].reshape(-1, *dev.shape[1:]).to(dev.device)
+                dev[slots] = rows[b, o].to(dev.device)

@@ -73,6 +73,12 @@ def chunk_pages(num_pages: int, per_chunk: int, to_host: bool, *, short_edge: bo
     return [edge] + body if to_host else body + [edge]
 
 
+def chunk_rows(first: int, n: int, page: int, skip: int) -> tuple[int, int]:
+    """The slots (a range of the transfer's slot list) of the chunk of blocks ``first .. first + n``, when the
+    first ``skip`` tokens of the transfer's first block are not moved."""
+    return max(first * page - skip, 0), (first + n) * page - skip
+
+
 def _runs(block_ids: np.ndarray) -> list[tuple[int, int]]:
     """Split positions ``0..n`` of ``block_ids`` into runs of consecutive ids: ``[(start, length), ...]``."""
     if block_ids.size == 0:
@@ -170,25 +176,26 @@ class StagedTransfer:
         self._local_ids = torch.arange(self.staging_bytes // (geo.page_bytes), dtype=torch.int64, device=kv.device)
 
     def store(self, slots, block_ids, *, layers: Union[None, int, range] = None, stream=None,
-              check: bool = True) -> Optional[torch.cuda.Event]:
+              check: bool = True, skip_tokens: int = 0) -> Optional[torch.cuda.Event]:
         """D2H: copy pages from device slots to host blocks; see :func:`kvtier.kernels.store_pages`."""
-        return self._run(slots, block_ids, layers, stream, check, to_host=True)
+        return self._run(slots, block_ids, layers, stream, check, skip_tokens, to_host=True)
 
     def load(self, slots, block_ids, *, layers: Union[None, int, range] = None, stream=None,
-             check: bool = True) -> Optional[torch.cuda.Event]:
+             check: bool = True, skip_tokens: int = 0) -> Optional[torch.cuda.Event]:
         """H2D: copy pages from host blocks to device slots; see :func:`kvtier.kernels.load_pages`."""
-        return self._run(slots, block_ids, layers, stream, check, to_host=False)
+        return self._run(slots, block_ids, layers, stream, check, skip_tokens, to_host=False)
 
     # --- pipeline ---
 
-    def _run(self, slots, block_ids, layers, stream, check: bool, to_host: bool) -> Optional[torch.cuda.Event]:
+    def _run(self, slots, block_ids, layers, stream, check: bool, skip: int,
+             to_host: bool) -> Optional[torch.cuda.Event]:
         kv = self.kv
         span = layer_span(layers, kv.geometry.num_layers)
         with on_stream(kv, stream):
             # the gather/scatter addresses staging by local ids; host block ids only drive the host-side copies
             slots, block_ids, _ = check_transfer(kv, self.host, slots, block_ids, layout=self.layout,
                                                  host_side=True, writes_blocks=to_host, check_indices=check,
-                                                 block_ids_to_device=False)
+                                                 block_ids_to_device=False, skip_tokens=skip)
             if block_ids.numel() == 0:
                 return None  # nothing to move: a no-op, as on the direct path
             host_ids = block_ids.cpu().numpy()
@@ -202,7 +209,7 @@ class StagedTransfer:
             subs = self._chunk_spans(span, host_ids)
             for i, sub in enumerate(subs):
                 edge = i == (0 if to_host else len(subs) - 1)  # the span that starts a store or ends a load
-                done = self._run_span(direction, work, slots, host_ids, sub, to_host, short_edge=edge)
+                done = self._run_span(direction, work, slots, host_ids, sub, to_host, short_edge=edge, skip=skip)
         return done
 
     def _chunk_spans(self, span: LayerSpan, host_ids: np.ndarray) -> list[LayerSpan]:
@@ -226,16 +233,18 @@ class StagedTransfer:
         return [LayerSpan(layer, min(group, end - layer)) for layer in range(span.start, end, group)]
 
     def _run_span(self, direction: _Direction, work, slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
-                  to_host: bool, short_edge: bool) -> Optional[torch.cuda.Event]:
+                  to_host: bool, short_edge: bool, skip: int = 0) -> Optional[torch.cuda.Event]:
         """Stage ``span``'s layers of every page, chunk by chunk; returns the last chunk's completion event.
-        ``short_edge``: this span starts a store or ends a load (see :func:`chunk_pages`)."""
+        ``short_edge``: this span starts a store or ends a load (see :func:`chunk_pages`); ``skip``: tokens of the
+        first block not moved."""
         page = self.kv.geometry.page_size
         span_geo = self._span_geometry(span.count)
         done = None
         first = 0
         for n in chunk_pages(host_ids.size, self._pages_per_chunk(span.count), to_host, short_edge=short_edge):
-            chunk_slots = slots[first * page:(first + n) * page]
-            done = self._chunk(direction, work, chunk_slots, host_ids[first:first + n], span, span_geo, to_host)
+            lo, hi = chunk_rows(first, n, page, skip)
+            done = self._chunk(direction, work, slots[lo:hi], host_ids[first:first + n], span, span_geo, to_host,
+                               skip if first == 0 else 0)
             first += n
         return done
 
@@ -251,7 +260,7 @@ class StagedTransfer:
         return geo
 
     def _chunk(self, d: _Direction, work, chunk_slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
-               span_geo: KVGeometry, to_host: bool) -> Optional[torch.cuda.Event]:
+               span_geo: KVGeometry, to_host: bool, skip: int) -> Optional[torch.cuda.Event]:
         b = d.take_buffer()
         n = host_ids.size
         # The staging buffer holds the chunk's n pages of the span's layers, laid out like the host blocks.
@@ -262,16 +271,16 @@ class StagedTransfer:
         cuda = work is not None
         return issue_chunk(
             d, b, work, to_host,
-            fire=lambda: self._gather(staging, chunk_slots, local_ids, span, strides, to_staging=to_host),
+            fire=lambda: self._gather(staging, chunk_slots, local_ids, span, strides, to_staging=to_host, skip=skip),
             copy=lambda: self._copy_runs(staging, host_ids, span, to_host=to_host, stream=d.copy_stream),
             handoff=torch.cuda.Event() if cuda else None, free=torch.cuda.Event() if cuda else None)
 
     def _gather(self, staging: torch.Tensor, slots: torch.Tensor, local_ids: torch.Tensor, span: LayerSpan,
-                strides: tuple[int, int, int], *, to_staging: bool) -> None:
+                strides: tuple[int, int, int], *, to_staging: bool, skip: int) -> None:
         launch_copy_pages(self.kv, staging, slots, local_ids, span, strides, to_blocks=to_staging,
                           num_programs=self.gather_programs if to_staging else self.scatter_programs,
                           tile_bytes=GATHER_TILE_BYTES, num_warps=GATHER_WARPS,
-                          blocks_layer0=span.start)
+                          blocks_layer0=span.start, skip_rows=skip)
 
     def _copy_runs(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool,
                    stream, runs: Optional[list[tuple[int, int]]] = None) -> None:

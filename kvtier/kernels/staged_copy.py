@@ -18,7 +18,7 @@ import torch
 
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
 from kvtier.kernels.staged import (GATHER_TILE_BYTES, GATHER_WARPS, StagedTransfer, _Direction, _runs, chunk_pages,
-                                   issue_chunk)
+                                   chunk_rows, issue_chunk)
 from kvtier.kernels.transfer import _KernelLaunch, _on_device, on_stream, raw_stream, torch_stream
 
 
@@ -46,14 +46,14 @@ class StagedCopy:
     """
 
     def __init__(self, stager: StagedTransfer, slots, block_ids, *, to_host: bool, stream=None,
-                 check: bool = True) -> None:
+                 check: bool = True, skip_tokens: int = 0) -> None:
         kv = stager.kv
         with on_stream(kv, stream):
             slots, block_ids, _ = check_transfer(kv, stager.host, slots, block_ids, layout=stager.layout,
                                                  host_side=True, writes_blocks=to_host, check_indices=check,
-                                                 block_ids_to_device=False)
+                                                 block_ids_to_device=False, skip_tokens=skip_tokens)
             self._host_ids = block_ids.cpu().numpy()
-        self.stager, self.to_host, self._slots = stager, to_host, slots
+        self.stager, self.to_host, self._slots, self._skip = stager, to_host, slots, skip_tokens
         self._direction: _Direction = stager._store if to_host else stager._load
         n = len(self._direction.buffers)
         # per staging buffer: the event that hands a chunk from one stream to the other, and the buffer's free event
@@ -97,9 +97,10 @@ class StagedCopy:
                              short_edge=short_edge):
             ids = self._host_ids[first:first + n]
             strides = span_geo.host_row_strides(n, stager.layout)
-            slots = self._slots[first * page:(first + n) * page]
-            launches = [_KernelLaunch(stager.kv, buf, slots, stager._local_ids[:n], strides, to_blocks=self.to_host,
-                                      tile_bytes=GATHER_TILE_BYTES, num_warps=GATHER_WARPS) for buf in d.buffers]
+            lo, hi = chunk_rows(first, n, page, self._skip)
+            launches = [_KernelLaunch(stager.kv, buf, self._slots[lo:hi], stager._local_ids[:n], strides,
+                                      to_blocks=self.to_host, tile_bytes=GATHER_TILE_BYTES, num_warps=GATHER_WARPS,
+                                      skip_rows=self._skip if first == 0 else 0) for buf in d.buffers]
             plan.append(_Chunk(first, ids, _runs(ids), launches))
             first += n
         self._plans[key] = plan

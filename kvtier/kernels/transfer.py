@@ -58,15 +58,16 @@ BURST_PROGRAMS = 32
 MAX_CHUNK_BYTES = 2048
 # Integer arguments are not specialised on their values (Triton would otherwise compile a variant for n_layers == 1,
 # for multiples of 16, ...): one compiled kernel per geometry and direction, no compile stalls mid-serving.
-@triton.jit(do_not_specialize=["n_rows", "layer_start", "n_layers", "stride_block", "stride_layer", "stride_kv",
-                               "blocks_layer0"])
+@triton.jit(do_not_specialize=["n_rows", "skip_rows", "layer_start", "n_layers", "stride_block", "stride_layer",
+                               "stride_kv", "blocks_layer0"])
 def _copy_pages_kernel(
     dev_base,  # word*: the lowest-addressed device KV buffer; every buffer is addressed from it
     dev_offsets,  # int64 [layers * KV]: (buffer address - dev_base) in ALIGN-word units, layer-major, K before V
     blocks,  # word*: host blocks (direct mode) or a device staging buffer (staged mode)
-    slots,  # int64 [n_rows]: device slot of each token, page by page
-    block_ids,  # int64 [n_rows // PAGE]: block of each page
-    n_rows,  # tokens to move (a multiple of PAGE)
+    slots,  # int64 [n_rows]: device slot of each token moved, in block order
+    block_ids,  # int64 [(skip_rows + n_rows) / PAGE]: the blocks, in order
+    n_rows,  # tokens to move: every token of the blocks but the first skip_rows
+    skip_rows,  # tokens of the first block not moved (a load that continues a prefix held mid-block), < PAGE
     layer_start,  # first layer to move
     n_layers,  # layers to move
     stride_block,  # blocks: rows between consecutive blocks
@@ -96,6 +97,7 @@ def _copy_pages_kernel(
         row = seg // CHUNKS_PER_ROW
         col = (seg % CHUNKS_PER_ROW) * CHUNK  # first word of the chunk within its row
         slot = tl.load(slots + row, mask=seg_ok, other=0)
+        row = row + skip_rows  # the token's place in the blocks
         block = tl.load(block_ids + row // PAGE, mask=seg_ok, other=0)
         dev_off = tl.load(dev_offsets + layer * KV + kv) * ALIGN  # [KV]
         dev_word = dev_off[:, None] + (slot * ROW_WORDS + col)[None, :]  # [KV, SEGS]
@@ -128,7 +130,7 @@ class _KernelLaunch:
 
     def __init__(self, kv: PagedKV, blocks: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor,
                  strides: tuple[int, int, int], *, to_blocks: bool, tile_bytes: int, num_warps: int,
-                 blocks_layer0: int = 0) -> None:
+                 blocks_layer0: int = 0, skip_rows: int = 0) -> None:
         geo = kv.geometry
         word_bytes = kv.word_bytes
         row_words = geo.row_bytes // word_bytes
@@ -136,6 +138,7 @@ class _KernelLaunch:
         chunk = min(chunk, max(MAX_CHUNK_BYTES // word_bytes, 1))
         segs = _pow2_floor(max(tile_bytes // (chunk * word_bytes * geo.kv_count), 1))
         self.n_rows = slots.numel()
+        self.skip_rows = skip_rows
         self.tiles_per_layer = -(-self.n_rows * (row_words // chunk) // segs)
         self.layer_bytes = self.n_rows * geo.kv_count * geo.row_bytes
         self.pointers = (kv.base, kv.offsets, as_words(blocks, word_bytes), slots, block_ids)
@@ -156,7 +159,7 @@ class _KernelLaunch:
             num_programs = default_programs(self.layer_bytes * span.count)
         grid = max(1, min(num_programs, span.count * self.tiles_per_layer))
         layer0 = self.blocks_layer0 if blocks_layer0 is None else blocks_layer0
-        args = (*self.pointers, self.n_rows, span.start, span.count, *self.strides, layer0)
+        args = (*self.pointers, self.n_rows, self.skip_rows, span.start, span.count, *self.strides, layer0)
         device = self.pointers[0].device
         if _INTERPRETED or device.type != "cuda":
             _copy_pages_kernel[(grid,)](*args, **dict(zip(_CONST_NAMES, self.consts)), num_warps=self.num_warps)
@@ -180,12 +183,14 @@ def launch_copy_pages(
     tile_bytes: int,
     num_warps: int,
     blocks_layer0: int = 0,
+    skip_rows: int = 0,
     stream: Optional[int] = None,
 ) -> None:
     """Launch the copy kernel once on ``stream`` (see :meth:`_KernelLaunch.fire`); arguments must already be
     checked (no validation here)."""
     _KernelLaunch(kv, blocks, slots, block_ids, strides, to_blocks=to_blocks, tile_bytes=tile_bytes,
-                  num_warps=num_warps, blocks_layer0=blocks_layer0).fire(span, num_programs, stream)
+                  num_warps=num_warps, blocks_layer0=blocks_layer0, skip_rows=skip_rows).fire(span, num_programs,
+                                                                                              stream)
 
 
 # Compiled kernels by specialisation: Triton's generic launch path binds and hashes every argument on each call
@@ -220,7 +225,8 @@ class DirectCopy:
 
     def __init__(self, kv: PagedKV, host: torch.Tensor, slots, block_ids, *, to_host: bool,
                  layout: str = "page_first", num_programs: Optional[int] = None, stream=None,
-                 tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS, check: bool = True) -> None:
+                 tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS, check: bool = True,
+                 skip_tokens: int = 0) -> None:
         if num_programs is not None:
             num_programs = check_count("num_programs", num_programs)
         check_kv(kv)
@@ -232,7 +238,7 @@ class DirectCopy:
         with contextlib.nullcontext() if quiet else on_stream(kv, stream):
             slots, block_ids, num_blocks = check_transfer(kv, host, slots, block_ids, layout=layout,
                                                           host_side=True, writes_blocks=to_host,
-                                                          check_indices=check)
+                                                          check_indices=check, skip_tokens=skip_tokens)
         # Launched later: on the CPU never through the caller's own index tensors, which it may change after the
         # checks (device-side ones are the caller's to keep unchanged until the launches are issued).
         slots, block_ids = (t.clone() if t is g and t.device.type == "cpu" else t
@@ -240,7 +246,8 @@ class DirectCopy:
         self.kv = kv
         self.num_programs = num_programs
         self._launch = _KernelLaunch(kv, host, slots, block_ids, kv.geometry.host_row_strides(num_blocks, layout),
-                                     to_blocks=to_host, tile_bytes=tile_bytes, num_warps=num_warps)
+                                     to_blocks=to_host, tile_bytes=tile_bytes, num_warps=num_warps,
+                                     skip_rows=skip_tokens)
 
     def launch(self, layers: Union[None, int, range] = None, *, stream=None) -> None:
         """Copy ``layers`` (None: all, an int, or a range) on ``stream`` (default: the current stream)."""
@@ -256,11 +263,11 @@ class DirectCopy:
 
 def _transfer(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *, to_host: bool,
               layout: str, layers: Union[None, int, range], num_programs: Optional[int], stream,
-              tile_bytes: int, num_warps: int, check: bool) -> None:
+              tile_bytes: int, num_warps: int, check: bool, skip_tokens: int) -> None:
     check_kv(kv)
     span = layer_span(layers, kv.geometry.num_layers)  # a bad ``layers`` fails before any index is uploaded
     DirectCopy(kv, host, slots, block_ids, to_host=to_host, layout=layout, num_programs=num_programs, stream=stream,
-               tile_bytes=tile_bytes, num_warps=num_warps, check=check)._fire(span, stream)
+               tile_bytes=tile_bytes, num_warps=num_warps, check=check, skip_tokens=skip_tokens)._fire(span, stream)
 
 
 def _ready(idx, kv: PagedKV) -> bool:
@@ -308,15 +315,18 @@ class on_stream:
 def store_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *,
                 layout: str = "page_first", layers: Union[None, int, range] = None,
                 num_programs: Optional[int] = None, stream=None, tile_bytes: int = TILE_BYTES,
-                num_warps: int = NUM_WARPS, check: bool = True) -> None:
+                num_warps: int = NUM_WARPS, check: bool = True, skip_tokens: int = 0) -> None:
     """Copy pages from device slots into host blocks (D2H), asynchronously on ``stream``.
 
     Args:
         kv: the device KV buffers (:class:`PagedKV`).
         host: host blocks in ``layout`` (see :class:`~kvtier.geometry.KVGeometry`), same dtype as the device
             buffers; pinned when the device buffers are on CUDA.
-        slots: int64 device slot of every token moved, ``len(block_ids) * page_size`` of them, page by page.
+        slots: int64 device slot of every token moved, ``len(block_ids) * page_size - skip_tokens`` of them, in
+            block order.
         block_ids: int64 host block of every page moved; distinct.
+        skip_tokens: leading tokens of the first block that are not moved (``0 <= skip_tokens < page_size``):
+            a load that continues a prefix the device holds up to the middle of a host block.
         layout: ``"page_first"`` or ``"layer_first"``.
         layers: ``None`` for all layers in one launch, an ``int`` for one layer, or a ``range`` of layers.
         num_programs: persistent programs (SMs) to use; default :data:`DEFAULT_PROGRAMS`, or up to
@@ -331,16 +341,16 @@ def store_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids:
     The copy is asynchronous: the caller must keep the slots' KV unchanged until the stream reaches this point.
     """
     _transfer(kv, host, slots, block_ids, to_host=True, layout=layout, layers=layers, num_programs=num_programs,
-              stream=stream, tile_bytes=tile_bytes, num_warps=num_warps, check=check)
+              stream=stream, tile_bytes=tile_bytes, num_warps=num_warps, check=check, skip_tokens=skip_tokens)
 
 
 def load_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *,
                layout: str = "page_first", layers: Union[None, int, range] = None,
                num_programs: Optional[int] = None, stream=None, tile_bytes: int = TILE_BYTES,
-               num_warps: int = NUM_WARPS, check: bool = True) -> None:
+               num_warps: int = NUM_WARPS, check: bool = True, skip_tokens: int = 0) -> None:
     """Copy pages from host blocks into device slots (H2D), asynchronously on ``stream``.
 
     Arguments as :func:`store_pages`; here the slots must be distinct and the blocks may repeat.
     """
     _transfer(kv, host, slots, block_ids, to_host=False, layout=layout, layers=layers, num_programs=num_programs,
-              stream=stream, tile_bytes=tile_bytes, num_warps=num_warps, check=check)
+              stream=stream, tile_bytes=tile_bytes, num_warps=num_warps, check=check, skip_tokens=skip_tokens)
