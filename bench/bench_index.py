@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from kvtier.config import default_tokens_per_block  # noqa: E402
 from kvtier.index import PageTrie  # noqa: E402
 
 pc = time.perf_counter
@@ -77,20 +78,35 @@ def random_seqs(n_seq=1000, lo=512, hi=8192, seed=2):
 
 # ---- adapters: same calls, each library's own input types -------------------------------------------
 class KvtierLib:
-    name = "kvtier"
+    """kvtier's index as ``KVTier`` builds it for an engine page size: host blocks of ``tokens_per_block`` tokens
+    (the config's default for that page size unless ``--tokens-per-block`` names one), one node slot per host
+    block of the pool (here: the blocks the workload needs), so it never grows mid-serving."""
 
-    def __init__(self, page):
+    name = "kvtier"
+    tokens_per_block = None  # --tokens-per-block (None: the config's default for the engine page size)
+
+    def __init__(self, page, blocks=4096):
         self.page = page
-        self.t = PageTrie(page)
+        self.block = self.tokens_per_block or default_tokens_per_block(page)
+        self.t = PageTrie(self.block, initial_nodes=blocks)
+
+    @classmethod
+    def capacity(cls, page, seqs):
+        block = cls.tokens_per_block or default_tokens_per_block(page)
+        return sum(len(s) // block for s in seqs)
+
+    @property
+    def unit_tokens(self):
+        return self.block
 
     def values(self, seqs):
-        return [np.arange(len(s) // self.page, dtype=np.int64) for s in seqs]
+        return [np.arange(len(s) // self.block, dtype=np.int64) for s in seqs]
 
     def insert(self, key, value):
         self.t.insert(key, value)
 
     def match(self, key):
-        return self.t.match(key).num_pages * self.page
+        return self.t.match(key).num_pages * self.block
 
     def evict_pages(self, pages):
         return len(self.t.evict(pages))
@@ -111,7 +127,7 @@ class _NullAllocator:
 class SglangLib:
     name = "sglang_radix"
 
-    def __init__(self, page):
+    def __init__(self, page, blocks=None):
         import torch
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -122,6 +138,10 @@ class SglangLib:
     def _make(self, page):
         from sglang.srt.mem_cache.radix_cache import RadixCache
         return RadixCache.create_simulated(page_size=page, mock_allocator=_NullAllocator())
+
+    @property
+    def unit_tokens(self):
+        return self.page
 
     def values(self, seqs):
         return [self.torch.arange(len(s) // self.page * self.page, dtype=self.torch.int64) for s in seqs]
@@ -159,7 +179,7 @@ def run_library(cls, page, seqs, arrs, reps, evict_chunk_pages):
     hits = None
     for _ in range(reps):
         gc.collect()
-        lib = cls(page)
+        lib = cls(page, cls.capacity(page, seqs)) if hasattr(cls, "capacity") else cls(page)
         vals = lib.values(seqs)
         ins = []
         for a, v in zip(arrs, vals):
@@ -190,7 +210,8 @@ def run_library(cls, page, seqs, arrs, reps, evict_chunk_pages):
                 break
             ev_n += k
         hits = got
-        per_rep.append(dict(insert=ins, match=mt, cold=cold, evict_s=ev_t, evicted=ev_n, pages=total_pages))
+        per_rep.append(dict(insert=ins, match=mt, cold=cold, evict_s=ev_t, evicted=ev_n, pages=total_pages,
+                            unit=lib.unit_tokens))
         del lib, vals
     ntok = sum(len(s) for s in seqs)
     med = statistics.median
@@ -201,6 +222,8 @@ def run_library(cls, page, seqs, arrs, reps, evict_chunk_pages):
         "match_us_mean": med(statistics.fmean(r["match"]) for r in per_rep) * 1e6,
         "match_us_cold_loop": med(r["cold"] for r in per_rep) * 1e6,
         "evict_us_per_page": med(r["evict_s"] / max(r["evicted"], 1) for r in per_rep) * 1e6,
+        # per token: kvtier evicts host blocks (several engine pages at page 1), the peers engine pages
+        "evict_us_per_token": med(r["evict_s"] / max(r["evicted"] * r["unit"], 1) for r in per_rep) * 1e6,
         "pages_held": per_rep[-1]["pages"],
         "pages_evicted": per_rep[-1]["evicted"],
         "insert_mtok_s": ntok / med(sum(r["insert"]) for r in per_rep) / 1e6,
@@ -265,7 +288,12 @@ def main():
     ap.add_argument("--mem-pages", type=int, default=10_000_000)
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--workloads", default="multi_turn,long_context,random",
+                    help="comma-separated subset of multi_turn,long_context,random")
+    ap.add_argument("--tokens-per-block", type=int, default=None,
+                    help="kvtier's host block (default: the config's default for each page size)")
     args = ap.parse_args()
+    KvtierLib.tokens_per_block = args.tokens_per_block
     warnings.filterwarnings("ignore")
 
     libs = [KvtierLib]
@@ -291,6 +319,7 @@ def main():
         "long_context": (long_context(), [16, 1], 1 if args.quick else 5),
         "random": (random_seqs(n_seq=int(1000 * scale)), [16, 1], 1 if args.quick else 3),
     }
+    workloads = {k: v for k, v in workloads.items() if k in args.workloads.split(",")}
     results = {}
     for wname, (seqs, pages, reps) in workloads.items():
         arrs = [array("q", s) for s in seqs]
@@ -307,7 +336,14 @@ def main():
                       f"(cold loop {res['match_us_cold_loop']:.1f}), evict {res['evict_us_per_page']:.3f} us/page",
                       flush=True)
             base = hits["kvtier"]
-            results[key]["same_hits"] = {n: h == base for n, h in hits.items()}
+            block = KvtierLib.tokens_per_block or default_tokens_per_block(page)
+            results[key]["kvtier_tokens_per_block"] = block
+            results[key]["matched_tokens"] = {n: sum(h) for n, h in hits.items()}
+            # what kvtier matches short of each peer, per sequence: under one host block when hits are exact
+            results[key]["max_shortfall_tokens"] = {n: max(a - b for a, b in zip(h, base))
+                                                    for n, h in hits.items() if n != "kvtier"}
+            results[key]["within_one_block"] = all(0 <= a - b < block for n, h in hits.items() if n != "kvtier"
+                                                   for a, b in zip(h, base))
             k = results[key]["kvtier"]
             for n in hits:
                 if n != "kvtier":
@@ -322,9 +358,9 @@ def main():
 
     print("memory at %d pages ..." % args.mem_pages, flush=True)
     mem = memory_10m(args.mem_pages)
-    mt = results["multi_turn/page16"]
+    mt = results.get("multi_turn/page16", {"kvtier": {}})
     sp = mt.get("speedup_vs_sglang_radix", {})
-    summary = {
+    summary = {**worst_cells(results),
         "match_speedup_vs_sglang": sp.get("match"),
         "insert_speedup_vs_sglang": sp.get("insert"),
         "match_speedup_vs_sglang_cold_loop": sp.get("match_cold_loop"),
@@ -332,8 +368,8 @@ def main():
         "bytes_per_page": mem["bytes_per_page"],
         "mem_10M_pages_gib": mem["gib"] if args.mem_pages == 10_000_000 else None,
         "workload": "multi_turn/page16",
-        "kvtier_match_us": mt["kvtier"]["match_us_median"],
-        "kvtier_insert_us": mt["kvtier"]["insert_us_median"],
+        "kvtier_match_us": mt["kvtier"].get("match_us_median"),
+        "kvtier_insert_us": mt["kvtier"].get("insert_us_median"),
         "sglang_match_us": mt.get("sglang_radix", {}).get("match_us_median"),
         "sglang_insert_us": mt.get("sglang_radix", {}).get("insert_us_median"),
     }
@@ -349,6 +385,27 @@ def main():
             plot(results, Path(args.out).with_suffix(".png").with_name("index_cpu.png"))
         except Exception as e:  # matplotlib missing: the JSON is the result
             print("plot skipped:", e)
+
+
+def worst_cells(results):
+    """Over every cell (workload x page size) and operation (match, insert): the best peer's time over kvtier's,
+    its minimum and maximum and where they are; evictions apart (reported, not part of the minimum)."""
+    ratios, evict = {}, {}
+    for key, r in results.items():
+        peers = [lib for lib in ("sglang_radix", "sglang_unified_rust") if lib in r]
+        if not peers:
+            continue
+        for op in ("match", "insert"):
+            best = min(r[lib][f"{op}_us_median"] for lib in peers)
+            ratios[f"{key}/{op}"] = best / r["kvtier"][f"{op}_us_median"]
+        evict[key] = min(r[lib]["evict_us_per_token"] for lib in peers) / r["kvtier"]["evict_us_per_token"]
+    if not ratios:
+        return {}
+    worst, best = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
+    return {"index_min_speedup_vs_best_peer": ratios[worst], "index_min_speedup_cell": worst,
+            "index_max_speedup_vs_best_peer": ratios[best], "index_max_speedup_cell": best,
+            "speedup_vs_best_peer": ratios, "evict_speedup_vs_best_peer": evict,
+            "hits_within_one_block": all(r.get("within_one_block", True) for r in results.values())}
 
 
 def table(results):

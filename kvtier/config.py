@@ -7,9 +7,13 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
   The pool holds ``floor(cpu_cache_gb * 2**30 / block_bytes)`` blocks of one page of every layer, K and V. Under
   SGLang it must fit the rank's share of host memory (what is available, less SGLang's 10 GiB reserve, divided
   between the ranks of the host); elsewhere, what is available less 2 GiB.
-* ``page_size`` (int >= 1, default 16): tokens per page and per host block. It must equal the engine's page size
-  (SGLang's ``--page-size``): the tier moves whole engine pages and the manager rejects a KV pool whose
-  ``PagedKV`` was built with another page size.
+* ``page_size`` (int >= 1, default 16): tokens per engine page. It must equal the engine's page size (SGLang's
+  ``--page-size``); the manager rejects a KV pool whose ``PagedKV`` was built with another page size.
+* ``tokens_per_block`` (int or null, default null): tokens per host block, the unit of the host index, the host pool
+  and every copy (FlexKV's name); a multiple of ``page_size``. Null picks the smallest multiple of ``page_size``
+  that is at least :data:`MIN_TOKENS_PER_BLOCK`: at engine page 1 one index node, one hash and one copy run per
+  token would make the index slower than the engine's own tree (bench/results/index_cpu.json). A host hit is
+  block-granular (the device tree keeps the engine's page granularity).
 * ``host_layout`` (``"layer_first"`` | ``"page_first"``, default ``"layer_first"``): ``layer_first`` keeps each
   (layer, K/V) contiguous over blocks, so a layerwise load's per-layer copy of a run of blocks is one contiguous
   region (one copy-engine copy, long sequential host reads for the direct kernel); the all-layer kernels run at the
@@ -42,8 +46,15 @@ from typing import Any, Mapping, Optional
 from kvtier.geometry import HOST_LAYOUTS
 
 ENV_VAR = "KVTIER_CONFIG"
+# The smallest host block by default (tokens): see ``tokens_per_block`` above.
+MIN_TOKENS_PER_BLOCK = 16
 TRANSFER_MODES: tuple[str, ...] = ("auto", "direct", "staged")
 EVICTION_POLICIES: tuple[str, ...] = ("lru",)
+
+
+def default_tokens_per_block(page_size: int) -> int:
+    """The smallest multiple of ``page_size`` that is at least :data:`MIN_TOKENS_PER_BLOCK`."""
+    return page_size * max(1, -(-MIN_TOKENS_PER_BLOCK // page_size))
 
 
 def _error(msg: str) -> ValueError:
@@ -101,6 +112,7 @@ class TierConfig:
 
     cpu_cache_gb: float = 16.0
     page_size: int = 16
+    tokens_per_block: Optional[int] = None
     host_layout: str = "layer_first"
     transfer_mode: str = "auto"
     num_programs: Optional[int] = None
@@ -115,6 +127,11 @@ class TierConfig:
             raise _error(f"cpu_cache_gb must be a number > 0 (GiB), got {_got(self.cpu_cache_gb)}")
         if not _is_int(self.page_size) or self.page_size < 1:
             raise _error(f"page_size must be an int >= 1, got {_got(self.page_size)}")
+        if self.tokens_per_block is not None and (
+                not _is_int(self.tokens_per_block) or self.tokens_per_block < 1
+                or self.tokens_per_block % self.page_size):
+            raise _error(f"tokens_per_block must be null or a multiple of page_size ({self.page_size}), got "
+                         f"{_got(self.tokens_per_block)}")
         if self.host_layout not in HOST_LAYOUTS:
             raise _error(f"host_layout must be one of {sorted(HOST_LAYOUTS)}, got {self.host_layout!r}")
         if self.transfer_mode not in TRANSFER_MODES:
@@ -131,6 +148,11 @@ class TierConfig:
             raise _error(f"ssd_cache_dir must be a non-empty string or null, got {self.ssd_cache_dir!r}")
         object.__setattr__(self, "cpu_cache_gb", float(self.cpu_cache_gb))
         object.__setattr__(self, "ssd_cache_gb", float(self.ssd_cache_gb))
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per host block in force: ``tokens_per_block``, or its default for ``page_size``."""
+        return self.tokens_per_block or default_tokens_per_block(self.page_size)
 
     @property
     def cpu_cache_bytes(self) -> int:

@@ -26,9 +26,15 @@ def test_from_dict_round_trip():
     assert {k: getattr(c, k) for k in d} == {**d, "cpu_cache_gb": 2.0, "ssd_cache_gb": 100.0}
 
 
+@pytest.mark.parametrize("page,given,want", [(1, None, 16), (2, None, 16), (3, None, 18), (16, None, 16),
+                                             (64, None, 64), (1, 1, 1), (1, 64, 64), (16, 32, 32)])
+def test_the_host_block_is_a_multiple_of_the_page_of_at_least_16_tokens_by_default(page, given, want):
+    assert TierConfig(page_size=page, tokens_per_block=given).block_tokens == want
+
+
 def test_unknown_key_names_it_and_the_allowed_keys():
     with pytest.raises(ValueError, match=r"kvtier config: unknown key 'cpu_cach_gb' \(allowed: cpu_cache_gb, "
-                                         r"page_size, host_layout, transfer_mode"):
+                                         r"page_size, tokens_per_block, host_layout, transfer_mode"):
         TierConfig.from_dict({"cpu_cach_gb": 4})
 
 
@@ -39,6 +45,9 @@ def test_unknown_key_names_it_and_the_allowed_keys():
     ("cpu_cache_gb", float("inf"), r"cpu_cache_gb must be a number > 0"),
     ("cpu_cache_gb", True, r"cpu_cache_gb must be a number > 0"),
     ("page_size", 0, r"page_size must be an int >= 1, got 0"),
+    ("tokens_per_block", 24, r"tokens_per_block must be null or a multiple of page_size \(16\), got 24"),
+    ("tokens_per_block", 0, r"tokens_per_block must be null or a multiple of page_size"),
+    ("tokens_per_block", "32", r"tokens_per_block must be null or a multiple of page_size"),
     ("page_size", 16.0, r"page_size must be an int >= 1, got 16.0"),
     ("page_size", True, r"page_size must be an int >= 1, got True"),
     ("host_layout", "x", r"host_layout must be one of \['layer_first', 'page_first'\], got 'x'"),

@@ -97,6 +97,28 @@ def test_factory_rejects_page_size_mismatch(built, tmp_path, monkeypatch):
 
 # --- the scheduler's sequence ---
 
+@pytest.mark.parametrize("mla,layerwise,mode", [(False, False, "direct"), (False, True, "staged"), (True, True, "auto")],
+                         ids=["mha-whole-direct", "mha-layerwise-staged", "mla-layerwise-auto"])
+def test_page_1_engine_gets_host_blocks_of_16_and_loads_from_mid_block(mla, layerwise, mode):
+    """At SGLang's --page-size 1 the tier's default host block is 16 tokens: host hits are whole blocks, and a
+    device prefix that ends inside a block is continued from there (only the tokens after it are copied)."""
+    s = h.build(mla=mla, page_size=1, kv_size=160, max_context=96, layerwise=layerwise, transfer_mode=mode,
+                tokens_per_block=0)
+    assert s.cache.tier.block_tokens == 16
+    free0 = s.allocator.available_size()
+    toks = list(range(200, 260))  # 60 tokens: 3 full blocks and 12 tokens the host does not keep
+    a = h.serve(s, toks)
+    assert (a.device_len, a.host_hit, a.loaded) == (0, 0, 0)
+    s.cache.wait_all()
+    assert s.cache.tier.stats()["pages_held"] == 48
+    h.flush_device(s)
+    a = h.serve(s, toks[:21])  # one host block
+    assert (a.device_len, a.host_hit, a.loaded) == (0, 16, 16)
+    a = h.serve(s, toks)  # the device holds 21 tokens (5 into block 2), the host 48: 27 tokens load, bytes checked
+    assert (a.device_len, a.host_hit, a.loaded) == (21, 27, 27)
+    h.assert_clean(s, free0)
+
+
 @pytest.mark.parametrize("mla,page_size", [(False, 4), (True, 4), (False, 1)], ids=["mha-p4", "mla-p4", "mha-p1"])
 def test_round_trip_through_host(mla, page_size):
     s = h.build(mla=mla, page_size=page_size, kv_size=32)

@@ -28,11 +28,13 @@ NAMESPACES = [None, "lora-a"]  # ns_tag = index
 
 class BackendMachine(RuleBasedStateMachine):
     executor = staticmethod(lambda: None)  # the tier's default (copies complete at once on the CPU)
+    page_size, tokens_per_block = 4, None  # host blocks of one page
 
     def __init__(self):
         super().__init__()
-        # 16 device pages of 4 tokens; 8 host blocks (512 B each), so the host evicts too
-        self.s = h.build(kv_size=64, page_size=4, host_blocks_kb=4, max_reqs=8, executor=self.executor())
+        # 64 device slots; 8 host blocks of 4 tokens (512 B each), so the host evicts too
+        self.s = h.build(kv_size=64, page_size=self.page_size, host_blocks_kb=4, max_reqs=8,
+                         executor=self.executor(), tokens_per_block=self.tokens_per_block)
         self.free0 = self.s.allocator.available_size()
         self.running = []
 
@@ -114,3 +116,14 @@ class FailingBackendMachine(BackendMachine):
 FailingBackendMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=100, deadline=None,
                                                    suppress_health_check=list(HealthCheck))
 test_backend_stateful_with_failing_copies = FailingBackendMachine.TestCase
+
+
+class PageOneBackendMachine(FailingBackendMachine):
+    """An engine at page size 1 with host blocks of 4 tokens: host hits are whole blocks, device prefixes end
+    anywhere (loads start mid-block), copies in flight and a fifth failing."""
+
+    page_size, tokens_per_block = 1, 4
+
+
+PageOneBackendMachine.TestCase.settings = FailingBackendMachine.TestCase.settings
+test_backend_stateful_page_1_with_blocks_of_4 = PageOneBackendMachine.TestCase

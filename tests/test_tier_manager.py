@@ -226,7 +226,7 @@ def test_load_on_current_stream_and_slot_count_caps_pages():
     task = tier.load(toks, None, page_slots(10, 2, P))
     assert task.num_pages == 2
     tier.wait_on_current_stream(task)
-    with pytest.raises(ValueError, match="slot indices for 4 full pages"):
+    with pytest.raises(ValueError, match="slot indices for 4 full blocks"):
         tier.store(toks, None, page_slots(0, 3, P))
 
 

@@ -11,6 +11,8 @@ Build a ``PagedKV`` once per KV pool (building the table costs a host-to-device 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from typing import Sequence
 
@@ -98,6 +100,13 @@ class PagedKV:
     def mla(cls, kv_buffers: Sequence[torch.Tensor], *, page_size: int = 1) -> PagedKV:
         """Wrap per-layer MLA latent buffers (``MLATokenToKVPool.kv_buffer``)."""
         return cls(list(kv_buffers), page_size=page_size, is_mla=True)
+
+    def with_page_size(self, page_size: int) -> PagedKV:
+        """The same buffers moved in host blocks of ``page_size`` tokens (a multiple of the engine's page: the
+        kernels take a device slot per token, so a block need not be one engine page)."""
+        other = copy.copy(self)
+        other.geometry = dataclasses.replace(self.geometry, page_size=page_size)
+        return other
 
     def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
         """The buffers of one layer: ``(K, V)`` or ``(latent,)``."""

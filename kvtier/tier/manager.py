@@ -1,6 +1,8 @@
 """KVTier: the host tier of a prefix KV cache: lookup, asynchronous store and load, layerwise load, completion.
 
-Protocol (see :mod:`kvtier.tier.abstract` for the engine-facing contract):
+Protocol (see :mod:`kvtier.tier.abstract` for the engine-facing contract). Pages are the engine's pages
+(``config.page_size`` tokens); the host holds them in blocks of ``config.block_tokens`` tokens (a multiple of the
+page), so hits, stores and evictions come in whole blocks, and a load may start in the middle of one:
 
 * ``lookup(tokens, ns) -> pages``: how many leading full pages of ``tokens`` the host holds. Completed stores are
   drained first, so a store is visible from the first call after its copy finished, never before.
@@ -189,7 +191,8 @@ class KVTier(HostTier):
     """Host tier for one KV pool: index + pinned block pool + transfers + layer signal (see module docstring).
 
     Args:
-        kv: the engine's device KV buffers (its page size must equal ``config.page_size``).
+        kv: the engine's device KV buffers (its page size must equal ``config.page_size``); :attr:`kv` is the same
+            buffers as the tier moves them, in host blocks of ``config.block_tokens`` tokens.
         config: settings (default :meth:`TierConfig.from_env`).
         pool: a host pool to use instead of one sized from ``config.cpu_cache_gb`` (its geometry and layout must
             match).
@@ -212,7 +215,13 @@ class KVTier(HostTier):
         if geo.page_size != self.config.page_size:
             raise ValueError(f"the KV pool has page_size {geo.page_size}, the kvtier config {self.config.page_size}:"
                              " they must match (set page_size in the kvtier config to the engine's page size)")
-        self.kv, self.geometry, self.page_size = kv, geo, geo.page_size
+        self.page_size = geo.page_size
+        self.block_tokens = self.config.block_tokens
+        self._pages_per_block = self.block_tokens // self.page_size
+        if self.block_tokens != self.page_size:
+            kv = kv.with_page_size(self.block_tokens)
+            geo = kv.geometry
+        self.kv, self.geometry = kv, geo
         if pool is None:
             pool = HostBlockPool(geo, cpu_cache_gb=self.config.cpu_cache_gb, layout=self.config.host_layout,
                                  budget_bytes=host_budget_bytes)
@@ -221,9 +230,9 @@ class KVTier(HostTier):
                              f"({geo}, {self.config.host_layout})")
         self.pool = pool
         self.layout = pool.layout
-        self.index = PageTrie(self.page_size)
+        self.index = PageTrie(self.block_tokens, initial_nodes=pool.num_blocks)  # one node per block: never grows
         logger.info("kvtier: host index ready (numba code compiled or loaded from its cache in %.1f s)",
-                    PageTrie.compile(self.page_size))  # now, not on the first request
+                    PageTrie.compile(self.block_tokens))  # now, not on the first request
         if executor is None:
             executor = CudaExecutor(kv.device) if kv.is_cuda else ImmediateExecutor()
         self.executor = executor
@@ -247,11 +256,11 @@ class KVTier(HostTier):
         """Number of leading full pages of ``tokens`` held in the host tier (does not touch the LRU order)."""
         self._drain()
         toks = _as_tokens(tokens)
-        n = toks.size // self.page_size
-        hit = self.index.match(toks[:n * self.page_size], ns, touch=False).num_pages
+        B, G = self.block_tokens, self._pages_per_block
+        hit = self.index.match(toks[:toks.size // B * B], ns, touch=False).num_pages * G
         self._stats.lookups += 1
         self._stats.hit_pages += hit
-        self._stats.miss_pages += n - hit
+        self._stats.miss_pages += toks.size // self.page_size - hit
         return hit
 
     @synchronized
@@ -259,8 +268,8 @@ class KVTier(HostTier):
         """Copy the full pages of ``tokens`` not yet held from their device slots to the host, asynchronously.
 
         Args:
-            tokens: token ids (a trailing partial page is ignored).
-            slot_indices: device slot of every token (at least the full pages' tokens), page by page.
+            tokens: token ids (a trailing partial block is ignored).
+            slot_indices: device slot of every token (at least the full blocks' tokens), in order.
             ns: namespace (requests share pages only within one).
 
         Returns:
@@ -268,38 +277,38 @@ class KVTier(HostTier):
             unchanged until then.
         """
         self._drain()
-        P = self.page_size
+        B, G = self.block_tokens, self._pages_per_block
         toks = _as_tokens(tokens)
         slots = _as_slots(slot_indices)
-        n = toks.size // P
-        if slots.numel() < n * P:
-            raise ValueError(f"{slots.numel()} slot indices for {n} full pages of {P} tokens")
-        toks = toks[:n * P]
+        n = toks.size // B  # blocks
+        if slots.numel() < n * B:
+            raise ValueError(f"{slots.numel()} slot indices for {n} full blocks of {B} tokens")
+        toks = toks[:n * B]
         m = self.index.match(toks, ns, touch=True)
         held = m.num_pages
         self._stats.stores += 1
-        self._stats.pages_store_skipped += held
-        task = self._new_task("store", 0, num_held=held)
+        self._stats.pages_store_skipped += held * G
+        task = self._new_task("store", 0, num_held=held * G)
         if held == n:
             return self._finish_now(task)
         if held:
             self.index.lock(m)  # the prefix the new pages hang from must survive until they are inserted
         ids = self._alloc(n - held)
-        self._stats.pages_store_dropped += n - held - ids.size
+        self._stats.pages_store_dropped += (n - held - ids.size) * G
         if ids.size == 0:
             if held:
                 self.index.unlock(m)
             return self._finish_now(task)
-        task.num_pages = int(ids.size)
+        task.num_pages = int(ids.size) * G
         end = held + ids.size
-        new_slots = slots[held * P:end * P]
+        new_slots = slots[held * B:end * B]
         try:
             completion = self._launch("store", lambda: self._copy(True, new_slots, ids))
         except Exception as e:
             return self._failed(task, "store", e, ids=ids, handle=m if held else None)
-        self._inflight[task.id] = _Inflight(task, completion, toks[:end * P].copy(), ns, ids,
+        self._inflight[task.id] = _Inflight(task, completion, toks[:end * B].copy(), ns, ids,
                                             np.array(m.block_ids[:held], dtype=np.int64), m if held else None,
-                                            task.num_pages * self.pool.block_bytes)
+                                            int(ids.size) * self.pool.block_bytes)
         return task
 
     @synchronized
@@ -312,7 +321,7 @@ class KVTier(HostTier):
                 ``len(slot_indices) // page_size`` pages load.
             ns: namespace.
             start_page: pages before it are already on the device (an engine's device-cached prefix): they must be
-                held for the pages after them to count, but they are not copied.
+                held for the pages after them to count, but they are not copied (it may fall inside a block).
 
         Returns:
             The task (``num_pages`` pages copied). Before reading the slots the forward pass must wait for it:
@@ -409,11 +418,13 @@ class KVTier(HostTier):
 
     @synchronized
     def evict(self, num_pages: int) -> int:
-        """Evict up to ``num_pages`` LRU unlocked pages now; returns how many were evicted."""
-        ids = self.index.evict(num_pages)
+        """Evict LRU unlocked blocks now, at least ``num_pages`` pages' worth if there are; returns the pages
+        evicted."""
+        G = self._pages_per_block
+        ids = self.index.evict(-(-num_pages // G))
         self.pool.free(ids)
-        self._stats.pages_evicted += ids.size
-        return int(ids.size)
+        self._stats.pages_evicted += ids.size * G
+        return int(ids.size) * G
 
     def destroy(self) -> None:
         """Wait for in-flight copies and release the host pool (unpins it); idempotent."""
@@ -431,7 +442,9 @@ class KVTier(HostTier):
         out = dataclasses.asdict(s)
         out.update(gbps_d2h=s.gbps_d2h, gbps_h2d=s.gbps_h2d, occupancy=self.pool.occupancy,
                    blocks_used=self.pool.num_used, blocks_total=self.pool.num_blocks,
-                   pages_held=self.index.total_pages, pages_locked=self.index.protected_pages,
+                   tokens_per_block=self.block_tokens,
+                   pages_held=self.index.total_pages * self._pages_per_block,
+                   pages_locked=self.index.protected_pages * self._pages_per_block,
                    inflight_tasks=len(self._inflight),
                    inflight_store_blocks=sum(r.block_ids.size for r in self._inflight.values()
                                              if r.task.kind == "store"))
@@ -463,47 +476,50 @@ class KVTier(HostTier):
         if isinstance(start_page, bool) or not isinstance(start_page, int) or start_page < 0:
             raise ValueError(f"start_page must be an int >= 0, got {start_page!r}")
         self._drain()
-        P = self.page_size
+        P, B = self.page_size, self.block_tokens
         toks = _as_tokens(tokens)
         slots = _as_slots(slot_indices)
-        n = min(toks.size // P, start_page + slots.numel() // P)
-        m = self.index.match(toks[:n * P], ns, touch=True)
-        copied = max(0, m.num_pages - start_page)  # pages before start_page are on the device already
+        start = start_page * P  # tokens on the device already
+        n = min(toks.size, start + slots.numel() // P * P) // B  # blocks the slots can take
+        m = self.index.match(toks[:n * B], ns, touch=True)
+        copied = max(0, m.num_pages * B - start)  # tokens to copy; those before start are on the device already
         self._stats.loads += 1
-        task = self._new_task("load_layerwise" if layerwise else "load", copied)
+        task = self._new_task("load_layerwise" if layerwise else "load", copied // P)
         if copied == 0:
             return self._finish_now(task)
         self.index.lock(m)  # the whole matched path: the copied pages hang from the prefix
-        ids = np.array(m.block_ids[start_page:start_page + copied])
-        dst = slots[:copied * P]
+        ids = np.array(m.block_ids[start // B:m.num_pages])
+        dst = slots[:copied]
         try:
-            completion = self._issue_load(task, dst, ids, layerwise, on_layer_start)
+            completion = self._issue_load(task, dst, ids, layerwise, on_layer_start, skip=start % B)
         except Exception as e:
             return self._failed(task, "load", e, handle=m)
         self._inflight[task.id] = _Inflight(task, completion, toks[:0], ns, ids, np.empty(0, np.int64), m,
-                                            copied * self.pool.block_bytes)
+                                            copied * self.geometry.token_bytes)
         return task
 
-    def _issue_load(self, task: TierTask, dst: torch.Tensor, ids: np.ndarray, layerwise: bool, on_layer_start):
-        """Issue a load's copies (whole, or per layer with the counter's events); its completion."""
-        copied = ids.size
+    def _issue_load(self, task: TierTask, dst: torch.Tensor, ids: np.ndarray, layerwise: bool, on_layer_start,
+                    skip: int):
+        """Issue a load's copies (whole, or per layer with the counter's events); its completion. ``skip``: tokens
+        of the first block on the device already."""
         if not layerwise:
-            completion = self._launch("load", lambda: self._copy(False, dst, ids))
+            completion = self._launch("load", lambda: self._copy(False, dst, ids, skip=skip))
         else:
             ex = self.executor
             ex.begin("load")
             stream = ex.stream("load")
             task.producer_index = self.counter.update_producer(stream)
-            mode = self._mode(False, copied * self.pool.block_bytes // self.geometry.num_layers, per_layer=True)
+            mode = self._mode(False, dst.numel() * self.geometry.token_bytes // self.geometry.num_layers,
+                              per_layer=True)
             # checked, indices uploaded (on the stream) and planned once for all layers, launched per layer
             check = _range_check(dst)
             if mode == "direct":
                 copy = DirectCopy(self.kv, self.pool.host, dst, torch.from_numpy(ids), to_host=False,
                                   layout=self.layout, num_programs=self.config.num_programs, stream=stream,
-                                  check=check)
+                                  check=check, skip_tokens=skip)
             else:
                 copy = StagedCopy(self._staged(), dst, torch.from_numpy(ids), to_host=False, stream=stream,
-                                  check=check)
+                                  check=check, skip_tokens=skip)
             copy_layer = functools.partial(copy.launch, stream=stream)
             for layer in range(self.geometry.num_layers):
                 if on_layer_start is not None:
@@ -564,31 +580,31 @@ class KVTier(HostTier):
         return self._staged_transfer
 
     def _copy(self, to_host: bool, slots: torch.Tensor, ids: np.ndarray, layers=None,
-              mode: Optional[str] = None) -> None:
+              mode: Optional[str] = None, skip: int = 0) -> None:
         """Issue one copy on the executor's stream (runs inside ``executor.run``); ``mode``: the path (default:
-        :meth:`_mode` of the copy's bytes)."""
+        :meth:`_mode` of the copy's bytes); ``skip``: tokens of the first block not moved."""
         stream = self.executor.stream("store" if to_host else "load")
         block_ids = torch.from_numpy(ids)
         check = _range_check(slots)
         if mode is None:  # a whole-block copy (per-layer callers pass the mode they chose for the task)
-            mode = self._mode(to_host, len(block_ids) * self.pool.block_bytes)
+            mode = self._mode(to_host, slots.numel() * self.geometry.token_bytes)
         if mode == "staged":
             st = self._staged()
             fn = st.store if to_host else st.load
-            ev = fn(slots, block_ids, layers=layers, stream=stream, check=check)
+            ev = fn(slots, block_ids, layers=layers, stream=stream, check=check, skip_tokens=skip)
             if ev is not None:
                 stream.wait_event(ev)  # the task's completion is fenced on this stream
         else:
             fn = store_pages if to_host else load_pages
             fn(self.kv, self.pool.host, slots, block_ids, layout=self.layout, layers=layers,
-               num_programs=self.config.num_programs, stream=stream, check=check)
+               num_programs=self.config.num_programs, stream=stream, check=check, skip_tokens=skip)
 
     def _alloc(self, n: int) -> np.ndarray:
         """Up to ``n`` free blocks, evicting LRU unlocked pages for room; fewer when not enough can be evicted."""
         ids = self.pool.alloc(n)
         if ids is not None:
             return ids
-        self.evict(n - self.pool.num_free)
+        self.evict((n - self.pool.num_free) * self._pages_per_block)
         ids = self.pool.alloc(min(n, self.pool.num_free))
         return ids if ids is not None else np.empty(0, np.int64)
 
@@ -617,8 +633,8 @@ class KVTier(HostTier):
                 r = self.index.insert(rec.tokens, np.concatenate((rec.prefix_ids, rec.block_ids)), rec.ns)
                 owned = r.new_mask[held:]
                 self.pool.free(rec.block_ids[~owned])
-                self._stats.pages_stored += int(owned.sum())
-                self._stats.pages_store_duplicate += int((~owned).sum())
+                self._stats.pages_stored += int(owned.sum()) * self._pages_per_block
+                self._stats.pages_store_duplicate += int((~owned).sum()) * self._pages_per_block
         else:
             self._stats.bytes_h2d += rec.nbytes
             self._stats.seconds_h2d += secs or 0.0
