@@ -504,6 +504,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (seconds)")
     ap.add_argument("--long-layers", type=int, default=9)
     ap.add_argument("--workloads", default="fixed,chat,long")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="SGLang's page size (default: the plan's, 16); kvtier's host block is the config's default "
+                         "for it (16 tokens at page 1)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="stop long's recompute pass after this")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a result file")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
@@ -521,6 +524,8 @@ def main(argv=None) -> int:
         plot(os.path.splitext(args.plot)[0] + ".png", res["summary"], long_rows)
         return 0
     plan = smoke_plan() if args.smoke else gpu_plan(args.long_layers)
+    if args.page_size is not None:
+        plan = dataclasses.replace(plan, page_size=args.page_size)
     if plan.device == "cuda" and not torch.cuda.is_available():
         ap.error("the GPU run needs CUDA (use --smoke on a CPU)")
     t0 = time.time()
