@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.common import env_info, write_json  # noqa: E402
+from kvtier.config import TierConfig  # noqa: E402
 from kvtier.e2e.model import PagedDecoder, qwen3_config  # noqa: E402
 from kvtier.e2e.workloads import fixed_prefix, long_prompts, multi_turn  # noqa: E402
 
@@ -75,6 +77,7 @@ class Plan:
     chat_small_kv: int
     device: str
     dtype: torch.dtype
+    tokens_per_block: Optional[int] = None  # kvtier's host block (None: the config's default for page_size)
 
 
 def gpu_plan(long_layers: int) -> Plan:
@@ -84,7 +87,7 @@ def gpu_plan(long_layers: int) -> Plan:
 
 def smoke_plan() -> Plan:
     return Plan(2, 2, 64, 4, 2, 16, 128, 512, 4, (32, 64), (4, 12), 2, 3, 12, 60, 120, 24, 2, 4, 3, 32, (8, 20),
-                4, 96, "cpu", torch.bfloat16)
+                4, 96, "cpu", torch.bfloat16, tokens_per_block=4)
 
 
 def build_model(plan: Plan, layers: int) -> PagedDecoder:
@@ -165,7 +168,8 @@ def run_fixed(plan: Plan, model: PagedDecoder, bw_gbps: float, log) -> tuple[lis
     longest = max(plan.fixed_prefixes) + max(plan.fixed_new) + plan.fixed_out + 2 * page
     kv_tokens = 2 * longest + 4096
     host_gb = (longest * (plan.fixed_reps + 2)) * bpt / 2**30 + 0.05
-    servers = {m: Server(model, m, kv_tokens=kv_tokens, page_size=page, max_context=longest + page,
+    servers = {m: Server(model, m, kv_tokens=kv_tokens, page_size=page, tokens_per_block=plan.tokens_per_block,
+                         max_context=longest + page,
                          cpu_cache_gb=host_gb) for m in ("recompute", "device") + KVTIER_MODES}
     warm_up(servers, plan.vocab, page, min(2048, max(plan.fixed_prefixes)))
     rows, cells = [], []
@@ -233,7 +237,8 @@ def run_long(plan: Plan, model: PagedDecoder, log, deadline: float, rows: list,
     checkpoint()
     # kvtier: pass 1 fills the host tier; pass 2 whole, then pass 2 layerwise, device flushed before each request
     host_gb = (total + len(prompts) * (plan.long_out + 2 * page)) * bpt * 1.05 / 2**30 + 0.05
-    s = Server(model, "kvtier_whole", kv_tokens=2 * longest + 4096, page_size=page, max_context=longest,
+    s = Server(model, "kvtier_whole", kv_tokens=2 * longest + 4096, page_size=page,
+               tokens_per_block=plan.tokens_per_block, max_context=longest,
                cpu_cache_gb=host_gb)
     warm_up({"kvtier_whole": s}, plan.vocab, page, min(2048, longest // 2))
     s.tier.reset()
@@ -282,10 +287,12 @@ def run_chat(plan: Plan, model: PagedDecoder, log) -> list:
     host_gb = total * bpt * 1.2 / 2**30 + 0.05
     sizes = {"recompute": 2 * longest, "device": total + 2 * longest + 64 * page,
              "device_small": max(plan.chat_small_kv, longest + 4 * page)}
-    servers = {m: Server(model, m.replace("_small", ""), kv_tokens=sizes[m], page_size=page, max_context=longest)
+    servers = {m: Server(model, m.replace("_small", ""), kv_tokens=sizes[m], page_size=page,
+                         tokens_per_block=plan.tokens_per_block, max_context=longest)
                for m in sizes}
     for m in KVTIER_MODES:
-        servers[m] = Server(model, m, kv_tokens=sizes["device_small"], page_size=page, max_context=longest,
+        servers[m] = Server(model, m, kv_tokens=sizes["device_small"], page_size=page,
+                            tokens_per_block=plan.tokens_per_block, max_context=longest,
                             cpu_cache_gb=host_gb)
     warm_up(servers, plan.vocab, page, min(1024, plan.chat_system))
     for s in servers.values():
@@ -373,7 +380,8 @@ def summarize(plan: Plan, fixed_rows, cells, long_rows, long_tier, chat_rows, bw
             s["outputs_equal_vs_recompute"] = (sum(c["equal"] for c in eq_recompute)
                                                / sum(c["total"] for c in eq_recompute))
     if long_rows:
-        _summarize_long(s, long_rows, long_tier, page)
+        block = TierConfig(page_size=page, tokens_per_block=plan.tokens_per_block).block_tokens
+        _summarize_long(s, long_rows, long_tier, block)  # kvtier serves whole host blocks
     if cells:
         _summarize_fixed(s, cells)
     if chat_rows:
@@ -384,12 +392,12 @@ def summarize(plan: Plan, fixed_rows, cells, long_rows, long_tier, chat_rows, bw
     return s
 
 
-def _summarize_long(s: dict, long_rows: list, long_tier: dict, page: int) -> None:
+def _summarize_long(s: dict, long_rows: list, long_tier: dict, block: int) -> None:
     by_mode = {m: [r for r in long_rows if r["mode"] == m] for m in ("recompute", "device") + KVTIER_MODES}
     s["long_ttft"] = {m: ttft_stats([r["ttft_ms"] / 1e3 for r in rs]) for m, rs in by_mode.items()}
     s["long_prefill_tokens_computed"] = {m: sum(r["computed"] for r in rs) for m, rs in by_mode.items()}
     s["long_host_hit_tokens"] = {m: sum(r["loaded"] for r in by_mode[m]) for m in KVTIER_MODES}
-    want = sum(aligned(r["prompt_len"], page) for r in by_mode["kvtier_whole"])
+    want = sum(aligned(r["prompt_len"], block) for r in by_mode["kvtier_whole"])
     s["host_hit_fraction_pass2"] = min(sum(r["loaded"] for r in by_mode[m]) / want for m in KVTIER_MODES)
     s["long_tier"] = long_tier
     done = {r["prompt"] for r in by_mode["recompute"]}  # recompute may stop at the deadline: same prompts only

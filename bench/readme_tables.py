@@ -172,13 +172,21 @@ def index_table() -> str:
     if res is None:
         return "_no results yet_"
     s = res["summary"]
+    blocks = sorted({(k.split("/page")[1], r["kvtier_tokens_per_block"]) for k, r in res["results"].items()},
+                    key=lambda x: int(x[0]))
     return "\n".join([
-        "| multi-turn workload, page 16, 2 CPU cores, same process | value |",
+        "| host index vs SGLang 0.5.23's Python and Rust radix trees, 2 CPU cores, same process | value |",
         "|---|---|",
-        f"| match speedup vs SGLang RadixCache | {s['match_speedup_vs_sglang']:.2f}x |",
-        f"| insert speedup vs SGLang RadixCache | {s['insert_speedup_vs_sglang']:.2f}x |",
-        f"| bytes per page (page 16, tokens included) | {s['bytes_per_page']:.1f} |",
-        f"| memory for 10M pages | {s['mem_10M_pages_gib']:.3f} GiB |",
+        f"| worst cell (workload / page / op), best peer's time over kvtier's | {s['index_min_speedup_cell']}: "
+        f"{s['index_min_speedup_vs_best_peer']:.2f}x |",
+        f"| best cell | {s['index_max_speedup_cell']}: {s['index_max_speedup_vs_best_peer']:.2f}x |",
+        "| kvtier's host block at each engine page size (tokens) | "
+        + ", ".join(f"page {p}: {b}" for p, b in blocks) + " |",
+        f"| every hit within one host block of the peers' | {s['hits_within_one_block']} |",
+        f"| multi-turn, page 16: match / insert speedup vs SGLang RadixCache | {s['match_speedup_vs_sglang']:.2f}x / "
+        f"{s['insert_speedup_vs_sglang']:.2f}x |",
+        f"| bytes per block (16 tokens included) / memory for 10M blocks | {s['bytes_per_page']:.1f} / "
+        f"{s['mem_10M_pages_gib']:.3f} GiB |",
     ])
 
 

@@ -46,7 +46,8 @@ def _aligned(n: int) -> int:
 def test_every_mode_serves_the_same_tokens_and_kvtier_hits_every_page(model):
     prompts, outputs, logits = _prompts(), {}, {}
     for mode in MODES:
-        server = Server(model, mode, kv_tokens=1024, page_size=PAGE, max_context=256, cpu_cache_gb=1 / 256)
+        server = Server(model, mode, kv_tokens=1024, page_size=PAGE, max_context=256, cpu_cache_gb=1 / 256,
+                        tokens_per_block=PAGE)
         for p in prompts:  # pass 1 fills
             server.serve(p, 6)
         results = []
@@ -81,7 +82,7 @@ def test_small_device_pool_lru_evicts_and_kvtier_serves_the_rest(model, layerwis
     convs = [[[rng.randrange(1, 256) for _ in range(rng.randrange(5, 15))] for _ in range(3)] for _ in range(4)]
     big = Server(model, "device", kv_tokens=2048, page_size=PAGE, max_context=256)
     small = Server(model, "kvtier_layerwise" if layerwise else "kvtier_whole", kv_tokens=96, page_size=PAGE,
-                   max_context=256, cpu_cache_gb=1 / 256)
+                   tokens_per_block=PAGE, max_context=256, cpu_cache_gb=1 / 256)
     history = [list(system) for _ in convs]
     loaded = 0
     for turn in range(3):

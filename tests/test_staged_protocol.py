@@ -107,7 +107,7 @@ def run_transfer(monkeypatch, to_host: bool, num_buffers: int, pages: int, layer
         first = 0
         for n in chunk_pages(pages, stager._pages_per_chunk(1), to_host):
             chunk_slots = slots[first * GEO.page_size:(first + n) * GEO.page_size]
-            stager._chunk(d, work, chunk_slots, ids[first:first + n], LayerSpan(layer, 1), span_geo, to_host)
+            stager._chunk(d, work, chunk_slots, ids[first:first + n], LayerSpan(layer, 1), span_geo, to_host, 0)
             first += n
     return log
 

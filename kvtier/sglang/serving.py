@@ -86,12 +86,13 @@ class Server:
         host_pool: a :class:`~kvtier.tier.HostBlockPool` to reuse (the kvtier modes can share one: pinning is slow).
         transfer_mode / host_layout: kvtier settings.
         executor / counter_backend: passed to :class:`KVTierRadixCache` (tests).
+        tokens_per_block: kvtier's host block (default: the config's default for ``page_size``).
     """
 
     def __init__(self, model: PagedDecoder, mode: str, *, kv_tokens: int, page_size: int = 16,
                  max_context: int = 32768, max_reqs: int = 4, cpu_cache_gb: float = 1.0, host_pool=None,
                  transfer_mode: str = "auto", host_layout: str = "layer_first", executor=None,
-                 counter_backend: str = "auto") -> None:
+                 counter_backend: str = "auto", tokens_per_block: Optional[int] = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
         set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=page_size))
@@ -115,7 +116,8 @@ class Server:
                                  token_to_kv_pool_allocator=self.allocator, page_size=page_size)
         if mode.startswith("kvtier"):
             config = TierConfig(cpu_cache_gb=cpu_cache_gb, page_size=page_size, host_layout=host_layout,
-                                transfer_mode=transfer_mode, layerwise=mode == "kvtier_layerwise")
+                                transfer_mode=transfer_mode, layerwise=mode == "kvtier_layerwise",
+                                tokens_per_block=tokens_per_block)
             self.cache = KVTierRadixCache(params, config, pool=host_pool, executor=executor,
                                           counter_backend=counter_backend)
         else:
