@@ -222,6 +222,17 @@ def _equal(counts: dict, modes) -> str:
     return f"{eq}/{tot}"
 
 
+def _page1_rows() -> list:
+    """The fixed prompts at SGLang --page-size 1 (kvtier's host blocks: 16 tokens), a run of their own."""
+    res = _load("e2e_h200_page1_fixed.json")
+    if res is None:
+        return []
+    s = res["summary"]
+    return [f"| fixed prompts at --page-size 1 (host blocks of 16 tokens): outputs equal kvtier vs device; worst "
+            f"layerwise / bound at 8k and 28k; whole | {s['outputs_equal_kvtier_vs_device']:.3f}; "
+            f"{s['ttft_over_bound_layerwise']:.3f}; {s['ttft_over_bound_whole']:.3f} |"]
+
+
 def e2e_table() -> str:
     res = _load("e2e_h200.json")
     if res is None:
@@ -256,6 +267,7 @@ def e2e_table() -> str:
         f"{s['ttft_over_bound_whole']:.3f} |",
         f"| worst speedup over the ceiling at 8k and 28k (target >= 0.85), layerwise / whole | "
         f"{s['ttft_speedup_over_ceiling_layerwise']:.3f} / {s['ttft_speedup_over_ceiling_whole']:.3f} |",
+        *_page1_rows(),
         "| 28k prefix, speedup vs recompute, layerwise / whole: " + "; ".join(
             f"{k.split('+')[1]} new" for k in longest) + " | " + "; ".join(
             f"{v['kvtier_layerwise']:.1f}x / {v['kvtier_whole']:.1f}x" for v in longest.values()) + " |",
