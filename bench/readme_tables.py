@@ -132,15 +132,20 @@ def _overhead_probe_rows() -> list:
             f"{probe['layerwise_issue_us']['load_layerwise_1p']} / {staged['load_layerwise_staged_1p']} µs |"]
 
 
+def _row_if_committed(name: str, row) -> list:
+    """``[row(result)]`` for the result file ``name`` when it is committed, else no row."""
+    res = _load(name)
+    return [] if res is None else [row(res)]
+
+
 def _staged_probe_rows() -> list:
     """Rows from bench/probe_staged.py's run (another process, same session), if committed."""
-    probe = _load("probes/probe_staged_h200.json")
-    if probe is None:
-        return []
-    g = probe["gbps"]
-    return [f"| staged load alone, 1024 tokens, {probe['rounds']} alternating rounds, separate run "
-            f"(`bench/probe_staged.py`): short last chunk (default) / without / one contiguous copy-engine copy | {g['default']} / "
-            f"{g['no_short_tail']} / {g['copy_engine_contiguous']} GB/s |"]
+    def row(probe: dict) -> str:
+        g = probe["gbps"]
+        return (f"| staged load alone, 1024 tokens, {probe['rounds']} alternating rounds, separate run "
+                f"(`bench/probe_staged.py`): short last chunk (default) / without / one contiguous copy-engine copy | "
+                f"{g['default']} / {g['no_short_tail']} / {g['copy_engine_contiguous']} GB/s |")
+    return _row_if_committed("probes/probe_staged_h200.json", row)
 
 
 def _copy2d_probe_rows() -> list:
@@ -224,13 +229,12 @@ def _equal(counts: dict, modes) -> str:
 
 def _page1_rows() -> list:
     """The fixed prompts at SGLang --page-size 1 (kvtier's host blocks: 16 tokens), a run of their own."""
-    res = _load("e2e_h200_page1_fixed.json")
-    if res is None:
-        return []
-    s = res["summary"]
-    return [f"| fixed prompts at --page-size 1 (host blocks of 16 tokens): outputs equal kvtier vs device; worst "
-            f"layerwise / bound at 8k and 28k; whole | {s['outputs_equal_kvtier_vs_device']:.3f}; "
-            f"{s['ttft_over_bound_layerwise']:.3f}; {s['ttft_over_bound_whole']:.3f} |"]
+    def row(res: dict) -> str:
+        s = res["summary"]
+        return (f"| fixed prompts at --page-size 1 (host blocks of 16 tokens): outputs equal kvtier vs device; worst "
+                f"layerwise / bound at 8k and 28k; whole | {s['outputs_equal_kvtier_vs_device']:.3f}; "
+                f"{s['ttft_over_bound_layerwise']:.3f}; {s['ttft_over_bound_whole']:.3f} |")
+    return _row_if_committed("e2e_h200_page1_fixed.json", row)
 
 
 def e2e_table() -> str:
