@@ -77,16 +77,18 @@ def _fns(kv, host, stager, layout, slots, ids_cpu, to_host: bool):
     }
 
 
-def _auto_modes(kv, pool, tokens: int) -> dict:
-    """The paths ``KVTier`` in ``auto`` mode picks for a whole load, a layerwise load and a store of ``tokens``."""
+def _auto_modes(kv, pool, sizes) -> dict:
+    """Per size (tokens), the paths ``KVTier`` in ``auto`` mode picks for a whole load, a layerwise load and a store."""
     tier = KVTier(kv, TierConfig(page_size=kv.geometry.page_size, host_layout=pool.layout, transfer_mode="auto",
                                  cpu_cache_gb=1.0), pool=pool)
     geo = tier.geometry
-    nbytes = tokens * geo.token_bytes
-    whole = tier._mode(False, nbytes)
-    layer = tier._mode(False, nbytes // geo.num_layers, per_layer=True)
-    store = tier._mode(True, nbytes)
-    return {"load_whole": whole, "load_layerwise": layer + "_copy", "store": store}
+    out = {}
+    for tokens in sizes:
+        nbytes = tokens * geo.token_bytes
+        out[str(tokens)] = {"load_whole": tier._mode(False, nbytes),
+                            "load_layerwise": tier._mode(False, nbytes // geo.num_layers, per_layer=True) + "_copy",
+                            "store": tier._mode(True, nbytes)}
+    return out
 
 
 def run_transfers(args, res: dict) -> None:
@@ -104,8 +106,8 @@ def run_transfers(args, res: dict) -> None:
         host = pool.host
         host.view(torch.uint8).random_(0, 256)
         stager = StagedTransfer(kv, host, layout=layout)
+        res.setdefault("auto", {})[layout] = _auto_modes(kv, pool, args.tokens)
         for tokens in args.tokens:
-            auto = _auto_modes(kv, pool, tokens)
             n = tokens // geo.page_size
             for run in RUNS:
                 ids = torch.from_numpy(fragmented_ids(n, run, num_blocks, rng))
@@ -130,7 +132,6 @@ def run_transfers(args, res: dict) -> None:
                         print(f"{layout:11s} {tokens:5d} R={run or 'one':>3} runs={runs:4d} "
                               f"{row['op']:5s} {path:12s} gpu {row['gpu_ms']:8.3f} ms host {row['host_ms']:8.3f} ms "
                               f"{row['gbps']:6.1f} GB/s", flush=True)
-            res.setdefault("auto", {}).setdefault(layout, {})[str(tokens)] = auto
         del stager
         pool.destroy()
     res["rows"] = rows
@@ -219,9 +220,8 @@ def summarize(res: dict) -> dict:
                 op = "store" if kind == "store" else "load"
                 one = gpu(layout, tokens, 0, op, path)
                 ratio = max(gpu(layout, tokens, r, op, path) for r in RUNS) / one
-                key = f"{kind}"
-                if ratio > worst.get(key, (0, ""))[0]:
-                    worst[key] = (ratio, f"{layout}/{tokens}/{path}")
+                if ratio > worst.get(kind, (0, ""))[0]:
+                    worst[kind] = (ratio, f"{layout}/{tokens}/{path}")
                 if kind == "load_layerwise" and tokens == max(int(t) for t in by_tokens):
                     h = max(r["host_ms"] for r in rows if (r["layout"], r["tokens"], r["op"], r["path"])
                             == (layout, tokens, "load", path))

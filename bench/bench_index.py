@@ -87,13 +87,17 @@ class KvtierLib:
 
     def __init__(self, page, blocks=4096):
         self.page = page
-        self.block = self.tokens_per_block or default_tokens_per_block(page)
+        self.block = self.block_for(page)
         self.t = PageTrie(self.block, initial_nodes=blocks)
 
     @classmethod
+    def block_for(cls, page):
+        """kvtier's host block (tokens) at engine page ``page``."""
+        return cls.tokens_per_block or default_tokens_per_block(page)
+
+    @classmethod
     def capacity(cls, page, seqs):
-        block = cls.tokens_per_block or default_tokens_per_block(page)
-        return sum(len(s) // block for s in seqs)
+        return sum(len(s) // cls.block_for(page) for s in seqs)
 
     @property
     def unit_tokens(self):
@@ -127,13 +131,17 @@ class _NullAllocator:
 class SglangLib:
     name = "sglang_radix"
 
-    def __init__(self, page, blocks=None):
+    def __init__(self, page, blocks=None):  # blocks: unused (a Python tree has no preset capacity)
         import torch
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
         self.torch, self.page = torch, page
         self.RadixKey, self.IP, self.MP, self.EP = RadixKey, InsertParams, MatchPrefixParams, EvictParams
         self.c = self._make(page)
+
+    @classmethod
+    def capacity(cls, page, seqs):
+        return None
 
     def _make(self, page):
         from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -179,7 +187,7 @@ def run_library(cls, page, seqs, arrs, reps, evict_chunk_pages):
     hits = None
     for _ in range(reps):
         gc.collect()
-        lib = cls(page, cls.capacity(page, seqs)) if hasattr(cls, "capacity") else cls(page)
+        lib = cls(page, cls.capacity(page, seqs))
         vals = lib.values(seqs)
         ins = []
         for a, v in zip(arrs, vals):
@@ -336,7 +344,7 @@ def main():
                       f"(cold loop {res['match_us_cold_loop']:.1f}), evict {res['evict_us_per_page']:.3f} us/page",
                       flush=True)
             base = hits["kvtier"]
-            block = KvtierLib.tokens_per_block or default_tokens_per_block(page)
+            block = KvtierLib.block_for(page)
             results[key]["kvtier_tokens_per_block"] = block
             results[key]["matched_tokens"] = {n: sum(h) for n, h in hits.items()}
             # what kvtier matches short of each peer, per sequence: under one host block when hits are exact

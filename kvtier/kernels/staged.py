@@ -73,10 +73,12 @@ def chunk_pages(num_pages: int, per_chunk: int, to_host: bool, *, short_edge: bo
     return [edge] + body if to_host else body + [edge]
 
 
-def chunk_rows(first: int, n: int, page: int, skip: int) -> tuple[int, int]:
-    """The slots (a range of the transfer's slot list) of the chunk of blocks ``first .. first + n``, when the
-    first ``skip`` tokens of the transfer's first block are not moved."""
-    return max(first * page - skip, 0), (first + n) * page - skip
+def chunk_rows(first: int, n: int, page: int, skip: int) -> tuple[int, int, int]:
+    """(lo, hi, chunk_skip) of the chunk of blocks ``first .. first + n`` when the first ``skip`` tokens of the
+    transfer's first block are not moved: its slots are ``slots[lo:hi]``, and the chunk skips ``chunk_skip``
+    tokens of its own first block (``skip`` for the first chunk, 0 for the others)."""
+    chunk_skip = skip if first == 0 else 0
+    return first * page - skip + chunk_skip, (first + n) * page - skip, chunk_skip
 
 
 def _runs(block_ids: np.ndarray) -> list[tuple[int, int]]:
@@ -242,9 +244,9 @@ class StagedTransfer:
         done = None
         first = 0
         for n in chunk_pages(host_ids.size, self._pages_per_chunk(span.count), to_host, short_edge=short_edge):
-            lo, hi = chunk_rows(first, n, page, skip)
+            lo, hi, chunk_skip = chunk_rows(first, n, page, skip)
             done = self._chunk(direction, work, slots[lo:hi], host_ids[first:first + n], span, span_geo, to_host,
-                               skip if first == 0 else 0)
+                               chunk_skip)
             first += n
         return done
 

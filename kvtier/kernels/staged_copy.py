@@ -97,10 +97,10 @@ class StagedCopy:
                              short_edge=short_edge):
             ids = self._host_ids[first:first + n]
             strides = span_geo.host_row_strides(n, stager.layout)
-            lo, hi = chunk_rows(first, n, page, self._skip)
+            lo, hi, chunk_skip = chunk_rows(first, n, page, self._skip)
             launches = [_KernelLaunch(stager.kv, buf, self._slots[lo:hi], stager._local_ids[:n], strides,
                                       to_blocks=self.to_host, tile_bytes=GATHER_TILE_BYTES, num_warps=GATHER_WARPS,
-                                      skip_rows=self._skip if first == 0 else 0) for buf in d.buffers]
+                                      skip_rows=chunk_skip) for buf in d.buffers]
             plan.append(_Chunk(first, ids, _runs(ids), launches))
             first += n
         self._plans[key] = plan

@@ -421,10 +421,7 @@ class KVTier(HostTier):
         """Evict LRU unlocked blocks now, at least ``num_pages`` pages' worth if there are; returns the pages
         evicted."""
         G = self._pages_per_block
-        ids = self.index.evict(-(-num_pages // G))
-        self.pool.free(ids)
-        self._stats.pages_evicted += ids.size * G
-        return int(ids.size) * G
+        return self._evict_blocks(-(-num_pages // G)) * G
 
     def destroy(self) -> None:
         """Wait for in-flight copies and release the host pool (unpins it); idempotent."""
@@ -599,12 +596,19 @@ class KVTier(HostTier):
             fn(self.kv, self.pool.host, slots, block_ids, layout=self.layout, layers=layers,
                num_programs=self.config.num_programs, stream=stream, check=check, skip_tokens=skip)
 
+    def _evict_blocks(self, n: int) -> int:
+        """Evict up to ``n`` LRU unlocked blocks and free them; returns how many."""
+        ids = self.index.evict(n)
+        self.pool.free(ids)
+        self._stats.pages_evicted += ids.size * self._pages_per_block
+        return int(ids.size)
+
     def _alloc(self, n: int) -> np.ndarray:
         """Up to ``n`` free blocks, evicting LRU unlocked pages for room; fewer when not enough can be evicted."""
         ids = self.pool.alloc(n)
         if ids is not None:
             return ids
-        self.evict((n - self.pool.num_free) * self._pages_per_block)
+        self._evict_blocks(n - self.pool.num_free)
         ids = self.pool.alloc(min(n, self.pool.num_free))
         return ids if ids is not None else np.empty(0, np.int64)
 
