@@ -4,11 +4,13 @@ Part 1, transfers (H200): Qwen3-8B KV (36 layers, 8 KV heads x 128, bf16, page 1
 host blocks in shuffled runs of R consecutive ids (R in 1, 2, 4, 8, 16, 64 and one run), both host layouts. Paths:
 ``direct`` (load_pages/store_pages, all layers in one launch), ``direct_copy`` (a DirectCopy launched per layer, 36
 launches), ``staged`` (StagedTransfer, all layers), ``staged_copy`` (a StagedCopy launched per layer), for loads and
-stores, and ``auto``: what ``KVTier`` in ``auto`` mode picks for a whole load, a layerwise load and a store. For each:
-GPU time (CUDA events, medians) and host issue time (the GPU kept busy), and every load is checked byte for byte
-once. Summary: ``frag_worst_over_one_run`` (what auto picks: the worst R's GPU time over the same path's one-run
-time, over both layouts and sizes, per kind) and ``frag_layerwise_issue_ms_max`` (auto's layerwise load, 8k tokens,
-host issue ms at the worst R).
+stores, and ``auto``: what the tier's transfer policy in ``auto`` mode picks for a whole load, a layerwise load and
+a store of those blocks (it reads their runs, so the pick may differ per R). For each: GPU time (CUDA events,
+medians) and host issue time (the GPU kept busy), and every load is checked byte for byte once. Then (CUDA) an
+8192^3 bf16 GEMM beside back-to-back transfers of every path at R = 1 and one run. Summary:
+``frag_worst_over_one_run`` (what auto picks at the worst R over what it picks for one run, over both layouts and
+sizes, per kind), ``frag_layerwise_issue_ms_max`` (auto's layerwise load, 8k tokens, host issue ms at the worst R)
+and ``gemm_slowdown_pct`` (the worst GEMM slowdown beside what auto picks).
 
 Part 2, churn: a KVTier with a small pool serves a multi-turn workload (stores of every turn, loads of each
 conversation's history) under LRU eviction; after a warm-up that fills the pool, the run lengths of the host block ids
@@ -32,13 +34,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.common import env_info, host_us_per_call, make_pool, random_slots, time_gpu_ms, write_json  # noqa: E402
+from bench.common import (env_info, gemm_beside, host_us_per_call, make_pool, random_slots, time_gpu_ms,  # noqa: E402
+                          write_json)
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import DirectCopy, StagedTransfer, copy_pages_ref, load_pages, store_pages  # noqa: E402
 from kvtier.kernels.staged import _runs  # noqa: E402
 from kvtier.kernels.staged_copy import StagedCopy  # noqa: E402
 from kvtier.tier import HostBlockPool, KVTier  # noqa: E402
+from kvtier.tier.transfer_policy import CopyPlan, TransferPolicy  # noqa: E402
 
 RUNS = (1, 2, 4, 8, 16, 64, 0)  # 0: one run
 PATHS = ("direct", "direct_copy", "staged", "staged_copy")
@@ -77,18 +81,13 @@ def _fns(kv, host, stager, layout, slots, ids_cpu, to_host: bool):
     }
 
 
-def _auto_modes(kv, pool, sizes) -> dict:
-    """Per size (tokens), the paths ``KVTier`` in ``auto`` mode picks for a whole load, a layerwise load and a store."""
-    tier = KVTier(kv, TierConfig(page_size=kv.geometry.page_size, host_layout=pool.layout, transfer_mode="auto",
-                                 cpu_cache_gb=1.0), pool=pool)
-    geo = tier.geometry
-    out = {}
-    for tokens in sizes:
-        nbytes = tokens * geo.token_bytes
-        out[str(tokens)] = {"load_whole": tier._mode(False, nbytes),
-                            "load_layerwise": tier._mode(False, nbytes // geo.num_layers, per_layer=True) + "_copy",
-                            "store": tier._mode(True, nbytes)}
-    return out
+def auto_paths(layout: str, geo: KVGeometry, ids: np.ndarray) -> dict:
+    """The paths ``auto`` picks for a whole load, a layerwise load and a store of blocks ``ids``."""
+    pick = TransferPolicy("auto", layout, geo).path
+    L = geo.num_layers
+    return {"load_whole": pick(CopyPlan(False, ids, L)).value,
+            "load_layerwise": pick(CopyPlan(False, ids, 1)).value + "_copy",
+            "store": pick(CopyPlan(True, ids, L)).value}
 
 
 def run_transfers(args, res: dict) -> None:
@@ -106,13 +105,14 @@ def run_transfers(args, res: dict) -> None:
         host = pool.host
         host.view(torch.uint8).random_(0, 256)
         stager = StagedTransfer(kv, host, layout=layout)
-        res.setdefault("auto", {})[layout] = _auto_modes(kv, pool, args.tokens)
         for tokens in args.tokens:
             n = tokens // geo.page_size
             for run in RUNS:
                 ids = torch.from_numpy(fragmented_ids(n, run, num_blocks, rng))
                 slots = random_slots(n, geo.page_size, kv.num_slots, device, gen)
                 runs = len(_runs(ids.numpy()))
+                res.setdefault("auto", {}).setdefault(layout, {}).setdefault(str(tokens), {})[str(run)] = \
+                    auto_paths(layout, geo, ids.numpy())
                 for to_host in (False, True):
                     fns = _fns(kv, host, stager, layout, slots, ids, to_host)
                     for path, fn in fns.items():
@@ -135,6 +135,40 @@ def run_transfers(args, res: dict) -> None:
         del stager
         pool.destroy()
     res["rows"] = rows
+
+
+def run_gemm(args, res: dict) -> None:
+    """An 8192^3 bf16 GEMM alone and beside back-to-back transfers of every path, the largest size, R = 1 and one
+    run, both layouts (CUDA only). Summary: ``gemm_slowdown_pct``, the worst over what auto picks."""
+    geo = KVGeometry(num_layers=args.layers, num_kv_heads=args.heads, head_dim=args.head_dim, dtype=torch.bfloat16,
+                     page_size=16)
+    tokens = max(args.tokens)
+    n = tokens // geo.page_size
+    num_blocks = 2 * n + 64
+    kv = make_pool(geo, 2 * tokens + 64 * geo.page_size, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rng = np.random.default_rng(1)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    rows = []
+    for layout in ("layer_first", "page_first"):
+        pool = HostBlockPool(geo, num_blocks, layout=layout)
+        stager = StagedTransfer(kv, pool.host, layout=layout)
+        for run in (1, 0):
+            ids = torch.from_numpy(fragmented_ids(n, run, num_blocks, rng))
+            slots = random_slots(n, geo.page_size, kv.num_slots, "cuda", gen)
+            for to_host in (False, True):
+                for path, fn in _fns(kv, pool.host, stager, layout, slots, ids, to_host).items():
+                    g = gemm_beside(fn, tokens * geo.token_bytes, a, b, side, n_copy=args.gemm_copies)
+                    rows.append(dict(layout=layout, tokens=tokens, run=run, op="store" if to_host else "load",
+                                     path=path, **{k: v for k, v in g.items() if k != "rounds"}))
+                    print(f"gemm {layout:11s} R={run or 'one':>3} {rows[-1]['op']:5s} {path:12s} "
+                          f"{g['slowdown_pct']:+6.2f}% ({g['gemm_alone_ms']:.3f} -> {g['gemm_with_h2d_ms']:.3f} ms)",
+                          flush=True)
+        del stager
+        pool.destroy()
+    res["gemm"] = rows
 
 
 def _check_load(kv, host, layout, slots, ids, fn) -> None:
@@ -214,23 +248,33 @@ def summarize(res: dict) -> dict:
                     == (layout, tokens, run, op, path))
     worst, issue = {}, None
     for layout, by_tokens in res.get("auto", {}).items():
-        for tokens_s, auto in by_tokens.items():
+        largest = max(int(t) for t in by_tokens)
+        for tokens_s, by_run in by_tokens.items():
             tokens = int(tokens_s)
-            for kind, path in auto.items():
+            for kind in by_run["0"]:
                 op = "store" if kind == "store" else "load"
-                one = gpu(layout, tokens, 0, op, path)
-                ratio = max(gpu(layout, tokens, r, op, path) for r in RUNS) / one
+                picked = {int(r): gpu(layout, tokens, int(r), op, paths[kind]) for r, paths in by_run.items()}
+                r_worst = max(picked, key=picked.get)
+                ratio = picked[r_worst] / picked[0]
                 if ratio > worst.get(kind, (0, ""))[0]:
-                    worst[kind] = (ratio, f"{layout}/{tokens}/{path}")
-                if kind == "load_layerwise" and tokens == max(int(t) for t in by_tokens):
-                    h = max(r["host_ms"] for r in rows if (r["layout"], r["tokens"], r["op"], r["path"])
-                            == (layout, tokens, "load", path))
+                    worst[kind] = (ratio, f"{layout}/{tokens}/R={r_worst or 'one'}/{by_run[str(r_worst)][kind]}")
+                if kind == "load_layerwise" and tokens == largest:
+                    h = max(r["host_ms"] for r in rows if (r["layout"], r["tokens"], r["op"]) == (layout, tokens, "load")
+                            and r["path"] == by_run[str(r["run"])][kind])
                     issue = h if issue is None else max(issue, h)
     s = {f"frag_worst_over_one_run_{k}": v[0] for k, v in worst.items()}
     s.update({f"frag_worst_cell_{k}": v[1] for k, v in worst.items()})
     if worst:
         s["frag_worst_over_one_run"] = max(v[0] for v in worst.values())
     s["frag_layerwise_issue_ms_max"] = issue
+    gemm = res.get("gemm")
+    if gemm:
+        picked = [g for g in gemm
+                  for kind, path in res["auto"][g["layout"]][str(g["tokens"])][str(g["run"])].items()
+                  if path == g["path"] and (kind == "store") == (g["op"] == "store")]
+        worst = max(picked, key=lambda g: g["slowdown_pct"])
+        s["gemm_slowdown_pct"] = worst["slowdown_pct"]
+        s["gemm_slowdown_cell"] = f"{worst['layout']}/R={worst['run'] or 'one'}/{worst['op']}/{worst['path']}"
     churn = res.get("churn")
     if churn:
         s["churn_load_median_R"] = churn["loads"].get("median_R")
@@ -251,9 +295,12 @@ def main(argv=None) -> int:
     else:
         args.layers, args.heads, args.head_dim, args.tokens, args.reps, args.host_reps = 36, 8, 128, (1024, 8192), 10, 10
         args.churn_convs, args.churn_system, args.churn_blocks, args.churn_steps = 64, 2048, 4096, 400
+    args.gemm_copies = 4
     t0 = time.time()
     res: dict = {"env": env_info(), "runs": list(RUNS), "paths": list(PATHS)}
     run_transfers(args, res)
+    if torch.cuda.is_available():
+        run_gemm(args, res)
     write_json(args.out + ".partial", res)  # the transfers, should the churn part not finish
     run_churn(args, res)
     res["summary"] = summarize(res)

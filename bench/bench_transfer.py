@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (env_info, gbps, host_us_per_call, make_pool, random_slots, time_gpu_ms,  # noqa: E402
+from bench.common import (env_info, gbps, gemm_beside, host_us_per_call, make_pool, random_slots, time_gpu_ms,  # noqa: E402
                           write_json)
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import StagedTransfer, copy_pages_ref, load_pages, store_pages  # noqa: E402
@@ -275,41 +275,10 @@ def run_gemm(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
         if meth not in fns:
             continue
         fn, nbytes = fns[meth]
-        fn()
-        torch.cuda.synchronize()
-        rounds = []
-        for _ in range(3):
-            alone = time_gpu_ms(lambda: a @ b, reps=10, warmup=3, hide_host_us=0)["median_ms"]
-            alone_all.append(alone)
-            n_gemm, n_copy = 15, 30
-            c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(int(4e6))  # ~2 ms: all copies are queued before the first one starts
-                c0.record(side)
-                for _ in range(n_copy):
-                    ev = fn()
-                    if isinstance(ev, torch.cuda.Event):
-                        side.wait_event(ev)
-                c1.record(side)
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(n_gemm)]
-            torch.cuda._sleep(int(5e6))  # start the GEMMs once the copies run
-            for e0, e1 in ev:
-                e0.record()
-                a @ b
-                e1.record()
-            torch.cuda.synchronize()
-            copy_ms = c0.elapsed_time(c1)
-            inside = sorted(e0.elapsed_time(e1) for e0, e1 in ev
-                            if c0.elapsed_time(e0) >= 0 and c0.elapsed_time(e1) <= copy_ms)
-            rounds.append({"alone_ms": alone, "with_ms": inside[len(inside) // 2] if inside else float("nan"),
-                           "overlapped": len(inside), "h2d_gbps_during": gbps(nbytes * n_copy, copy_ms)})
-        alone = sorted(r["alone_ms"] for r in rounds)[1]
-        with_ = sorted(r["with_ms"] for r in rounds)[1]
-        out[meth] = {"gemm_alone_ms": round(alone, 4), "gemm_with_h2d_ms": round(with_, 4),
-                     "slowdown_pct": round(100 * (with_ / alone - 1), 2), "rounds": rounds}
+        out[meth] = gemm_beside(fn, nbytes, a, b, side, n_copy=30)
+        alone_all.extend(r["alone_ms"] for r in out[meth]["rounds"])
         print("gemm", meth, {k: v for k, v in out[meth].items() if k != "rounds"},
-              [r["h2d_gbps_during"] for r in rounds], flush=True)
+              [r["h2d_gbps_during"] for r in out[meth]["rounds"]], flush=True)
     out["gemm_alone_ms"] = sorted(alone_all)[len(alone_all) // 2]
     res["gemm"] = out
 

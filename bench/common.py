@@ -68,6 +68,49 @@ def host_us_per_call(fn: Callable[[], object], reps: int = 200) -> float:
     return round(statistics.median(times) * 1e6, 2)
 
 
+def gemm_beside(fn: Callable[[], object], nbytes: int, a: torch.Tensor, b: torch.Tensor, side: torch.cuda.Stream,
+                n_copy: int, n_gemm: int = 15, rounds: int = 3) -> dict:
+    """GEMM ``a @ b`` time alone and while ``n_copy`` back-to-back calls of ``fn`` (each moving ``nbytes``) run on
+    ``side``: the median over ``rounds`` of the median GEMM inside the copies' window, and the slowdown in %."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    issue_s = time.perf_counter() - t  # host time to issue one call: the copies must all be queued first
+    torch.cuda.synchronize()
+    head_cycles = int((2e-3 + 1.5 * n_copy * issue_s) * _sm_clock_hz())
+    out = []
+    for _ in range(rounds):
+        alone = time_gpu_ms(lambda: a @ b, reps=10, warmup=3, hide_host_us=0)["median_ms"]
+        c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n_gemm)]
+        # The GEMMs queue first, behind a spin a little longer than the copies' (both spins start together), so
+        # that host-bound copies are queued in full before either stream starts.
+        torch.cuda._sleep(head_cycles + int(1e-3 * _sm_clock_hz()))
+        for e0, e1 in ev:
+            e0.record()
+            a @ b
+            e1.record()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(head_cycles)
+            c0.record(side)
+            for _ in range(n_copy):
+                ev_copy = fn()
+                if isinstance(ev_copy, torch.cuda.Event):
+                    side.wait_event(ev_copy)
+            c1.record(side)
+        torch.cuda.synchronize()
+        copy_ms = c0.elapsed_time(c1)
+        inside = sorted(e0.elapsed_time(e1) for e0, e1 in ev
+                        if c0.elapsed_time(e0) >= 0 and c0.elapsed_time(e1) <= copy_ms)
+        out.append({"alone_ms": alone, "with_ms": inside[len(inside) // 2] if inside else float("nan"),
+                    "overlapped": len(inside), "h2d_gbps_during": gbps(nbytes * n_copy, copy_ms)})
+    alone = sorted(r["alone_ms"] for r in out)[len(out) // 2]
+    with_ = sorted(r["with_ms"] for r in out)[len(out) // 2]
+    return {"gemm_alone_ms": round(alone, 4), "gemm_with_h2d_ms": round(with_, 4),
+            "slowdown_pct": round(100 * (with_ / alone - 1), 2), "rounds": out}
+
+
 def gbps(nbytes: int, ms: float) -> float:
     return round(nbytes / (ms * 1e-3) / 1e9, 2)
 

@@ -23,9 +23,11 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
 * ``transfer_mode`` (``"auto"`` | ``"direct"`` | ``"staged"``, default ``"auto"``): ``auto`` stores through the
   staged path (copy engine: leaves the SMs to the forward pass, and a store can overlap a load) and loads through
   it too when a whole load, or one layer of a layerwise load, moves >= 4 MiB (from there the copy outlasts its
-  host issue); smaller loads go through the direct kernel (no staging hop, lowest latency, cheap to
-  issue), and so do layerwise loads from a ``page_first`` pool whose
-  layer slice of a block is under 64 KiB (the copy engine moves short rows slowly). See :mod:`kvtier.tier.manager`.
+  host issue) and its host blocks run long enough for the copy engine (a fragmented pool's short runs go
+  through the direct kernel, whose speed does not depend on them); smaller loads go through the direct kernel (no
+  staging hop, lowest latency, cheap to issue), and so do layerwise loads from a ``page_first`` pool whose layer
+  slice of a block is under 64 KiB (the copy engine moves short rows slowly). See
+  :mod:`kvtier.tier.transfer_policy`.
 * ``num_programs`` (int >= 1 or null, default null): persistent programs (SMs) of the direct kernel; null picks the
   kernel's default (:data:`kvtier.kernels.DEFAULT_PROGRAMS`, more for short bursts).
 * ``layerwise`` (bool, default true): engine adapters load host hits layer by layer (``KVTier.load_layerwise``)

@@ -1,9 +1,9 @@
 """The copy-engine side of the staged path on the CPU: which copies ``_copy_rect`` issues, and that they move the bytes.
 
-CuPy needs CUDA, so these tests put a recording stand-in for ``cupy.cuda.runtime`` in its place: it performs each
-copy with ``ctypes.memmove`` on host memory and records the call. That checks the choice between one 2-D copy and
-per-row copies (host registrations, the pitch limit) and the pointer and pitch arithmetic, which the GPU tests only
-see end to end.
+CuPy and the driver's batched copy need CUDA, so these tests put recording stand-ins for ``cupy.cuda.runtime`` and
+``batch_copy.memcpy_batch`` in their place: each performs its copies with ``ctypes.memmove`` on host memory and
+records the call. That checks the choice between one 2-D copy, per-row copies (host registrations, the pitch limit)
+and one batched call, and the pointer and pitch arithmetic, which the GPU tests only see end to end.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.geometry import KVGeometry
-from kvtier.kernels import StagedTransfer
+from kvtier.kernels import StagedTransfer, batch_copy
 from kvtier.kernels import staged as staged_mod
 from kvtier.kernels.checks import LayerSpan
 from kvtier.kernels.pinned import register_pinned_range, unregister_pinned_range
@@ -51,6 +51,29 @@ def runtime(monkeypatch):
     monkeypatch.setattr(staged_mod, "_cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt)))
     monkeypatch.setattr(staged_mod, "_max_pitch", lambda: 1 << 20)
     return rt
+
+
+class FakeBatch:
+    """Stands in for the driver's batched copy: memmoves each (dst, src, size), records one call per batch."""
+
+    def __init__(self, runtime: FakeRuntime) -> None:
+        self.runtime = runtime
+
+    def memcpy_batch(self, dsts, srcs, sizes, stream) -> None:
+        assert dsts.dtype == srcs.dtype == sizes.dtype == np.uint64
+        self.runtime.calls.append(("batch", dsts.size))
+        for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+            ctypes.memmove(d, s, n)
+
+
+@pytest.fixture(params=[False, True], ids=["one_by_one", "batched"])
+def copies(request, runtime, monkeypatch):
+    """The runtime stand-in, with or without a batched copy behind it."""
+    fake = FakeBatch(runtime)
+    monkeypatch.setattr(batch_copy, "available", lambda: request.param)
+    monkeypatch.setattr(batch_copy, "memcpy_batch", fake.memcpy_batch)
+    runtime.batched = request.param
+    return runtime
 
 
 STREAM = types.SimpleNamespace(cuda_stream=0)
@@ -140,10 +163,12 @@ GEO = KVGeometry(4, 2, 64, torch.float16, page_size=2)
        ids=st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True),
        start=st.integers(0, 3), count=st.integers(1, 4), to_host=st.booleans(),
        boundary=st.one_of(st.none(), st.integers(1, 200)))
-def test_offset_copies_move_what_the_views_name(runtime, layout, ids, start, count, to_host, boundary):
-    """With CuPy and a stream, ``_copy_runs`` issues its copies from byte offsets (no views); the bytes they move
-    must be exactly those of the (host, staging) views of every run, for any block ids, layers and layout, with
-    or without a host registration boundary inside the pool."""
+def test_offset_copies_move_what_the_views_name(copies, layout, ids, start, count, to_host, boundary):
+    """With CuPy and a stream, ``_copy_runs`` issues its copies from byte offsets (no views), one batched call
+    for a chunk of several runs where the driver has it; the bytes they move must be exactly those of the
+    (host, staging) views of every run, for any block ids, layers and layout, with or without a host registration
+    boundary inside the pool."""
+    runtime = copies
     count = min(count, GEO.num_layers - start)
     span = LayerSpan(start, count)
     gen = torch.Generator().manual_seed(len(ids) * 31 + start)
@@ -168,7 +193,51 @@ def test_offset_copies_move_what_the_views_name(runtime, layout, ids, start, cou
         for ptr, _ in regs:
             unregister_pinned_range(ptr)
     assert runtime.calls, "the CuPy path issued no copy"
+    several = len(staged_mod._runs(host_ids)) > 1
+    assert [c[0] for c in runtime.calls] == ["batch"] if runtime.batched and several else \
+        all(c[0] != "batch" for c in runtime.calls)
     assert torch.equal(host_bytes, want_host) and torch.equal(staging, want_stg)
+
+
+@settings(max_examples=100, deadline=None)
+@given(layout=st.sampled_from(["page_first", "layer_first"]),
+       ids=st.lists(st.integers(0, 11), min_size=1, max_size=8, unique=True),
+       start=st.integers(0, 3), count=st.integers(1, 4))
+def test_run_rows_are_the_rows_of_the_rects_in_order(layout, ids, start, count):
+    """``run_rows`` (numpy, what the batched copy issues) lists exactly the rows of ``_run_rects``, in order, and a
+    span's rows are its layer-0 rows moved by ``layer_shift`` per layer on the host side only (how a layerwise
+    plan reuses them)."""
+    count = min(count, GEO.num_layers - start)
+    gen = torch.Generator().manual_seed(0)
+    stager = StagedTransfer(make_kv(GEO, 16, "cpu", gen), make_host(GEO, 12, layout, "cpu", gen), layout=layout)
+    host_ids = np.array(ids, dtype=np.int64)
+    span = LayerSpan(start, count)
+    want = [(r.host_off + i * r.host_pitch, r.stg_off + i * r.stg_pitch, r.width)
+            for r in stager._run_rects(host_ids, span) for i in range(r.height)]
+    rows = stager.run_rows(host_ids, span)
+    assert all(a.dtype == np.uint64 for a in rows)
+    assert list(zip(rows.host_off.tolist(), rows.stg_off.tolist(), rows.width.tolist())) == want
+    base = stager.run_rows(host_ids, LayerSpan(0, count))
+    assert (base.host_off + np.uint64(start * stager.layer_shift()) == rows.host_off).all()
+    assert (base.stg_off == rows.stg_off).all() and (base.width == rows.width).all()
+
+
+def test_split_rows_cuts_only_rows_that_cross_a_registration():
+    buf = torch.zeros(1000, dtype=torch.uint8)
+    base = buf.data_ptr()
+    host = np.array([base, base + 90, base + 300], dtype=np.uint64)
+    other = np.array([7000, 8000, 9000], dtype=np.uint64)
+    sizes = np.array([50, 30, 100], dtype=np.uint64)
+    register_pinned_range(base, 100)  # [0, 100) and [100, 1000) are two registrations
+    register_pinned_range(base + 100, 900)
+    try:
+        h, o, z = batch_copy.split_rows(host, other, sizes)
+    finally:
+        unregister_pinned_range(base)
+        unregister_pinned_range(base + 100)
+    assert (h - np.uint64(base)).tolist() == [0, 90, 100, 300]
+    assert o.tolist() == [7000, 8000, 8010, 9000] and z.tolist() == [50, 10, 20, 100]
+    assert batch_copy.split_rows(host, other, sizes)[0] is host  # no registrations: unchanged
 
 
 @settings(max_examples=100, deadline=None)

@@ -298,8 +298,9 @@ def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layer
     (one layer of a layerwise load: AUTO_STAGED_LAYER_BYTES, the other threshold kept out of reach); layerwise loads
     from a ``page_first`` pool direct when a block's layer slice is shorter than AUTO_STAGED_MIN_SLICE_BYTES."""
     import kvtier.tier.manager as manager
+    import kvtier.tier.transfer_policy as policy
 
-    monkeypatch.setattr(manager, "AUTO_STAGED_MIN_SLICE_BYTES", TINY.page_bytes + 1 if short_slices else 1)
+    monkeypatch.setattr(policy, "AUTO_STAGED_MIN_SLICE_BYTES", TINY.page_bytes + 1 if short_slices else 1)
     calls = []
     for name in ("store", "load"):
         real = getattr(manager.StagedTransfer, name)
@@ -319,10 +320,10 @@ def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layer
     never = layerwise and layout == "page_first" and short_slices
     knob, other = ("AUTO_STAGED_LAYER_BYTES", "AUTO_STAGED_LOAD_BYTES") if layerwise else \
         ("AUTO_STAGED_LOAD_BYTES", "AUTO_STAGED_LAYER_BYTES")
-    monkeypatch.setattr(manager, other, 1 << 62)  # the threshold of the other kind of load must not decide
+    monkeypatch.setattr(policy, other, 1 << 62)  # the threshold of the other kind of load must not decide
     for threshold, staged in ((per_copy + 1, False), (per_copy, not never)):
         calls.clear()
-        monkeypatch.setattr(manager, knob, threshold)
+        monkeypatch.setattr(policy, knob, threshold)
         dst = page_slots(8 if staged else 16, 4, P)
         tier.wait(load(toks, None, dst))
         assert calls == (["load"] * (TINY.num_layers if layerwise else 1) if staged else [])

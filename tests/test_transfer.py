@@ -34,6 +34,9 @@ BUDGET_BYTES = 1 << 20  # bytes moved per example on CPU: the interpreter is slo
 # direct: one store_pages/load_pages call; direct_copy: a DirectCopy checked once and launched layer by layer;
 # staged: one StagedTransfer call; staged_copy: a StagedCopy planned once and launched layer by layer
 MODES = ["direct", "direct_copy", "staged", "staged_copy"]
+# host block ids of a case: a random pick; one run of consecutive ids (a pool's prefix: staged copies then span many
+# blocks); descending ids (runs of one, in reverse); every other id (runs of one between another request's blocks)
+BLOCK_PICKS = ["random", "run", "descending", "interleaved"]
 
 
 @dataclasses.dataclass
@@ -49,7 +52,7 @@ class Case:
     staging_pages: int
     num_buffers: int
     seed: int
-    block_run: bool = False  # blocks are one run of consecutive ids (else a random pick)
+    blocks: str = "random"  # see BLOCK_PICKS
     skip: int = 0  # the load leaves out the first `skip` tokens of the first block (a prefix held mid-block)
 
 
@@ -78,7 +81,7 @@ def cases(draw, budget: int = BUDGET_BYTES) -> Case:
                 spare_blocks=draw(st.integers(0, 3)), layers=layers, num_programs=draw(st.integers(1, 5)),
                 tile_bytes=draw(st.sampled_from([256, 4096, 65536])), staging_pages=draw(st.integers(1, 3)),
                 num_buffers=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**31 - 1)),
-                block_run=draw(st.booleans()), skip=draw(st.integers(0, geo.page_size - 1)))
+                blocks=draw(st.sampled_from(BLOCK_PICKS)), skip=draw(st.integers(0, geo.page_size - 1)))
 
 
 def _layer_range(layers, num_layers: int) -> range:
@@ -92,14 +95,18 @@ def run_round_trip(case: Case, device: str) -> None:
     gen = torch.Generator().manual_seed(case.seed)
     n = case.num_pages
     num_slots = 2 * n * page + page * 3 + 1  # odd count: slots need not be page aligned
-    num_blocks = n + case.spare_blocks
+    num_blocks = (2 * n if case.blocks == "interleaved" else n) + case.spare_blocks
     kv = make_kv(geo, num_slots, device, gen)
     host = make_host(geo, num_blocks, case.layout, device, gen)
     perm = torch.randperm(num_slots, generator=gen)
     src, dst = perm[:n * page], perm[n * page:2 * n * page]  # distinct, disjoint, arbitrary token slots
-    if case.block_run:  # one run of consecutive ids (a pool's prefix): staged copies then span many blocks
-        first = int(torch.randint(0, case.spare_blocks + 1, (1,), generator=gen))
+    first = int(torch.randint(0, case.spare_blocks + 1, (1,), generator=gen))
+    if case.blocks == "run":
         blocks = torch.arange(first, first + n)
+    elif case.blocks == "descending":
+        blocks = torch.arange(first + n - 1, first - 1, -1)
+    elif case.blocks == "interleaved":
+        blocks = torch.arange(first, first + 2 * n, 2)
     else:
         blocks = torch.randperm(num_blocks, generator=gen)[:n]
     if device == "cuda":
@@ -175,7 +182,7 @@ def run_round_trip(case: Case, device: str) -> None:
 # staging offset was the run start times the run's width, not a block's
 @example(case=Case(geo=KVGeometry(1, 1, 64, torch.uint8, page_size=16), layout="page_first", mode="staged",
                    num_pages=3, spare_blocks=0, layers=None, num_programs=1, tile_bytes=256, staging_pages=3,
-                   num_buffers=1, seed=35, block_run=False))
+                   num_buffers=1, seed=35))
 def test_round_trip_is_byte_exact(device: str, case: Case) -> None:
     run_round_trip(case, device)
 
@@ -189,12 +196,13 @@ def test_round_trip_is_byte_exact(device: str, case: Case) -> None:
     KVGeometry(2, 3, 64, torch.float16, page_size=1),  # 384 B rows: chunks of 128 B
     KVGeometry(2, 1, 36, torch.uint8, page_size=3),  # 36 B rows: 4-byte words, non power-of-two page
 ], ids=["qwen3", "mla_fp8", "odd_heads", "narrow_rows"])
-@pytest.mark.parametrize("block_run", [False, True], ids=["random_blocks", "block_run"])
-def test_round_trip_fixed_shapes(device: str, layout: str, mode: str, geo: KVGeometry, block_run: bool) -> None:
-    """Shapes that straddle chunk boundaries or force narrow words, every layout and mode, scattered blocks and
-    one run of blocks (staged ``layer_first`` then stages groups of layers)."""
+@pytest.mark.parametrize("blocks", BLOCK_PICKS)
+def test_round_trip_fixed_shapes(device: str, layout: str, mode: str, geo: KVGeometry, blocks: str) -> None:
+    """Shapes that straddle chunk boundaries or force narrow words, every layout and mode, every pick of host
+    blocks (one run: staged ``layer_first`` then stages groups of layers; the fragmented picks: a batched copy
+    per chunk where the driver has it)."""
     case = Case(geo=geo, layout=layout, mode=mode, num_pages=3, spare_blocks=2, layers=None, num_programs=3,
-                tile_bytes=4096, staging_pages=2, num_buffers=2, seed=7, block_run=block_run)
+                tile_bytes=4096, staging_pages=2, num_buffers=2, seed=7, blocks=blocks)
     run_round_trip(case, device)
 
 
@@ -275,3 +283,46 @@ def test_layer_first_groups_cover_the_span_with_the_widest_rows(num_layers: int,
         assert groups == [span]
     else:
         assert all(g.count == max(1, fit) for g in groups[:-1]) and groups[-1].count <= max(1, fit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["all_layers", "per_layer"])
+def test_fragmented_staged_copies_go_in_one_driver_batch_per_chunk(monkeypatch, layout: str, layerwise: bool):
+    """On CUDA 12.8+ drivers a staged chunk of several runs is one ``cuMemcpyBatchAsync`` (the real driver call,
+    counted), the chunks of a one-run transfer none; both round trips byte-exact."""
+    from kvtier.kernels import batch_copy
+    assert batch_copy.available(), "the GPU machine's driver has no cuMemcpyBatchAsync"
+    calls = []
+    real = batch_copy.memcpy_batch
+    monkeypatch.setattr(batch_copy, "memcpy_batch", lambda *a: (calls.append(a[2].size), real(*a))[1])
+    geo = KVGeometry(4, 8, 128, torch.bfloat16, page_size=16)
+    gen = torch.Generator().manual_seed(5)
+    kv = make_kv(geo, 4096, "cuda", gen)
+    host = make_host(geo, 160, layout, "cuda", gen)
+    stager = StagedTransfer(kv, host, layout=layout)
+    n = 40
+    for blocks, batched in ((torch.arange(2 * n, 0, -2), True), (torch.arange(7, 7 + n), False)):
+        calls.clear()
+        perm = torch.randperm(4096, device="cuda")
+        src, dst = perm[:n * 16], perm[n * 16:2 * n * 16]
+        expect = host.clone()
+        copy_pages_ref(kv, expect, src, blocks, to_host=True, layout=layout)
+        if layerwise:
+            for to_host, slots in ((True, src), (False, dst)):
+                copy = StagedCopy(stager, slots, blocks, to_host=to_host)
+                for layer in reversed(range(geo.num_layers)):
+                    copy.launch(layer)
+                torch.cuda.synchronize()
+                if to_host:
+                    assert torch.equal(as_bytes(host), as_bytes(expect))
+        else:
+            stager.store(src, blocks)
+            torch.cuda.synchronize()
+            assert torch.equal(as_bytes(host), as_bytes(expect))
+            stager.load(dst, blocks)
+            torch.cuda.synchronize()
+        for layer in range(geo.num_layers):
+            for buf in kv.layer_buffers(layer):
+                assert torch.equal(buf.view(4096, -1)[dst], buf.view(4096, -1)[src]), f"layer {layer} differs"
+        assert bool(calls) == batched, calls

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import threading
 
+import numpy as np
 import torch
 
 _lock = threading.Lock()
@@ -75,3 +76,11 @@ def is_pinned(t: torch.Tensor) -> bool:
         return True
     nbytes = t.numel() * t.element_size()
     return nbytes > 0 and _covered(t.data_ptr(), t.data_ptr() + nbytes)
+
+
+def registration_boundaries() -> np.ndarray:
+    """Every start and end address of the recorded ranges, sorted (uint64): a host span ``[a, b)`` lies in one
+    range or outside all of them when no boundary falls strictly inside it."""
+    with _lock:
+        bounds = set(_starts) | set(_ends.values())
+    return np.array(sorted(bounds), dtype=np.uint64)

@@ -7,11 +7,12 @@ overlaps the copy of chunk c. The SMs only do device-to-device work (microsecond
 the copy engines, one per direction, so a store and a load can run at the same time at close to twice the
 bandwidth of either (~101 GB/s on an H200 against ~55 one way).
 
-Copies are issued per run of consecutive block ids, one ``cudaMemcpy2DAsync`` each: a ``page_first`` run is a
-row per block (or one row of whole blocks when every layer moves), a ``layer_first`` run a row per (layer, K/V)
-plane. A host pool that hands out contiguous blocks for a prefix (as kvtier's does) makes a run per request; random
-block ids degrade to one copy per block, where the per-copy cost (~2-5 us issue) shows for small blocks. Without
-cupy, or where the rows cross a host registration, a 2-D copy becomes one copy per row.
+Copies follow the runs of consecutive block ids: a ``page_first`` run is a row per block (or one row of whole
+blocks when every layer moves), a ``layer_first`` run a row per (layer, K/V) plane. A chunk of one run is one
+``cudaMemcpy2DAsync``. A chunk of several runs (a fragmented pool) is one batched driver call for all its rows
+(:mod:`kvtier.kernels.batch_copy`), so the host issues a call per chunk, not per run and row. Without cupy, or where
+the rows cross a host registration, a 2-D copy becomes one copy per row; without the batched call (a driver older
+than CUDA 12.8) each run is its own 2-D copy.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from kvtier.geometry import KVGeometry
 from kvtier._checks import check_count
 from kvtier.kernels.checks import LayerSpan, check_blocks_tensor, check_kv, check_transfer, layer_span
+from kvtier.kernels import batch_copy
 from kvtier.kernels.paged_kv import PagedKV
 from kvtier.kernels.pinned import split_at_registrations
 from kvtier.kernels.transfer import launch_copy_pages, on_stream
@@ -79,6 +81,14 @@ def chunk_rows(first: int, n: int, page: int, skip: int) -> tuple[int, int, int]
     tokens of its own first block (``skip`` for the first chunk, 0 for the others)."""
     chunk_skip = skip if first == 0 else 0
     return first * page - skip + chunk_skip, (first + n) * page - skip, chunk_skip
+
+
+class Rows(NamedTuple):
+    """Copy rows as byte offsets into the host blocks and the staging buffer, and their widths (uint64 arrays)."""
+
+    host_off: np.ndarray
+    stg_off: np.ndarray
+    width: np.ndarray
 
 
 def _runs(block_ids: np.ndarray) -> list[tuple[int, int]]:
@@ -223,13 +233,16 @@ class StagedTransfer:
         longer than a chunk of the whole span holds, the span is staged in groups of as many layers as hold all
         its pages in one staging buffer: about the same number of chunks, each with fewer and wider rows (a group
         of one layer whose pages do not fit stages them over several chunks). Short runs (scattered blocks) gain
-        no width from it and would cost a copy per group and run, so they stage the whole span.
+        no width from it; with the batched copy they are grouped too (still one call per chunk, and a group's rows
+        lie close together in host memory: 8k tokens in runs of one page stored in 25.9 ms a layer at a time,
+        34.9 ms all layers at once), without it they would cost a copy per group and run and stage the whole span.
         """
         if self.layout != "layer_first":
             return [span]
         num_pages = host_ids.size
         group = max(1, self.staging_bytes // (num_pages * self.kv.geometry.page_bytes))
-        if group >= span.count or num_pages <= len(_runs(host_ids)) * self._pages_per_chunk(span.count):
+        short_runs = num_pages <= len(_runs(host_ids)) * self._pages_per_chunk(span.count)
+        if group >= span.count or (short_runs and not self._batched()):
             return [span]
         end = span.start + span.count
         return [LayerSpan(layer, min(group, end - layer)) for layer in range(span.start, end, group)]
@@ -249,6 +262,10 @@ class StagedTransfer:
                                chunk_skip)
             first += n
         return done
+
+    def _batched(self) -> bool:
+        """Whether chunks of several runs go in one batched call (CUDA, CuPy and a CUDA 12.8+ driver)."""
+        return self.kv.is_cuda and _cupy is not None and batch_copy.available()
 
     def _pages_per_chunk(self, num_layers: int) -> int:
         """Pages of ``num_layers`` layers one staging buffer holds (>= 1: it holds at least a whole block)."""
@@ -285,19 +302,59 @@ class StagedTransfer:
                           blocks_layer0=span.start, skip_rows=skip)
 
     def _copy_runs(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool,
-                   stream, runs: Optional[list[tuple[int, int]]] = None) -> None:
-        """Copy-engine copies between the staging buffer and the host blocks: one 2-D copy per run of blocks.
+                   stream, runs: Optional[list[tuple[int, int]]] = None, rows: Optional[Rows] = None) -> None:
+        """Copy-engine copies between the staging buffer and the host blocks of ``host_ids``' runs.
 
         With CuPy and a stream the copies are issued from byte offsets alone (no tensor views: a layerwise load
-        issues them once per layer); otherwise through views and :func:`_copy_2d`."""
+        issues them once per layer): one 2-D copy for a single run, one batched call for the rows of several
+        (``rows``: :meth:`run_rows` of the chunk when the caller has them); otherwise through views and
+        :func:`_copy_2d`. ``runs``: ``_runs(host_ids)`` when the caller has it."""
         if stream is not None and _cupy is not None:
             host_ptr, stg_ptr = self._host_bytes.data_ptr(), staging.data_ptr()
+            runs = _runs(host_ids) if runs is None else runs
+            if len(runs) > 1 and batch_copy.available():
+                rows = self.run_rows(host_ids, span, runs) if rows is None else rows
+                _copy_rows(host_ptr, stg_ptr, rows, to_host=to_host, stream=stream)
+                return
             for r in self._run_rects(host_ids, span, runs):
                 _copy_rect(host_ptr + r.host_off, stg_ptr + r.stg_off, r.height, r.width, r.host_pitch,
                            r.stg_pitch, to_host=to_host, stream=stream)
             return
         for host_view, staging_view in self._run_views(staging, host_ids, span, runs):
             _copy_2d(host_view, staging_view, to_host=to_host, stream=stream)
+
+    def run_rows(self, host_ids: np.ndarray, span: LayerSpan,
+                 runs: Optional[list[tuple[int, int]]] = None) -> Rows:
+        """Every row of :meth:`_run_rects`, in order, computed with numpy (a layerwise plan builds them once)."""
+        geo = self.kv.geometry
+        layer_bytes = geo.page_bytes
+        plane_page = geo.page_size * geo.row_bytes
+        runs = _runs(host_ids) if runs is None else runs
+        r = np.array(runs, dtype=np.uint64).reshape(-1, 2)
+        starts, lengths = r[:, 0], r[:, 1]
+        u = functools.partial(np.asarray, dtype=np.uint64)
+        if self.layout == "page_first":
+            block_span = u(span.count * layer_bytes)
+            if span.count == geo.num_layers:  # a row of whole blocks per run
+                host = u(host_ids)[starts.astype(np.int64)] * u(geo.block_bytes)
+                return Rows(host, starts * block_span, lengths * block_span)
+            i = np.arange(host_ids.size, dtype=np.uint64)  # a row per block
+            host = u(host_ids) * u(geo.block_bytes) + u(span.start * layer_bytes)
+            return Rows(host, i * block_span, np.full(host_ids.size, block_span, dtype=np.uint64))
+        planes = np.arange(span.count * geo.kv_count, dtype=np.uint64)[None, :]  # a row per run and plane
+        host_pitch, stg_pitch = u(self.num_blocks * plane_page), u(host_ids.size * plane_page)
+        h0 = u(host_ids)[starts.astype(np.int64)][:, None]
+        host = (u(span.start * geo.kv_count) + planes) * host_pitch + h0 * u(plane_page)
+        stg = planes * stg_pitch + starts[:, None] * u(plane_page)
+        width = np.broadcast_to(lengths[:, None] * u(plane_page), host.shape)
+        return Rows(host.reshape(-1), stg.reshape(-1), np.ascontiguousarray(width).reshape(-1))
+
+    def layer_shift(self) -> int:
+        """Host bytes between a layer's rows and the next layer's (the staging rows of a span do not move)."""
+        geo = self.kv.geometry
+        if self.layout == "page_first":
+            return geo.page_bytes
+        return geo.kv_count * self.num_blocks * geo.page_size * geo.row_bytes
 
     def _run_rects(self, host_ids: np.ndarray, span: LayerSpan, runs: Optional[list[tuple[int, int]]] = None):
         """The byte rectangle of each run of consecutive host blocks: rows of equal width at a pitch, as offsets
@@ -360,6 +417,15 @@ def _copy_2d(host: torch.Tensor, staging: torch.Tensor, *, to_host: bool, stream
         return
     for row in range(host.shape[0]):
         _copy(host[row], staging[row], to_host=to_host, stream=stream)
+
+
+def _copy_rows(host_ptr: int, stg_ptr: int, rows: Rows, *, to_host: bool, stream) -> None:
+    """One batched copy of ``rows`` between the host blocks at ``host_ptr`` and the staging buffer at ``stg_ptr``
+    (rows split at host registration boundaries first)."""
+    host, stg, width = batch_copy.split_rows(rows.host_off + np.uint64(host_ptr), rows.stg_off + np.uint64(stg_ptr),
+                                             rows.width)
+    dst, src = (host, stg) if to_host else (stg, host)
+    batch_copy.memcpy_batch(dst, src, width, stream.cuda_stream)
 
 
 def _copy_rect(host_ptr: int, stg_ptr: int, height: int, width: int, host_pitch: int, stg_pitch: int, *,

@@ -17,19 +17,21 @@ import numpy as np
 import torch
 
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
-from kvtier.kernels.staged import (GATHER_TILE_BYTES, GATHER_WARPS, StagedTransfer, _Direction, _runs, chunk_pages,
-                                   chunk_rows, issue_chunk)
+from kvtier.kernels.staged import (GATHER_TILE_BYTES, GATHER_WARPS, Rows, StagedTransfer, _Direction, _runs,
+                                   chunk_pages, chunk_rows, issue_chunk)
 from kvtier.kernels.transfer import _KernelLaunch, _on_device, on_stream, raw_stream, torch_stream
 
 
 @dataclasses.dataclass
 class _Chunk:
-    """One staging chunk of a plan: its pages, their runs of blocks, and a gather/scatter launch per buffer."""
+    """One staging chunk of a plan: its pages, their runs of blocks, a gather/scatter launch per buffer, and the
+    rows of a batched copy per span width (from layer 0; built on first use)."""
 
     first: int
     host_ids: np.ndarray
     runs: list[tuple[int, int]]
     launches: list[_KernelLaunch]
+    rows: dict[int, Rows] = dataclasses.field(default_factory=dict)
 
 
 class StagedCopy:
@@ -119,4 +121,17 @@ class StagedCopy:
 
     def _copy(self, staging: torch.Tensor, chunk: _Chunk, span: LayerSpan, copy_stream) -> None:
         self.stager._copy_runs(staging, chunk.host_ids, span, to_host=self.to_host, stream=copy_stream,
-                               runs=chunk.runs)
+                               runs=chunk.runs, rows=self._rows(chunk, span))
+
+    def _rows(self, chunk: _Chunk, span: LayerSpan) -> Optional[Rows]:
+        """The batched copy's rows of ``chunk`` for ``span`` (None where the chunk is one run or there is no
+        batched copy): built once per span width from layer 0, then moved to ``span.start`` (a layer's host rows
+        are a fixed distance from the previous layer's; its staging rows do not move)."""
+        if len(chunk.runs) < 2 or not self.stager._batched():
+            return None
+        base = chunk.rows.get(span.count)
+        if base is None:
+            base = chunk.rows[span.count] = self.stager.run_rows(chunk.host_ids, LayerSpan(0, span.count), chunk.runs)
+        if span.start == 0:
+            return base
+        return Rows(base.host_off + np.uint64(span.start * self.stager.layer_shift()), base.stg_off, base.width)

@@ -28,15 +28,8 @@ Two in-flight stores of the same new pages both copy them; the first to complete
 for those pages go back to the pool (correct, and rare: an engine stores a request's pages once).
 
 Transfer modes (``TierConfig.transfer_mode``): ``direct`` and ``staged`` use that path for everything; ``auto``
-stores through the staged path (copy engine: leaves the SMs to the forward pass, and a D2H on the copy engine can
-overlap an H2D) and loads through the staged path too when a whole load moves at least
-:data:`AUTO_STAGED_LOAD_BYTES`, or one layer of a layerwise load at least :data:`AUTO_STAGED_LAYER_BYTES`; smaller
-loads take the direct kernel (no staging hop, lowest latency, and a fraction of the host time to issue), and so do
-layerwise loads from a ``page_first`` pool whose layer slice of a block is shorter than
-:data:`AUTO_STAGED_MIN_SLICE_BYTES` (one layer is a row per block there, and the copy engine moves short rows
-slowly). Measured on an H200 (bench/results/layerwise_h200.json): a layerwise load of an 8k-token prefix through the
-direct kernel slowed a concurrent Qwen3-8B-sized forward by 18-23% (the kernel holds its SMs for the whole load);
-through the copy engine by 5-10%.
+chooses per copy (:mod:`kvtier.tier.transfer_policy`: stores through the copy engine, loads by their bytes and how
+their host blocks run).
 """
 
 from __future__ import annotations
@@ -57,27 +50,11 @@ from kvtier.tier.abstract import HostTier
 from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
 from kvtier.tier.host_pool import HostBlockPool, synchronized
 from kvtier.tier.signal import LayerDoneCounter
+from kvtier.tier.transfer_policy import CopyPlan, Path, TransferPolicy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVTier", "TierTask", "TierStats", "AUTO_STAGED_LOAD_BYTES", "AUTO_STAGED_LAYER_BYTES",
-           "AUTO_STAGED_MIN_SLICE_BYTES"]
-
-# ``auto`` mode: whole loads of at least this many bytes go through the copy engine (staged), smaller ones through
-# the direct kernel (one layer of a layerwise load: AUTO_STAGED_LAYER_BYTES, below). 4 MiB is one 16-token page of
-# 36 Qwen3-8B layers less than twice over: below it the direct kernel's latency wins and the SMs are held for tens
-# of microseconds only.
-AUTO_STAGED_LOAD_BYTES = 4 * 1024 * 1024
-# ``auto`` mode, layerwise loads from a ``page_first`` pool: one layer is a slice of every block, so the copy engine
-# moves it as one 2-D copy of a row per block. On an H200 that ran at 20 GB/s with 4 KiB rows (Qwen3-8B, page 1)
-# and at 54 GB/s with 64 KiB rows (page 16) (bench/results/probes/probe_copy2d_h200.json); shorter slices go direct.
-AUTO_STAGED_MIN_SLICE_BYTES = 64 * 1024
-# ``auto`` mode, layerwise loads: one layer goes staged when its copy keeps the copy engine busy for longer than
-# the layer's host issue takes. A StagedCopy planned once per load launches a layer in ~60-77 us of host time on the
-# H200 hosts (bench/probe_overhead.py, bench/results/probes/probe_overhead_staged_copy_h200.json; 36 layers issue
-# in 2.1-2.2 ms, against 1.1-1.3 ms through DirectCopy), and 77 us of copy at 54.5 GB/s is 4 MiB (Qwen3-8B: 1024
-# tokens).
-AUTO_STAGED_LAYER_BYTES = 4 * 1024 * 1024
+__all__ = ["KVTier", "TierTask", "TierStats"]
 
 
 @dataclasses.dataclass
@@ -241,6 +218,7 @@ class KVTier(HostTier):
         self._auto_finalize = finalize == "auto"
         self.counter = LayerDoneCounter(geo.num_layers, device=kv.device if kv.is_cuda else "cpu",
                                         backend=counter_backend)
+        self.policy = TransferPolicy(self.config.transfer_mode, self.layout, geo)
         self._staged_transfer: Optional[StagedTransfer] = None
         if kv.is_cuda and self.config.transfer_mode != "direct":
             self._staged()  # staging buffers now, where the engine's memory planning sees them, not mid-serving
@@ -506,11 +484,10 @@ class KVTier(HostTier):
             ex.begin("load")
             stream = ex.stream("load")
             task.producer_index = self.counter.update_producer(stream)
-            mode = self._mode(False, dst.numel() * self.geometry.token_bytes // self.geometry.num_layers,
-                              per_layer=True)
+            mode = self.policy.path(CopyPlan(to_host=False, block_ids=ids, layers=1))
             # checked, indices uploaded (on the stream) and planned once for all layers, launched per layer
             check = _range_check(dst)
-            if mode == "direct":
+            if mode is Path.DIRECT:
                 copy = DirectCopy(self.kv, self.pool.host, dst, torch.from_numpy(ids), to_host=False,
                                   layout=self.layout, num_programs=self.config.num_programs, stream=stream,
                                   check=check, skip_tokens=skip)
@@ -557,35 +534,21 @@ class KVTier(HostTier):
             self._finalize(rec, cancelled=True)
         return task
 
-    def _mode(self, to_host: bool, nbytes: int, per_layer: bool = False) -> str:
-        """The path for one copy of ``nbytes``: the configured mode, or in ``auto`` staged for stores and for
-        loads of at least :data:`AUTO_STAGED_LOAD_BYTES` (:data:`AUTO_STAGED_LAYER_BYTES` for one layer of a
-        layerwise load, ``per_layer``), direct for smaller loads. ``auto`` also loads one layer at a time from a
-        ``page_first`` pool directly when a block's layer slice is shorter than
-        :data:`AUTO_STAGED_MIN_SLICE_BYTES` (the copy engine's rows would be that short)."""
-        mode = self.config.transfer_mode
-        if mode == "auto":
-            if per_layer and self.layout == "page_first" and self.geometry.page_bytes < AUTO_STAGED_MIN_SLICE_BYTES:
-                return "direct"
-            threshold = AUTO_STAGED_LAYER_BYTES if per_layer else AUTO_STAGED_LOAD_BYTES
-            return "staged" if to_host or nbytes >= threshold else "direct"
-        return mode
-
     def _staged(self) -> StagedTransfer:
         if self._staged_transfer is None:
             self._staged_transfer = StagedTransfer(self.kv, self.pool.host, layout=self.layout)
         return self._staged_transfer
 
     def _copy(self, to_host: bool, slots: torch.Tensor, ids: np.ndarray, layers=None,
-              mode: Optional[str] = None, skip: int = 0) -> None:
+              mode: Optional[Path] = None, skip: int = 0) -> None:
         """Issue one copy on the executor's stream (runs inside ``executor.run``); ``mode``: the path (default:
-        :meth:`_mode` of the copy's bytes); ``skip``: tokens of the first block not moved."""
+        the policy's for a copy of every layer); ``skip``: tokens of the first block not moved."""
         stream = self.executor.stream("store" if to_host else "load")
         block_ids = torch.from_numpy(ids)
         check = _range_check(slots)
         if mode is None:  # a whole-block copy (per-layer callers pass the mode they chose for the task)
-            mode = self._mode(to_host, slots.numel() * self.geometry.token_bytes)
-        if mode == "staged":
+            mode = self.policy.path(CopyPlan(to_host=to_host, block_ids=ids, layers=self.geometry.num_layers))
+        if mode is Path.STAGED:
             st = self._staged()
             fn = st.store if to_host else st.load
             ev = fn(slots, block_ids, layers=layers, stream=stream, check=check, skip_tokens=skip)

@@ -1,0 +1,107 @@
+"""Which path a tier's copy takes: the policy behind ``TierConfig.transfer_mode``.
+
+The paths are mechanisms of :mod:`kvtier.kernels`: ``direct`` (a Triton kernel whose SMs read or write the host
+blocks over PCIe) and ``staged`` (a gather/scatter against a device staging buffer, and copy-engine copies
+between it and the host blocks). ``direct`` and ``staged`` modes use that path for every copy; ``auto`` chooses per
+copy from its direction, bytes and host block runs, by the figures below (H200, Qwen3-8B KV, 8192- and 1024-token
+prefixes, bench/results/fragmentation_h200.json and bench/results/layerwise_h200.json):
+
+* Stores go staged. A direct store slows a GEMM beside it by 30-100% (its SMs write host memory for the whole
+  copy); the staged store by <= 3%, and it leaves the SMs to the forward pass.
+* Whole loads of at least :data:`AUTO_STAGED_LOAD_BYTES` go staged when the copy engine's rows are at least
+  :data:`AUTO_STAGED_MIN_ROW_BYTES` long on average; shorter rows (host blocks scattered in runs of one page)
+  run the copy engine below the PCIe bound, and the direct kernel does not care about runs (flat 23.6 ms at 8k
+  tokens for every run length). Smaller loads take the direct kernel: lowest latency, SMs held for microseconds.
+* Layerwise loads go staged (a :class:`~kvtier.kernels.StagedCopy`) when a layer moves at least
+  :data:`AUTO_STAGED_LAYER_BYTES` in at most :data:`AUTO_STAGED_MAX_LAYER_ROWS` copy-engine rows. More rows fill
+  the copy engine's queue and the host waits on it while it issues (24 ms for 36 layers at runs of one page,
+  against 1.6 ms for one run); a :class:`~kvtier.kernels.DirectCopy` issues a layer in ~20 us whatever the runs, at
+  the same GPU time, and slows a GEMM beside it by < 2%. A ``page_first`` layer slice shorter than
+  :data:`AUTO_STAGED_MIN_SLICE_BYTES` goes direct too (the copy engine moves short rows slowly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from kvtier.geometry import KVGeometry
+
+__all__ = ["Path", "CopyPlan", "TransferPolicy", "AUTO_STAGED_LOAD_BYTES", "AUTO_STAGED_LAYER_BYTES",
+           "AUTO_STAGED_MIN_SLICE_BYTES", "AUTO_STAGED_MIN_ROW_BYTES", "AUTO_STAGED_MAX_LAYER_ROWS"]
+
+# Whole loads below this go direct: 4 MiB is one 16-token page of 36 Qwen3-8B layers less than twice over; below
+# it the direct kernel's latency wins and the SMs are held for tens of microseconds only.
+AUTO_STAGED_LOAD_BYTES = 4 * 1024 * 1024
+# One layer of a layerwise load goes staged from this size: a StagedCopy issues a layer in ~60-77 us of host time
+# (bench/results/probes/probe_overhead_staged_copy_h200.json), and 77 us of copy at 54.5 GB/s is 4 MiB.
+AUTO_STAGED_LAYER_BYTES = 4 * 1024 * 1024
+# page_first layerwise loads: the copy engine moved 4 KiB rows at 20 GB/s and 64 KiB rows at 54 GB/s
+# (bench/results/probes/probe_copy2d_h200.json).
+AUTO_STAGED_MIN_SLICE_BYTES = 64 * 1024
+# Whole loads: copy-engine rows of 32 KiB (layer_first, runs of one 16-token page) ran 8k tokens in 32.9 ms, rows
+# of 64 KiB in 23.4 ms against 22.1 ms for one run (bench/results/fragmentation_h200.json).
+AUTO_STAGED_MIN_ROW_BYTES = 64 * 1024
+# Layerwise loads: 16 rows a layer issued 36 layers in 2.9 ms of host time, 64 rows in 6.8 ms
+# (bench/results/fragmentation_h200.json, layer_first R=64 and R=16 at 8k tokens).
+AUTO_STAGED_MAX_LAYER_ROWS = 16
+
+
+class Path(str, enum.Enum):
+    """A copy's mechanism."""
+
+    DIRECT = "direct"
+    STAGED = "staged"
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPlan:
+    """What the policy reads of one copy.
+
+    Attributes:
+        to_host: a store (device to host) or a load.
+        block_ids: the host blocks it moves, in the copy's order.
+        layers: layers it moves (a layerwise load plans one layer: 1).
+    """
+
+    to_host: bool
+    block_ids: np.ndarray
+    layers: int
+
+
+class TransferPolicy:
+    """Chooses each copy's :class:`Path` for one tier (``mode``: ``auto``, ``direct`` or ``staged``)."""
+
+    def __init__(self, mode: str, layout: str, geometry: KVGeometry) -> None:
+        self.mode, self.layout, self.geometry = mode, layout, geometry
+
+    def path(self, plan: CopyPlan) -> Path:
+        """The path ``plan`` takes (see the module docstring for ``auto``)."""
+        if self.mode != "auto":
+            return Path(self.mode)
+        if plan.to_host:
+            return Path.STAGED
+        geo = self.geometry
+        nbytes = plan.block_ids.size * plan.layers * geo.page_bytes
+        rows = self.staged_rows(plan)
+        if plan.layers == geo.num_layers:
+            ok = nbytes >= AUTO_STAGED_LOAD_BYTES and (rows == 1 or nbytes >= rows * AUTO_STAGED_MIN_ROW_BYTES)
+        else:
+            ok = (nbytes >= AUTO_STAGED_LAYER_BYTES and rows <= AUTO_STAGED_MAX_LAYER_ROWS * plan.layers
+                  and not (self.layout == "page_first" and geo.page_bytes < AUTO_STAGED_MIN_SLICE_BYTES))
+        return Path.STAGED if ok else Path.DIRECT
+
+    def staged_rows(self, plan: CopyPlan) -> int:
+        """Copy-engine rows the staged path issues for ``plan``: a row per block and layer span (``page_first``;
+        one row per run when every layer moves) or per run, layer and K/V plane (``layer_first``). A single run
+        counts as one row: it is one 2-D copy per staging chunk, its rows as long as the layout makes them."""
+        ids = plan.block_ids
+        runs = 1 + int(np.count_nonzero(np.diff(ids) != 1)) if ids.size else 0
+        geo = self.geometry
+        if runs <= 1:
+            return runs
+        if self.layout == "page_first":
+            return runs if plan.layers == geo.num_layers else ids.size
+        return runs * plan.layers * geo.kv_count
