@@ -22,6 +22,7 @@ Run: ``bash tests/gpu_sglang.sh exec python3 bench/bench_fragmentation.py --out 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -81,59 +82,94 @@ def _fns(kv, host, stager, layout, slots, ids_cpu, to_host: bool):
     }
 
 
+# the bench's path (row) measuring each policy path of a whole copy: direct_layers is a DirectCopy per layer
+_WHOLE_ROW = {"direct": "direct", "direct_layers": "direct_copy", "staged": "staged"}
+
+
 def auto_paths(layout: str, geo: KVGeometry, ids: np.ndarray) -> dict:
-    """The paths ``auto`` picks for a whole load, a layerwise load and a store of blocks ``ids``."""
+    """The bench paths that measure what ``auto`` picks for a whole load, a layerwise load and a store of blocks
+    ``ids``."""
     pick = TransferPolicy("auto", layout, geo).path
     L = geo.num_layers
-    return {"load_whole": pick(CopyPlan(False, ids, L)).value,
+    return {"load_whole": _WHOLE_ROW[pick(CopyPlan(False, ids, L)).value],
             "load_layerwise": pick(CopyPlan(False, ids, 1)).value + "_copy",
-            "store": pick(CopyPlan(True, ids, L)).value}
+            "store": _WHOLE_ROW[pick(CopyPlan(True, ids, L)).value]}
+
+
+def _transfer_geometry(args) -> KVGeometry:
+    return KVGeometry(num_layers=args.layers, num_kv_heads=args.heads, head_dim=args.head_dim, dtype=torch.bfloat16,
+                      page_size=16)
+
+
+def _cases(args):
+    """(layout, tokens, run, block ids) of every transfer case, in the bench's order (one seeded generator)."""
+    geo = _transfer_geometry(args)
+    num_blocks = 2 * max(args.tokens) // geo.page_size + 64
+    rng = np.random.default_rng(0)
+    for layout in ("layer_first", "page_first"):
+        for tokens in args.tokens:
+            for run in RUNS:
+                yield layout, tokens, run, fragmented_ids(tokens // geo.page_size, run, num_blocks, rng)
+
+
+def resummarize(args, path: str) -> dict:
+    """Recompute ``auto``'s picks and the summary of a committed run from its rows, by the policy of this checkout
+    (the rows measure every path; which one auto takes is the policy's): tuning the policy needs no GPU run."""
+    with open(path) as f:
+        res = json.load(f)
+    geo = _transfer_geometry(args)
+    res["auto"] = {}
+    for layout, tokens, run, ids in _cases(args):
+        res["auto"].setdefault(layout, {}).setdefault(str(tokens), {})[str(run)] = auto_paths(layout, geo, ids)
+    res["summary"] = summarize(res)
+    res["summary_policy"] = "auto picks and summary recomputed from the rows by --resummarize"
+    return res
 
 
 def run_transfers(args, res: dict) -> None:
-    geo = KVGeometry(num_layers=args.layers, num_kv_heads=args.heads, head_dim=args.head_dim, dtype=torch.bfloat16,
-                     page_size=16)
+    geo = _transfer_geometry(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    max_pages = max(args.tokens) // geo.page_size
-    num_blocks = 2 * max_pages + 64
+    num_blocks = 2 * max(args.tokens) // geo.page_size + 64
     kv = make_pool(geo, 2 * max(args.tokens) + 64 * geo.page_size, device)
     gen = torch.Generator(device=device).manual_seed(0)
-    rng = np.random.default_rng(0)
     rows = []
-    for layout in ("layer_first", "page_first"):
-        pool = HostBlockPool(geo, num_blocks, layout=layout)
-        host = pool.host
-        host.view(torch.uint8).random_(0, 256)
-        stager = StagedTransfer(kv, host, layout=layout)
-        for tokens in args.tokens:
-            n = tokens // geo.page_size
-            for run in RUNS:
-                ids = torch.from_numpy(fragmented_ids(n, run, num_blocks, rng))
-                slots = random_slots(n, geo.page_size, kv.num_slots, device, gen)
-                runs = len(_runs(ids.numpy()))
-                res.setdefault("auto", {}).setdefault(layout, {}).setdefault(str(tokens), {})[str(run)] = \
-                    auto_paths(layout, geo, ids.numpy())
-                for to_host in (False, True):
-                    fns = _fns(kv, host, stager, layout, slots, ids, to_host)
-                    for path, fn in fns.items():
-                        if not to_host:
-                            _check_load(kv, host, layout, slots, ids, fn)
-                        row = dict(layout=layout, tokens=tokens, run=run, runs=runs,
-                                   op="store" if to_host else "load", path=path, nbytes=tokens * geo.token_bytes)
-                        if device == "cuda":
-                            row["gpu_ms"] = time_gpu_ms(fn, reps=args.reps)["median_ms"]
-                            row["host_ms"] = host_us_per_call(fn, reps=args.host_reps) / 1e3
-                        else:
-                            t = time.perf_counter()
-                            fn()
-                            row["gpu_ms"] = row["host_ms"] = (time.perf_counter() - t) * 1e3
-                        row["gbps"] = row["nbytes"] / (row["gpu_ms"] * 1e-3) / 1e9
-                        rows.append(row)
-                        print(f"{layout:11s} {tokens:5d} R={run or 'one':>3} runs={runs:4d} "
-                              f"{row['op']:5s} {path:12s} gpu {row['gpu_ms']:8.3f} ms host {row['host_ms']:8.3f} ms "
-                              f"{row['gbps']:6.1f} GB/s", flush=True)
-        del stager
-        pool.destroy()
+    pool = stager = None
+    for layout, tokens, run, ids_np in _cases(args):
+        if pool is None or pool.layout != layout:
+            if pool is not None:
+                del stager
+                pool.destroy()
+            pool = HostBlockPool(geo, num_blocks, layout=layout)
+            host = pool.host
+            host.view(torch.uint8).random_(0, 256)
+            stager = StagedTransfer(kv, host, layout=layout)
+        n = tokens // geo.page_size
+        ids = torch.from_numpy(ids_np)
+        slots = random_slots(n, geo.page_size, kv.num_slots, device, gen)
+        runs = len(_runs(ids_np))
+        res.setdefault("auto", {}).setdefault(layout, {}).setdefault(str(tokens), {})[str(run)] = \
+            auto_paths(layout, geo, ids_np)
+        for to_host in (False, True):
+            fns = _fns(kv, host, stager, layout, slots, ids, to_host)
+            for path, fn in fns.items():
+                if not to_host:
+                    _check_load(kv, host, layout, slots, ids, fn)
+                row = dict(layout=layout, tokens=tokens, run=run, runs=runs,
+                           op="store" if to_host else "load", path=path, nbytes=tokens * geo.token_bytes)
+                if device == "cuda":
+                    row["gpu_ms"] = time_gpu_ms(fn, reps=args.reps)["median_ms"]
+                    row["host_ms"] = host_us_per_call(fn, reps=args.host_reps) / 1e3
+                else:
+                    t = time.perf_counter()
+                    fn()
+                    row["gpu_ms"] = row["host_ms"] = (time.perf_counter() - t) * 1e3
+                row["gbps"] = row["nbytes"] / (row["gpu_ms"] * 1e-3) / 1e9
+                rows.append(row)
+                print(f"{layout:11s} {tokens:5d} R={run or 'one':>3} runs={runs:4d} "
+                      f"{row['op']:5s} {path:12s} gpu {row['gpu_ms']:8.3f} ms host {row['host_ms']:8.3f} ms "
+                      f"{row['gbps']:6.1f} GB/s", flush=True)
+    del stager
+    pool.destroy()
     res["rows"] = rows
 
 
@@ -288,6 +324,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fragmentation_h200.json"))
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (Triton interpreter)")
+    ap.add_argument("--resummarize", metavar="JSON",
+                    help="recompute auto's picks and the summary of a run's JSON by this checkout's policy, into --out")
     args = ap.parse_args(argv)
     if args.smoke:
         args.layers, args.heads, args.head_dim, args.tokens, args.reps, args.host_reps = 2, 1, 64, (64, 256), 1, 1
@@ -296,6 +334,12 @@ def main(argv=None) -> int:
         args.layers, args.heads, args.head_dim, args.tokens, args.reps, args.host_reps = 36, 8, 128, (1024, 8192), 10, 10
         args.churn_convs, args.churn_system, args.churn_blocks, args.churn_steps = 64, 2048, 4096, 400
     args.gemm_copies = 4
+    if args.resummarize:
+        res = resummarize(args, args.resummarize)
+        write_json(args.out, res)
+        for k, v in res["summary"].items():
+            print(f"{k}: {v}")
+        return 0
     t0 = time.time()
     res: dict = {"env": env_info(), "runs": list(RUNS), "paths": list(PATHS)}
     run_transfers(args, res)

@@ -222,6 +222,28 @@ def layerwise_table() -> str:
     ])
 
 
+def fragmentation_table() -> str:
+    res = _load("fragmentation_h200.json")
+    if res is None:
+        return "_no results yet_"
+    s = res["summary"]
+    kinds = [("load_whole", "whole load"), ("load_layerwise", "layerwise load"), ("store", "store")]
+    return "\n".join([
+        "| host blocks in runs of R (1, 2, 4, 8, 16, 64, one run), Qwen3-8B, 1k and 8k tokens, both layouts, H200, "
+        "what `auto` picks | value |",
+        "|---|---|",
+        *[f"| {label}: worst R / one run (target <= 1.10), worst cell | {s[f'frag_worst_over_one_run_{k}']:.3f} "
+          f"(`{s[f'frag_worst_cell_{k}']}`) |" for k, label in kinds],
+        f"| host time to issue a 36-layer layerwise load of 8k tokens at the worst R (target <= 3 ms) | "
+        f"{s['frag_layerwise_issue_ms_max']:.2f} ms |",
+        f"| 8192³ bf16 GEMM slowdown beside what auto picks (8k tokens, R = 1 and one run), worst (target <= 3%), "
+        f"cell | {s['gemm_slowdown_pct']:+.2f}% "
+        f"(`{s['gemm_slowdown_cell']}`) |",
+        f"| run lengths after LRU churn (multi-turn), loads / stores: median, p10 | {s['churn_load_median_R']:.0f}, "
+        f"{s['churn_load_p10_R']:.0f} / {s['churn_store_median_R']:.0f}, {s['churn_store_p10_R']:.0f} |",
+    ])
+
+
 def _equal(counts: dict, modes) -> str:
     eq, tot = sum(counts[m]["equal"] for m in modes), sum(counts[m]["total"] for m in modes)
     return f"{eq}/{tot}"
@@ -295,7 +317,8 @@ def e2e_table() -> str:
     ])
 
 
-TABLES = {"transfer": transfer_table, "index": index_table, "layerwise": layerwise_table, "e2e": e2e_table}
+TABLES = {"transfer": transfer_table, "index": index_table, "layerwise": layerwise_table,
+          "fragmentation": fragmentation_table, "e2e": e2e_table}
 
 
 def render(readme: str) -> str:

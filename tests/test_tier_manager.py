@@ -330,6 +330,31 @@ def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layer
         assert all(torch.equal(a, b) for a, b in zip(slot_bytes(tier, dst), want))
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_whole_load_the_policy_sends_direct_per_layer_launches_each_layer(monkeypatch, layout):
+    """``direct_layers`` (a fragmented whole load): one DirectCopy checked once and launched per layer, bytes
+    exact, stats as for any load."""
+    import kvtier.tier.manager as manager
+    from kvtier.tier.transfer_policy import Path
+
+    launched = []
+    real_launch = manager.DirectCopy.launch
+    monkeypatch.setattr(manager.DirectCopy, "launch",
+                        lambda self, layers=None, **k: launched.append(layers) or real_launch(self, layers, **k))
+    tier = make_tier(mode="auto", layout=layout)
+    monkeypatch.setattr(tier.policy, "path", lambda plan: Path.STAGED if plan.to_host else Path.DIRECT_LAYERS)
+    toks = _tokens(4 * P)
+    src = page_slots(0, 4, P)
+    want = slot_bytes(tier, src)
+    tier.wait(tier.store(toks, None, src))
+    dst = page_slots(8, 4, P)
+    task = tier.load(toks, None, dst)
+    tier.wait(task)
+    assert launched == list(range(TINY.num_layers))
+    assert task.status == "done" and tier.stats()["pages_loaded"] == 4
+    assert all(torch.equal(a, b) for a, b in zip(slot_bytes(tier, dst), want))
+
+
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_load_from_a_start_page_copies_only_the_pages_after_it(layerwise):
     """An engine holding the first pages on the device loads only the rest: those slots, nothing else."""

@@ -35,18 +35,22 @@ def test_stores_always_go_staged_and_fixed_modes_never_choose(layout, ids):
         assert _path(layout, ids, to_host=True, layers=1, mode=mode) is Path(mode)
 
 
-def test_whole_loads_go_direct_when_the_copy_engine_rows_are_short():
-    """layer_first rows are a run's pages of one (layer, K/V) plane: 32 KiB for runs of one 16-token page, under
-    AUTO_STAGED_MIN_ROW_BYTES; runs of two make 64 KiB rows. page_first rows are whole runs of blocks."""
+def test_whole_loads_go_direct_per_layer_when_the_copy_engine_rows_are_short():
+    """layer_first rows are a run's pages of one (layer, K/V) plane, 32 KiB a 16-token page: runs under
+    AUTO_STAGED_MIN_ROW_BYTES (256 KiB: 8 pages) go through the direct kernel, one launch per layer. page_first
+    rows are whole runs of blocks (2.25 MiB a block). Loads under AUTO_STAGED_LOAD_BYTES take one direct launch."""
+    runs_of = lambda r: (np.arange(0, 2048, 2 * r)[:, None] + np.arange(r)).reshape(-1)[:512]  # noqa: E731
     assert _path("layer_first", ONE_RUN) is Path.STAGED
-    assert _path("layer_first", SINGLES) is Path.DIRECT
-    assert _path("layer_first", PAIRS) is Path.STAGED
-    assert _path("page_first", SINGLES) is Path.STAGED
+    for r, want in ((1, Path.DIRECT_LAYERS), (2, Path.DIRECT_LAYERS), (4, Path.DIRECT_LAYERS), (8, Path.STAGED)):
+        assert _path("layer_first", runs_of(r)) is want, r
+        assert _path("page_first", runs_of(r)) is Path.STAGED
     assert _path("layer_first", ONE_RUN[:1]) is Path.DIRECT  # 2.25 MiB: under AUTO_STAGED_LOAD_BYTES
+    assert _path("layer_first", SINGLES[:1]) is Path.DIRECT
 
 
 def test_layerwise_loads_go_direct_beyond_the_rows_a_layer_may_issue():
-    """One layer of 512 pages is 32 MiB; staged while its rows stay within AUTO_STAGED_MAX_LAYER_ROWS."""
+    """One layer of 512 pages is 32 MiB; staged while its rows stay within AUTO_STAGED_MAX_LAYER_ROWS (one run:
+    two rows in layer_first, K and V; one 2-D copy in page_first)."""
     per_layer_runs = policy.AUTO_STAGED_MAX_LAYER_ROWS // QWEN3.kv_count  # runs a layer_first layer may have
     few = (np.arange(per_layer_runs)[:, None] * 128 + np.arange(64)).reshape(-1)  # that many runs of 64
     more = (np.arange(per_layer_runs + 1)[:, None] * 128 + np.arange(64)).reshape(-1)
@@ -54,7 +58,7 @@ def test_layerwise_loads_go_direct_beyond_the_rows_a_layer_may_issue():
     assert _path("layer_first", few, layers=1) is Path.STAGED
     assert _path("layer_first", more, layers=1) is Path.DIRECT
     assert _path("page_first", ONE_RUN, layers=1) is Path.STAGED
-    assert _path("page_first", few, layers=1) is Path.DIRECT  # a row per block: 512 rows
+    assert _path("page_first", more, layers=1) is Path.DIRECT  # a row per block: 128 rows
     assert _path("layer_first", ONE_RUN[:63], layers=1) is Path.DIRECT  # under AUTO_STAGED_LAYER_BYTES
 
 

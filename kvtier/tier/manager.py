@@ -484,10 +484,10 @@ class KVTier(HostTier):
             ex.begin("load")
             stream = ex.stream("load")
             task.producer_index = self.counter.update_producer(stream)
-            mode = self.policy.path(CopyPlan(to_host=False, block_ids=ids, layers=1))
+            path = self.policy.path(CopyPlan(to_host=False, block_ids=ids, layers=1))
             # checked, indices uploaded (on the stream) and planned once for all layers, launched per layer
             check = _range_check(dst)
-            if mode is Path.DIRECT:
+            if path is Path.DIRECT:
                 copy = DirectCopy(self.kv, self.pool.host, dst, torch.from_numpy(ids), to_host=False,
                                   layout=self.layout, num_programs=self.config.num_programs, stream=stream,
                                   check=check, skip_tokens=skip)
@@ -539,24 +539,27 @@ class KVTier(HostTier):
             self._staged_transfer = StagedTransfer(self.kv, self.pool.host, layout=self.layout)
         return self._staged_transfer
 
-    def _copy(self, to_host: bool, slots: torch.Tensor, ids: np.ndarray, layers=None,
-              mode: Optional[Path] = None, skip: int = 0) -> None:
-        """Issue one copy on the executor's stream (runs inside ``executor.run``); ``mode``: the path (default:
-        the policy's for a copy of every layer); ``skip``: tokens of the first block not moved."""
+    def _copy(self, to_host: bool, slots: torch.Tensor, ids: np.ndarray, skip: int = 0) -> None:
+        """Issue one copy of every layer on the executor's stream (runs inside ``executor.run``), by the policy's
+        path; ``skip``: tokens of the first block not moved."""
         stream = self.executor.stream("store" if to_host else "load")
         block_ids = torch.from_numpy(ids)
         check = _range_check(slots)
-        if mode is None:  # a whole-block copy (per-layer callers pass the mode they chose for the task)
-            mode = self.policy.path(CopyPlan(to_host=to_host, block_ids=ids, layers=self.geometry.num_layers))
-        if mode is Path.STAGED:
+        path = self.policy.path(CopyPlan(to_host=to_host, block_ids=ids, layers=self.geometry.num_layers))
+        if path is Path.STAGED:
             st = self._staged()
             fn = st.store if to_host else st.load
-            ev = fn(slots, block_ids, layers=layers, stream=stream, check=check, skip_tokens=skip)
+            ev = fn(slots, block_ids, stream=stream, check=check, skip_tokens=skip)
             if ev is not None:
                 stream.wait_event(ev)  # the task's completion is fenced on this stream
+        elif path is Path.DIRECT_LAYERS:  # a load: checked once, launched per layer
+            copy = DirectCopy(self.kv, self.pool.host, slots, block_ids, to_host=to_host, layout=self.layout,
+                              num_programs=self.config.num_programs, stream=stream, check=check, skip_tokens=skip)
+            for layer in range(self.geometry.num_layers):
+                copy.launch(layer, stream=stream)
         else:
             fn = store_pages if to_host else load_pages
-            fn(self.kv, self.pool.host, slots, block_ids, layout=self.layout, layers=layers,
+            fn(self.kv, self.pool.host, slots, block_ids, layout=self.layout,
                num_programs=self.config.num_programs, stream=stream, check=check, skip_tokens=skip)
 
     def _evict_blocks(self, n: int) -> int:

@@ -9,9 +9,11 @@ prefixes, bench/results/fragmentation_h200.json and bench/results/layerwise_h200
 * Stores go staged. A direct store slows a GEMM beside it by 30-100% (its SMs write host memory for the whole
   copy); the staged store by <= 3%, and it leaves the SMs to the forward pass.
 * Whole loads of at least :data:`AUTO_STAGED_LOAD_BYTES` go staged when the copy engine's rows are at least
-  :data:`AUTO_STAGED_MIN_ROW_BYTES` long on average; shorter rows (host blocks scattered in runs of one page)
-  run the copy engine below the PCIe bound, and the direct kernel does not care about runs (flat 23.6 ms at 8k
-  tokens for every run length). Smaller loads take the direct kernel: lowest latency, SMs held for microseconds.
+  :data:`AUTO_STAGED_MIN_ROW_BYTES` long on average. Shorter rows (host blocks in short runs) run the copy
+  engine below the PCIe bound, or make the host issue slower than the copy; such loads go ``direct_layers``, the
+  direct kernel launched once per layer (23.8 ms at 8k tokens for every run length, against 22.0 staged from one
+  run), which slows a GEMM beside it by 2.5% where one launch for all layers holds its SMs for the whole copy
+  (9-14%). Smaller loads take the direct kernel in one launch: lowest latency, SMs held for microseconds.
 * Layerwise loads go staged (a :class:`~kvtier.kernels.StagedCopy`) when a layer moves at least
   :data:`AUTO_STAGED_LAYER_BYTES` in at most :data:`AUTO_STAGED_MAX_LAYER_ROWS` copy-engine rows. More rows fill
   the copy engine's queue and the host waits on it while it issues (24 ms for 36 layers at runs of one page,
@@ -41,18 +43,19 @@ AUTO_STAGED_LAYER_BYTES = 4 * 1024 * 1024
 # page_first layerwise loads: the copy engine moved 4 KiB rows at 20 GB/s and 64 KiB rows at 54 GB/s
 # (bench/results/probes/probe_copy2d_h200.json).
 AUTO_STAGED_MIN_SLICE_BYTES = 64 * 1024
-# Whole loads: copy-engine rows of 32 KiB (layer_first, runs of one 16-token page) ran 8k tokens in 32.9 ms, rows
-# of 64 KiB in 23.4 ms against 22.1 ms for one run (bench/results/fragmentation_h200.json).
-AUTO_STAGED_MIN_ROW_BYTES = 64 * 1024
-# Layerwise loads: 16 rows a layer issued 36 layers in 2.9 ms of host time, 64 rows in 6.8 ms
-# (bench/results/fragmentation_h200.json, layer_first R=64 and R=16 at 8k tokens).
-AUTO_STAGED_MAX_LAYER_ROWS = 16
+# Whole loads: layer_first rows of 32-128 KiB (runs of 1-4 16-token pages) took 1024 tokens in 3.4-6.9 ms staged,
+# 256 KiB rows 2.77 ms, as one run (bench/results/fragmentation_h200.json).
+AUTO_STAGED_MIN_ROW_BYTES = 256 * 1024
+# Layerwise loads: a layer of one run is 1 (page_first) or 2 rows (layer_first, K and V) and issues 36 layers in
+# 2.4-3.1 ms of host time; 16 rows took 2.9-5.7 ms, 64 rows 4.9-6.8 ms (bench/results/fragmentation_h200.json).
+AUTO_STAGED_MAX_LAYER_ROWS = 2
 
 
 class Path(str, enum.Enum):
     """A copy's mechanism."""
 
     DIRECT = "direct"
+    DIRECT_LAYERS = "direct_layers"  # the direct kernel, one launch per layer (a whole load, SMs held a layer at a time)
     STAGED = "staged"
 
 
@@ -87,7 +90,9 @@ class TransferPolicy:
         nbytes = plan.block_ids.size * plan.layers * geo.page_bytes
         rows = self.staged_rows(plan)
         if plan.layers == geo.num_layers:
-            ok = nbytes >= AUTO_STAGED_LOAD_BYTES and (rows == 1 or nbytes >= rows * AUTO_STAGED_MIN_ROW_BYTES)
+            if nbytes < AUTO_STAGED_LOAD_BYTES:
+                return Path.DIRECT
+            return Path.STAGED if rows == 1 or nbytes >= rows * AUTO_STAGED_MIN_ROW_BYTES else Path.DIRECT_LAYERS
         else:
             ok = (nbytes >= AUTO_STAGED_LAYER_BYTES and rows <= AUTO_STAGED_MAX_LAYER_ROWS * plan.layers
                   and not (self.layout == "page_first" and geo.page_bytes < AUTO_STAGED_MIN_SLICE_BYTES))
