@@ -116,13 +116,13 @@ def _bidir_alternating_rows(alt: Optional[dict]) -> list:
 
 
 def _overhead_probe_rows() -> list:
-    """Host time per call from bench/probe_overhead.py (another process), if committed: the latest run, which
+    """Host time per call from bench/probes/probe_overhead.py (another process), if committed: the latest run, which
     times StagedCopy too."""
     probe = _load("probes/probe_overhead_h200.json")
     if probe is None:
         return []
     us, staged = probe["us"], probe["layerwise_issue_us_staged"]
-    return [f"| host time per call, one layer of one page, separate run (`bench/probe_overhead.py`): "
+    return [f"| host time per call, one layer of one page, separate run (`bench/probes/probe_overhead.py`): "
             f"`DirectCopy.launch` (built once) / `load_pages` / the same through stream contexts (before) / "
             f"`torch.index_select` | {us['direct_copy_launch_one_layer']} / {us['load_pages_one_layer']} / "
             f"{us['load_pages_one_layer_context_path']} / {us['torch_index_select_one_page']} µs |",
@@ -139,17 +139,17 @@ def _row_if_committed(name: str, row) -> list:
 
 
 def _staged_probe_rows() -> list:
-    """Rows from bench/probe_staged.py's run (another process, same session), if committed."""
+    """Rows from bench/probes/probe_staged.py's run (another process, same session), if committed."""
     def row(probe: dict) -> str:
         g = probe["gbps"]
         return (f"| staged load alone, 1024 tokens, {probe['rounds']} alternating rounds, separate run "
-                f"(`bench/probe_staged.py`): short last chunk (default) / without / one contiguous copy-engine copy | "
+                f"(`bench/probes/probe_staged.py`): short last chunk (default) / without / one contiguous copy-engine copy | "
                 f"{g['default']} / {g['no_short_tail']} / {g['copy_engine_contiguous']} GB/s |")
     return _row_if_committed("probes/probe_staged_h200.json", row)
 
 
 def _copy2d_probe_rows() -> list:
-    """Rows from bench/probe_copy2d.py's runs (2-D copy-engine copies; before: one copy per block or plane), if
+    """Rows from bench/probes/probe_copy2d.py's runs (2-D copy-engine copies; before: one copy per block or plane), if
     committed: ``page_first`` from the first run, ``layer_first`` (groups of layers) from the latest."""
     first, latest = _load("probes/probe_copy2d_h200.json"), _load("probes/probe_copy2d_groups_h200.json")
     if first is None or latest is None:
@@ -166,7 +166,7 @@ def _copy2d_probe_rows() -> list:
                                          ("layer_first", "all", "random", "all 36 layers of 1024 tokens")):
         now = first if layout == "page_first" else latest
         rows.append(f"| staged, {what}, `{layout}`, {blocks} blocks, pages 1/16/64, store / load GB/s, separate runs "
-                    f"(`bench/probe_copy2d.py`): 2-D copies per run of blocks (now) ; one copy per block or plane "
+                    f"(`bench/probes/probe_copy2d.py`): 2-D copies per run of blocks (now) ; one copy per block or plane "
                     f"(before) | {cells(now, layout, layers, blocks, 'copy_2d')} ; "
                     f"{cells(first, layout, layers, blocks, 'rows_1d')} |")
     return rows

@@ -10,7 +10,7 @@ consecutive blocks). Variants alternate over rounds so drift hits all alike:
 Then a torch.profiler (CUPTI) trace of three default loads gives, per chunk, the copy's GB/s, the gaps between
 copies and the exposed tail (last copy's end to the last scatter's end).
 
-Run on the GPU machine: ``python bench/probe_staged.py --out $OUT/probe_staged.json``.
+Run on the GPU machine: ``python bench/probes/probe_staged.py --out $OUT/probe_staged.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.bench_transfer import MiB, _bidir_setup  # noqa: E402
 from bench.common import env_info, gbps, time_gpu_ms, write_json  # noqa: E402

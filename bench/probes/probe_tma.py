@@ -6,7 +6,7 @@ device with a persistent Triton kernel in four ways: plain pointer loads and sto
 built in the kernel) with a plain store, a plain load with a TMA store, and TMA both ways; beside it the copy
 engine. Rows are 2 KiB (one Qwen3-8B K or V row), tiles ``rows x 2 KiB``.
 
-Run on the GPU machine: ``python bench/probe_tma.py --out $OUT/probe_tma.json``.
+Run on the GPU machine: ``python bench/probes/probe_tma.py --out $OUT/probe_tma.json``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.common import env_info, gbps, time_gpu_ms, write_json  # noqa: E402
 

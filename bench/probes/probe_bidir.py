@@ -9,7 +9,7 @@ consecutive blocks). Rounds alternate, so host drift hits all alike:
 Then a torch.profiler (CUPTI) trace of the default pair and of the bound gives, per direction, each copy's GB/s,
 the gaps between its copies, when its first copy starts and its last ends.
 
-Run on the GPU machine: ``python bench/probe_bidir.py --out $OUT/probe_bidir.json``.
+Run on the GPU machine: ``python bench/probes/probe_bidir.py --out $OUT/probe_bidir.json``.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.bench_transfer import MiB, _bidir_setup, _both, _ce_contiguous  # noqa: E402
 from bench.common import env_info, gbps, time_gpu_ms, write_json  # noqa: E402
-from bench.probe_staged import copy_stats, event_rows, record_timelines, trace_last_run, with_edge_divisor  # noqa: E402
+from bench.probes.probe_staged import copy_stats, event_rows, record_timelines, trace_last_run, with_edge_divisor  # noqa: E402
 from kvtier.kernels import StagedTransfer  # noqa: E402
 
 

@@ -13,7 +13,7 @@ Methods: ``copy_2d`` (the current module), ``rows_whole`` (the same with 2-D cop
 named ``rows_1d`` in the first run). Each case: the methods alternate over rounds (GB/s from the median round),
 host time per call, and a byte check of the current module's round trip.
 
-Run on the GPU machine: ``python bench/probe_copy2d.py --baseline OLD_STAGED.py --out $OUT/probe_copy2d.json``
+Run on the GPU machine: ``python bench/probes/probe_copy2d.py --baseline OLD_STAGED.py --out $OUT/probe_copy2d.json``
 with ``OLD_STAGED.py`` from ``git show <commit>:kvtier/kernels/staged.py``.
 """
 
@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.bench_transfer import MiB, Setup  # noqa: E402
 from bench.common import env_info, gbps, host_us_per_call, random_slots, time_gpu_ms, write_json  # noqa: E402

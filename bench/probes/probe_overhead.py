@@ -12,7 +12,7 @@ This probe times (median host µs over many calls, the GPU kept busy so no call 
 
 then prints the top of a cProfile of the full call. Writes ``$OUT/probe_overhead_h200.json``.
 
-Usage: ``python bench/probe_overhead.py [--calls 2000]``; ``PYTHONPATH=<older tree> python bench/probe_overhead.py
+Usage: ``python bench/probes/probe_overhead.py [--calls 2000]``; ``PYTHONPATH=<older tree> python bench/probes/probe_overhead.py
 --tier-only --out ...`` times an older kvtier's layerwise issue the same way.
 """
 
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 # appended, not prepended: PYTHONPATH may point at another kvtier to compare (--tier-only against an older tree)
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.common import env_info, make_pool, random_slots, write_json  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
