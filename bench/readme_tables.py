@@ -34,6 +34,35 @@ def _cell(rows, method, direction, layout="layer_first"):
     return lo if lo == hi else f"{lo}–{hi}"
 
 
+def headline_table() -> str:
+    """At most eight rows, each the worst cell of one result file (its own table below has the rest)."""
+    tr, lw, fr = _load("transfer_h200.json"), _load("layerwise_h200.json"), _load("fragmentation_h200.json")
+    ix, e2e = _load("index_cpu.json"), _load("e2e_h200.json")
+    rows = ["| headline (worst cell of each table below) | value |", "|---|---|"]
+    if tr:
+        t = tr["summary"]
+        rows.append(f"| kvtier's direct kernel, slower direction, over SGLang HiCache's on identical work | "
+                    f"{t['hicache_ratio_min']:.4f} |")
+        rows.append(f"| store + load at once over the copy engines' own bound | {t['bidirectional_over_copy_engine']:.3f} |")
+    if lw:
+        rows.append(f"| layerwise load beside the forward, time over max(load, compute), 8k prefix | "
+                    f"{lw['summary']['layerwise_over_max_ratio']:.3f} |")
+    if e2e:
+        e = e2e["summary"]
+        rows.append(f"| end to end: outputs equal to the warm device cache; TTFT over its bound, layerwise | "
+                    f"{e['outputs_equal_kvtier_vs_device']:.3f}; {e['ttft_over_bound_layerwise']:.3f} |")
+    if ix:
+        i = ix["summary"]
+        rows.append(f"| host index vs the faster of SGLang's trees, worst cell (`{i['index_min_speedup_cell']}`) | "
+                    f"{i['index_min_speedup_vs_best_peer']:.2f}x |")
+    if fr:
+        f = fr["summary"]
+        kind = max(("load_whole", "load_layerwise", "store"), key=lambda k: f[f"frag_worst_over_one_run_{k}"])
+        rows.append(f"| fragmented host pool, worst run length's time over one run's, what `auto` picks "
+                    f"(`{f[f'frag_worst_cell_{kind}']}`) | {f[f'frag_worst_over_one_run_{kind}']:.2f}x |")
+    return "\n".join(rows)
+
+
 def transfer_table() -> str:
     res = _load("transfer_h200.json")
     if res is None:
@@ -317,7 +346,7 @@ def e2e_table() -> str:
     ])
 
 
-TABLES = {"transfer": transfer_table, "index": index_table, "layerwise": layerwise_table,
+TABLES = {"headline": headline_table, "transfer": transfer_table, "index": index_table, "layerwise": layerwise_table,
           "fragmentation": fragmentation_table, "e2e": e2e_table}
 
 
