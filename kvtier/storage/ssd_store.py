@@ -1,0 +1,135 @@
+"""Host blocks on local disks: block files striped over one or more directories, slots, durable batches, recovery.
+
+The store is a medium: it keeps bytes with their identity (namespace, chain hash, tokens) and hands back only bytes
+that pass every check. Which blocks go to disk, when, and which come back is the tier's policy, not the store's.
+
+A store of ``capacity_bytes`` over directories ``d_0 .. d_{k-1}`` has one :class:`~kvtier.storage.BlockFile` per
+directory (``kvtier_blocks.bin``), its slots dealt round robin (slot ``s`` lives in file ``s % k``), so a batch of
+consecutive slots reads and writes every disk at once. :meth:`SsdStore.put` writes a batch by the durability
+protocol (payloads on IO threads, a sync per file, headers, a sync per file) and returns only once the batch is
+durable; :meth:`SsdStore.recover` lists what a previous process made durable.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from kvtier.storage.block_file import BlockFile
+from kvtier.storage.block_format import ALIGN, BlockHeader, padded
+
+__all__ = ["SsdStore", "Block", "FILE_NAME"]
+
+FILE_NAME = "kvtier_blocks.bin"
+
+
+class Block(NamedTuple):
+    """A block to store: its identity and its bytes (any contiguous array)."""
+
+    namespace: int
+    chain_hash: int
+    tokens: np.ndarray
+    payload: np.ndarray
+
+
+class SsdStore:
+    """Fixed-size block slots on disk.
+
+    Args:
+        dirs: directories (a ``;``-separated string, as FlexKV's ``ssd_cache_dir``, or a list); each gets one file.
+        capacity_bytes: the store's size on disk over all directories (slots of ``block_bytes`` plus a 4 KiB header
+            each, rounded down to whole slots per directory).
+        block_bytes: payload bytes of a block.
+        fingerprint: what the blocks belong to (:func:`kvtier.storage.fingerprint`).
+        io_threads: threads issuing the reads and writes of a batch (the disks see this many requests at once).
+        direct, wipe_mismatch: as :class:`~kvtier.storage.BlockFile`.
+    """
+
+    def __init__(self, dirs, *, capacity_bytes: int, block_bytes: int, fingerprint: bytes, io_threads: int = 4,
+                 direct: bool = True, wipe_mismatch: bool = False) -> None:
+        self.dirs = [d for d in (dirs.split(";") if isinstance(dirs, str) else list(dirs)) if d]
+        if not self.dirs:
+            raise ValueError("an SSD store needs at least one directory")
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self.block_bytes = block_bytes
+        per_dir = capacity_bytes // len(self.dirs) // (ALIGN + padded(block_bytes))
+        if per_dir < 1:
+            raise ValueError(f"capacity_bytes {capacity_bytes} holds no {block_bytes}-byte block per directory")
+        self.files = [BlockFile(os.path.join(d, FILE_NAME), slot_payload_bytes=block_bytes, num_slots=per_dir,
+                                fingerprint=fingerprint, direct=direct, wipe_mismatch=wipe_mismatch)
+                      for d in self.dirs]
+        self.fingerprint = fingerprint
+        self.num_slots = per_dir * len(self.files)
+        self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-ssd")
+
+    @property
+    def direct(self) -> bool:
+        """Whether every file takes O_DIRECT."""
+        return all(f.direct for f in self.files)
+
+    def _where(self, slot: int) -> tuple[BlockFile, int]:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+        k = len(self.files)
+        return self.files[slot % k], slot // k
+
+    def put(self, slots: Sequence[int], blocks: Sequence[Block]) -> None:
+        """Store ``blocks[i]`` in ``slots[i]`` and return once all are durable (payloads, sync, headers, sync).
+        An exception (a disk error, the disk full) leaves the batch's slots unspecified: the caller treats them as
+        empty and frees them."""
+        if len(slots) != len(blocks):
+            raise ValueError(f"{len(slots)} slots for {len(blocks)} blocks")
+        for b in blocks:
+            if np.asarray(b.payload).nbytes > self.block_bytes:
+                raise ValueError(f"a payload of {np.asarray(b.payload).nbytes} B exceeds the {self.block_bytes} B block")
+        where = [self._where(s) for s in slots]
+        checks = list(self._pool.map(lambda wb: wb[0][0].write_payload(wb[0][1], wb[1].payload), zip(where, blocks)))
+        touched = list({id(f): f for f, _ in where}.values())
+        list(self._pool.map(BlockFile.sync, touched))
+        headers = [BlockHeader(self.fingerprint, b.namespace, b.chain_hash, np.asarray(b.tokens, dtype=np.int64),
+                               np.asarray(b.payload).nbytes, c) for b, c in zip(blocks, checks)]
+        list(self._pool.map(lambda wh: wh[0][0].write_header(wh[0][1], wh[1]), zip(where, headers)))
+        list(self._pool.map(BlockFile.sync, touched))
+
+    def get(self, slots: Sequence[int], outs: Sequence[np.ndarray]) -> list[Optional[BlockHeader]]:
+        """Read ``slots[i]`` into ``outs[i]`` (uint8 buffers of at least ``block_bytes``); each one's header, or
+        None where the slot is empty or fails a check (the caller also compares the tokens with its own)."""
+        if len(slots) != len(outs):
+            raise ValueError(f"{len(slots)} slots for {len(outs)} buffers")
+        return list(self._pool.map(lambda so: self._read(so[0], so[1]), zip(slots, outs)))
+
+    def _read(self, slot: int, out: np.ndarray) -> Optional[BlockHeader]:
+        f, local = self._where(slot)
+        return f.read(local, out)
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Mark slots empty (durable with the next :meth:`put` or :meth:`sync`); a slot may also simply be
+        overwritten: a new payload under an old header fails the payload checksum."""
+        for s in slots:
+            f, local = self._where(s)
+            f.clear(local)
+
+    def sync(self) -> None:
+        list(self._pool.map(BlockFile.sync, self.files))
+
+    def recover(self) -> list[tuple[int, BlockHeader]]:
+        """Every slot a previous process made durable, with its header (payloads are checked when read)."""
+        k = len(self.files)
+        per_file = self._pool.map(lambda fi: [(local * k + fi[0], h) for local, h in fi[1].scan()],
+                                  enumerate(self.files))
+        return sorted((x for part in per_file for x in part), key=lambda x: x[0])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for f in self.files:
+            f.close()
+
+    def __enter__(self) -> "SsdStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
