@@ -6,7 +6,7 @@ For each directory (a disk, and a RAM-backed one for the software's own ceiling)
 * store: :class:`kvtier.storage.SsdStore` puts of Qwen3-8B-sized blocks (16 tokens x 36 layers x 8 KV heads x 128 x
   bf16 = 2.25 MiB) in batches of ``--batch`` (payloads, sync, headers, sync: durable on return), then gets of every
   block (checksums verified), on the same number of IO threads;
-* recovery: a header scan of the store's slots, per million blocks.
+* recovery: the store's journal replayed (one sequential read), per million blocks.
 Summary: ``ssd_write_over_raw``, ``ssd_read_over_raw`` (the disk), ``ram_write_over_raw``, ``ram_read_over_raw``,
 ``recovery_s_per_million_blocks``.
 
@@ -89,7 +89,7 @@ def store_bandwidth(directory: str, nbytes: int, threads: int, batch: int) -> di
         p[:] = np.random.default_rng(i).integers(0, 256, BLOCK_BYTES, np.uint8)
     toks = np.arange(16, dtype=np.int64)
     with SsdStore(directory, capacity_bytes=n * slot_bytes, block_bytes=BLOCK_BYTES, fingerprint=fp,
-                  io_threads=threads, wipe_mismatch=True) as s:
+                  io_threads=threads, wipe_mismatch=True, tokens_per_block=16) as s:
         t = time.perf_counter()
         for first in range(0, n, batch):
             s.put(range(first, first + batch), [Block(0, first + i, toks, payloads[i]) for i in range(batch)])
@@ -105,7 +105,8 @@ def store_bandwidth(directory: str, nbytes: int, threads: int, batch: int) -> di
         found = len(s.recover())
         scan_s = time.perf_counter() - t
         direct = s.direct
-    os.unlink(os.path.join(directory, "kvtier_blocks.bin"))
+    for name in ("kvtier_blocks.bin", "kvtier_blocks.bin.journal"):
+        os.unlink(os.path.join(directory, name))
     return {"direct": direct, "blocks": n, "write_gbps": w, "read_gbps": r, "read_misses": bad,
             "recovered": found, "recovery_s": scan_s, "recovery_s_per_million_blocks": scan_s / n * 1e6}
 

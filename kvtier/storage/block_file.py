@@ -22,6 +22,7 @@ import numpy as np
 
 from kvtier.storage.block_format import (ALIGN, BlockHeader, FileHeader, pack_block_header, pack_file_header,
                                          padded, payload_checksum, unpack_block_header, unpack_file_header)
+from kvtier.storage.journal import BLOCK, FREE, Journal, Record
 
 __all__ = ["BlockFile", "BlockFileError"]
 
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 class BlockFileError(Exception):
     """A block file that cannot be opened as asked (another model's, not a block file, no space, no access)."""
+
+
+def _record(slot: int, h: BlockHeader) -> Record:
+    return Record(BLOCK, slot, h.namespace, h.chain_hash, h.payload_len, h.payload_checksum, h.tokens)
 
 
 def _aligned(nbytes: int) -> np.ndarray:
@@ -47,10 +52,12 @@ class BlockFile:
         direct: open with O_DIRECT (falls back to buffered IO, logged once, where the file system refuses it).
         wipe_mismatch: a present file written for another fingerprint or geometry is recreated empty (by default
             it is left alone and opening fails).
+        journal_tokens: keep a journal (``path + ".journal"``, :mod:`kvtier.storage.journal`) of blocks of this
+            many tokens, so that :meth:`recover` reads it instead of every slot's header; None: no journal.
     """
 
     def __init__(self, path: str, *, slot_payload_bytes: int, num_slots: int, fingerprint: bytes,
-                 direct: bool = True, wipe_mismatch: bool = False) -> None:
+                 direct: bool = True, wipe_mismatch: bool = False, journal_tokens: Optional[int] = None) -> None:
         if slot_payload_bytes <= 0 or num_slots <= 0:
             raise ValueError(f"slot_payload_bytes and num_slots must be > 0, got {slot_payload_bytes}, {num_slots}")
         self.path, self.fingerprint = path, fingerprint
@@ -60,11 +67,21 @@ class BlockFile:
         want = FileHeader(fingerprint, slot_payload_bytes, num_slots)
         if os.path.exists(path):
             self._check_existing(want, wipe_mismatch)
-        if not os.path.exists(path):
+        created = not os.path.exists(path)
+        if created:
             self._create(want)
         self.direct = False
         self._fd = self._open(direct)
         self._local = threading.local()  # per thread: reads and writes of several slots may run at once
+        self.journal: Optional[Journal] = None
+        if journal_tokens is not None:
+            self.journal = Journal(path + ".journal", fingerprint=fingerprint, tokens=journal_tokens,
+                                   direct=self.direct)
+            if created or not self.journal.valid:  # rebuilt from the headers (none in a new file)
+                if not created:
+                    logger.warning("kvtier: journal of %s is missing or damaged: rebuilding it from the slot "
+                                   "headers", path)
+                self.journal.rewrite([] if created else [_record(slot, h) for slot, h in self.scan()])
 
     # --- open ---
 
@@ -189,9 +206,38 @@ class BlockFile:
         buf[:] = 0
         self._write_all(buf, self._slot_offset(slot))
 
+    def commit(self, entries: list[tuple[int, BlockHeader]]) -> None:
+        """Write the headers of slots whose payloads are durable, and their journal records (durable with
+        :meth:`sync`)."""
+        for slot, h in entries:
+            self.write_header(slot, h)
+        if self.journal is not None:
+            self.journal.append(_record(slot, h) for slot, h in entries)
+            j = self.journal
+            if j.pages > 2 * -(-self.num_slots // j.per_page) + 256:  # mostly superseded records: keep the live ones
+                j.rewrite(j.replay().values())
+
+    def free(self, slots: list[int]) -> None:
+        """Mark slots empty, in their headers and the journal (durable with :meth:`sync`)."""
+        for slot in slots:
+            self.clear(slot)
+        if self.journal is not None:
+            self.journal.append(Record(FREE, s, 0, 0, 0, 0, np.empty(0, np.int64)) for s in slots)
+
     def sync(self) -> None:
-        """Make every write so far durable (fdatasync)."""
+        """Make every write so far durable (fdatasync of the file and its journal)."""
         os.fdatasync(self._fd)
+        if self.journal is not None:
+            self.journal.sync()
+
+    def recover(self) -> list[tuple[int, BlockHeader]]:
+        """The slots a previous process made durable, with their headers, in slot order: from the journal (one
+        sequential read) where there is one, else from every slot's header. Payloads (and the headers themselves,
+        when the journal answered) are checked when read."""
+        if self.journal is None:
+            return list(self.scan())
+        return [(slot, BlockHeader(self.fingerprint, r.namespace, r.chain_hash, r.tokens, r.payload_len,
+                                   r.payload_checksum)) for slot, r in sorted(self.journal.replay().items())]
 
     def read(self, slot: int, out: np.ndarray) -> Optional[BlockHeader]:
         """Read ``slot`` into ``out`` (uint8, at least the payload's length); its header, or None when the slot is
@@ -226,6 +272,8 @@ class BlockFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self.journal is not None:
+            self.journal.close()
 
     def __enter__(self) -> "BlockFile":
         return self

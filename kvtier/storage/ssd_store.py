@@ -46,10 +46,12 @@ class SsdStore:
         fingerprint: what the blocks belong to (:func:`kvtier.storage.fingerprint`).
         io_threads: threads issuing the reads and writes of a batch (the disks see this many requests at once).
         direct, wipe_mismatch: as :class:`~kvtier.storage.BlockFile`.
+        tokens_per_block: tokens of a block; with it every file keeps a journal and :meth:`recover` reads the
+            journals (one sequential pass) instead of every slot's header.
     """
 
     def __init__(self, dirs, *, capacity_bytes: int, block_bytes: int, fingerprint: bytes, io_threads: int = 4,
-                 direct: bool = True, wipe_mismatch: bool = False) -> None:
+                 direct: bool = True, wipe_mismatch: bool = False, tokens_per_block: Optional[int] = None) -> None:
         self.dirs = [d for d in (dirs.split(";") if isinstance(dirs, str) else list(dirs)) if d]
         if not self.dirs:
             raise ValueError("an SSD store needs at least one directory")
@@ -60,7 +62,8 @@ class SsdStore:
         if per_dir < 1:
             raise ValueError(f"capacity_bytes {capacity_bytes} holds no {block_bytes}-byte block per directory")
         self.files = [BlockFile(os.path.join(d, FILE_NAME), slot_payload_bytes=block_bytes, num_slots=per_dir,
-                                fingerprint=fingerprint, direct=direct, wipe_mismatch=wipe_mismatch)
+                                fingerprint=fingerprint, direct=direct, wipe_mismatch=wipe_mismatch,
+                                journal_tokens=tokens_per_block)
                       for d in self.dirs]
         self.fingerprint = fingerprint
         self.num_slots = per_dir * len(self.files)
@@ -90,9 +93,12 @@ class SsdStore:
         checks = list(self._pool.map(lambda wb: wb[0][0].write_payload(wb[0][1], wb[1].payload), zip(where, blocks)))
         touched = list({id(f): f for f, _ in where}.values())
         list(self._pool.map(BlockFile.sync, touched))
-        headers = [BlockHeader(self.fingerprint, b.namespace, b.chain_hash, np.asarray(b.tokens, dtype=np.int64),
-                               np.asarray(b.payload).nbytes, c) for b, c in zip(blocks, checks)]
-        list(self._pool.map(lambda wh: wh[0][0].write_header(wh[0][1], wh[1]), zip(where, headers)))
+        per_file: dict[int, list] = {}
+        for (f, local), b, c in zip(where, blocks, checks):
+            per_file.setdefault(id(f), [f, []])[1].append(
+                (local, BlockHeader(self.fingerprint, b.namespace, b.chain_hash, np.asarray(b.tokens, dtype=np.int64),
+                                    np.asarray(b.payload).nbytes, c)))
+        list(self._pool.map(lambda fe: fe[0].commit(fe[1]), per_file.values()))
         list(self._pool.map(BlockFile.sync, touched))
 
     def get(self, slots: Sequence[int], outs: Sequence[np.ndarray]) -> list[Optional[BlockHeader]]:
@@ -109,9 +115,12 @@ class SsdStore:
     def free(self, slots: Sequence[int]) -> None:
         """Mark slots empty (durable with the next :meth:`put` or :meth:`sync`); a slot may also simply be
         overwritten: a new payload under an old header fails the payload checksum."""
+        per_file: dict[int, list] = {}
         for s in slots:
             f, local = self._where(s)
-            f.clear(local)
+            per_file.setdefault(id(f), [f, []])[1].append(local)
+        for f, local in per_file.values():
+            f.free(local)
 
     def sync(self) -> None:
         list(self._pool.map(BlockFile.sync, self.files))
@@ -119,7 +128,7 @@ class SsdStore:
     def recover(self) -> list[tuple[int, BlockHeader]]:
         """Every slot a previous process made durable, with its header (payloads are checked when read)."""
         k = len(self.files)
-        per_file = self._pool.map(lambda fi: [(local * k + fi[0], h) for local, h in fi[1].scan()],
+        per_file = self._pool.map(lambda fi: [(local * k + fi[0], h) for local, h in fi[1].recover()],
                                   enumerate(self.files))
         return sorted((x for part in per_file for x in part), key=lambda x: x[0])
 
