@@ -215,7 +215,7 @@ class BlockFile:
             self.journal.append(_record(slot, h) for slot, h in entries)
             j = self.journal
             if j.pages > 2 * -(-self.num_slots // j.per_page) + 256:  # mostly superseded records: keep the live ones
-                j.rewrite(j.replay().values())
+                j.rewrite(j.replay().records())
 
     def free(self, slots: list[int]) -> None:
         """Mark slots empty, in their headers and the journal (durable with :meth:`sync`)."""
@@ -236,8 +236,8 @@ class BlockFile:
         when the journal answered) are checked when read."""
         if self.journal is None:
             return list(self.scan())
-        return [(slot, BlockHeader(self.fingerprint, r.namespace, r.chain_hash, r.tokens, r.payload_len,
-                                   r.payload_checksum)) for slot, r in sorted(self.journal.replay().items())]
+        return [(r.slot, BlockHeader(self.fingerprint, r.namespace, r.chain_hash, r.tokens, r.payload_len,
+                                     r.payload_checksum)) for r in self.journal.replay().records()]
 
     def read(self, slot: int, out: np.ndarray) -> Optional[BlockHeader]:
         """Read ``slot`` into ``out`` (uint8, at least the payload's length); its header, or None when the slot is
