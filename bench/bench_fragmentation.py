@@ -176,8 +176,7 @@ def run_transfers(args, res: dict) -> None:
 def run_gemm(args, res: dict) -> None:
     """An 8192^3 bf16 GEMM alone and beside back-to-back transfers of every path, the largest size, R = 1 and one
     run, both layouts (CUDA only). Summary: ``gemm_slowdown_pct``, the worst over what auto picks."""
-    geo = KVGeometry(num_layers=args.layers, num_kv_heads=args.heads, head_dim=args.head_dim, dtype=torch.bfloat16,
-                     page_size=16)
+    geo = _transfer_geometry(args)
     tokens = max(args.tokens)
     n = tokens // geo.page_size
     num_blocks = 2 * n + 64

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import mmap
 import os
 import platform
 import shutil
@@ -33,15 +32,12 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from kvtier.storage import Block, SsdStore, fingerprint  # noqa: E402
+from kvtier.storage.aligned_io import aligned as _aligned  # noqa: E402
 from kvtier.storage.block_format import ALIGN, padded  # noqa: E402
 from kvtier.storage.journal import BLOCK, Journal, Record  # noqa: E402
 
 MiB = 1 << 20
 BLOCK_BYTES = 16 * 36 * 2 * 8 * 128 * 2  # 2.25 MiB
-
-
-def _aligned(nbytes: int) -> np.ndarray:
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
 def raw_bandwidth(directory: str, nbytes: int, threads: int, request: int = 16 * MiB) -> dict:

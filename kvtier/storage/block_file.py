@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import threading
 from typing import Iterator, Optional
@@ -22,6 +21,7 @@ import numpy as np
 
 from kvtier.storage.block_format import (ALIGN, BlockHeader, FileHeader, pack_block_header, pack_file_header,
                                          padded, payload_checksum, unpack_block_header, unpack_file_header)
+from kvtier.storage.aligned_io import aligned as _aligned, read_all, write_all
 from kvtier.storage.journal import BLOCK, FREE, Journal, Record
 
 __all__ = ["BlockFile", "BlockFileError"]
@@ -35,11 +35,6 @@ class BlockFileError(Exception):
 
 def _record(slot: int, h: BlockHeader) -> Record:
     return Record(BLOCK, slot, h.namespace, h.chain_hash, h.payload_len, h.payload_checksum, h.tokens)
-
-
-def _aligned(nbytes: int) -> np.ndarray:
-    """A page-aligned, zeroed uint8 buffer (anonymous mmap): what O_DIRECT reads into and writes from."""
-    return np.frombuffer(mmap.mmap(-1, max(nbytes, ALIGN)), dtype=np.uint8)[:nbytes]
 
 
 class BlockFile:
@@ -284,10 +279,7 @@ class BlockFile:
     # --- IO ---
 
     def _write_all(self, buf: np.ndarray, offset: int) -> None:
-        mv = memoryview(buf)
-        while len(mv):
-            n = os.pwritev(self._fd, [mv], offset)
-            mv, offset = mv[n:], offset + n
+        write_all(self._fd, buf, offset)
 
     def _read_all_v(self, bufs: list, offset: int) -> None:
         """Fill consecutive buffers from ``offset``, in one request where the kernel completes it."""
@@ -299,11 +291,4 @@ class BlockFile:
             offset += b.size
 
     def _read_all(self, buf: np.ndarray, offset: int) -> None:
-        """Fill ``buf`` from ``offset``; bytes past the end of the file read as zeros (an empty slot)."""
-        mv = memoryview(buf)
-        while len(mv):
-            n = os.preadv(self._fd, [mv], offset)
-            if n == 0:
-                mv[:] = b"\0" * len(mv)
-                return
-            mv, offset = mv[n:], offset + n
+        read_all(self._fd, buf, offset)

@@ -14,7 +14,6 @@ only (a new file, synced, renamed over the old one): a batch takes whole pages, 
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import struct
 from typing import Iterable, NamedTuple, Optional
@@ -22,6 +21,7 @@ from typing import Iterable, NamedTuple, Optional
 import numpy as np
 import xxhash
 
+from kvtier.storage.aligned_io import aligned as _aligned, read_all, write_all as _write_all
 from kvtier.storage.block_format import ALIGN, FORMAT_VERSION
 
 __all__ = ["Journal", "Record", "Replay", "BLOCK", "FREE"]
@@ -63,10 +63,6 @@ class Record(NamedTuple):
     payload_len: int
     payload_checksum: int
     tokens: np.ndarray
-
-
-def _aligned(nbytes: int) -> np.ndarray:
-    return np.frombuffer(mmap.mmap(-1, max(nbytes, ALIGN)), dtype=np.uint8)[:nbytes]
 
 
 class Journal:
@@ -151,15 +147,10 @@ class Journal:
                       np.empty((0, self.tokens), np.int64), empty.astype(np.uint32))
         if not self.valid or self.end <= ALIGN:
             return none
-        raw = _aligned(self.end - ALIGN)
-        view, off = memoryview(raw), 0
-        while off < raw.size:
-            n = os.preadv(self._fd, [view[off:]], ALIGN + off)
-            if n == 0:
-                break
-            off += n
+        raw = _aligned(self.end - ALIGN)  # whole pages: end is page-aligned
+        read_all(self._fd, raw, ALIGN)
         rb, body = self.record_bytes, self.record_bytes - _CHECK.size
-        recs = raw[:off // ALIGN * ALIGN].reshape(-1, ALIGN)[:, :self.per_page * rb].reshape(-1, rb)
+        recs = raw.reshape(-1, ALIGN)[:, :self.per_page * rb].reshape(-1, rb)
         fixed = np.ascontiguousarray(recs[:, :_FIXED.size]).view(_DTYPE).reshape(-1)
         cand = np.flatnonzero((fixed["magic"] == _MAGIC) & (fixed["version"] == FORMAT_VERSION)
                               & ((fixed["kind"] == BLOCK) | (fixed["kind"] == FREE)) & (fixed["ntok"] <= self.tokens))
@@ -211,9 +202,3 @@ class Journal:
             os.close(self._fd)
             self._fd = -1
 
-
-def _write_all(fd: int, buf: np.ndarray, offset: int) -> None:
-    mv = memoryview(buf)
-    while len(mv):
-        n = os.pwritev(fd, [mv], offset)
-        mv, offset = mv[n:], offset + n

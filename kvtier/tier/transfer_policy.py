@@ -18,7 +18,8 @@ prefixes, bench/results/fragmentation_h200.json and bench/results/layerwise_h200
   :data:`AUTO_STAGED_LAYER_BYTES` in at most :data:`AUTO_STAGED_MAX_LAYER_ROWS` copy-engine rows. More rows fill
   the copy engine's queue and the host waits on it while it issues (24 ms for 36 layers at runs of one page,
   against 1.6 ms for one run); a :class:`~kvtier.kernels.DirectCopy` issues a layer in ~20 us whatever the runs, at
-  the same GPU time, and slows a GEMM beside it by < 2%. A ``page_first`` layer slice shorter than
+  the same GPU time, and slows a GEMM beside it by < 2%, though a concurrent Qwen3-8B-sized forward by 18-23%
+  against 5-10% through the copy engine (bench/results/layerwise_h200.json): one run stays staged. A ``page_first`` layer slice shorter than
   :data:`AUTO_STAGED_MIN_SLICE_BYTES` goes direct too (the copy engine moves short rows slowly).
 """
 
