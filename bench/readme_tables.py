@@ -292,6 +292,22 @@ def fragmentation_table() -> str:
     ])
 
 
+def ssd_table() -> str:
+    res = _load("ssd_cpu.json")
+    if res is None:
+        return "_no results yet_"
+    rows = ["| SSD store (`kvtier/storage`, not yet behind the tier), 2.25 MiB blocks, CPU machine | raw O_DIRECT "
+            "write / read GB/s | store write / read GB/s (over raw) | journal replay, s per million blocks |",
+            "|---|---|---|---|"]
+    for key, label in (("disk", "ext4 disk"), ("ram", "RAM-backed directory")):
+        d = res.get(key)
+        if d:
+            rows.append(f"| {label} | {d['raw_write_gbps']:.2f} / {d['raw_read_gbps']:.2f} | "
+                        f"{d['store_write_gbps']:.2f} ({d['write_over_raw']:.3f}) / {d['store_read_gbps']:.2f} "
+                        f"({d['read_over_raw']:.3f}) | {d['recovery_s_per_million_blocks']:.2f} |")
+    return "\n".join(rows)
+
+
 def _equal(counts: dict, modes) -> str:
     eq, tot = sum(counts[m]["equal"] for m in modes), sum(counts[m]["total"] for m in modes)
     return f"{eq}/{tot}"
@@ -366,7 +382,7 @@ def e2e_table() -> str:
 
 
 TABLES = {"headline": headline_table, "transfer": transfer_table, "index": index_table, "layerwise": layerwise_table,
-          "fragmentation": fragmentation_table, "e2e": e2e_table}
+          "fragmentation": fragmentation_table, "ssd": ssd_table, "e2e": e2e_table}
 
 
 def render(readme: str) -> str:
