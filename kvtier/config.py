@@ -33,8 +33,26 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
 * ``layerwise`` (bool, default true): engine adapters load host hits layer by layer (``KVTier.load_layerwise``)
   instead of whole (``KVTier.load``).
 * ``eviction_policy`` (``"lru"``, default ``"lru"``): the only policy so far (LRU over unlocked leaf pages).
-* ``ssd_cache_gb`` (float >= 0, default 0) and ``ssd_cache_dir`` (str or null): reserved for the SSD tier; validated,
-  not used yet.
+* ``ssd_cache_gb`` (float >= 0, default 0): size of the SSD tier in GiB over all its directories, per rank (0: no
+  SSD tier). Its block files are preallocated at start (a full disk fails there, not while serving).
+* ``ssd_cache_dir`` (str or null): the SSD tier's directories, several separated by ``;`` (FlexKV's form): one block
+  file each, blocks striped round robin so a batch reads and writes every disk at once. Required when
+  ``ssd_cache_gb`` > 0; created if missing. What a previous process made durable there is served after a restart.
+* ``ssd_io_threads`` (int >= 1, default 4): requests each batch keeps in flight on the disks.
+* ``ssd_direct_io`` (bool, default true): O_DIRECT reads and writes (no page-cache copy; the file system's buffered
+  IO where it refuses O_DIRECT, said once in the log).
+* ``ssd_write_policy`` (``"write_through"`` | ``"write_back"``, default ``"write_through"``): ``write_through``
+  writes every block that enters the CPU tier to the SSD as well (off the engine's threads), so a CPU eviction costs
+  nothing and a crash loses only the blocks still queued; ``write_back`` writes a block only when the CPU tier
+  evicts it (fewer writes; the block's CPU memory is held until its write is durable).
+* ``ssd_admission`` (``"cost"`` | ``"always"``, default ``"cost"``): ``cost`` serves an SSD hit only when reading it
+  (behind the reads already queued) is faster than recomputing it (:mod:`kvtier.tier.admission`).
+* ``ssd_read_gbps`` (float > 0 or null, default null): the SSD read bandwidth admission assumes; null: the tier's
+  measured reads.
+* ``prefill_tokens_per_s`` (float > 0 or null, default null): the engine's prefill rate admission compares with;
+  null: what the engine reports (``KVTier.note_prefill``).
+* ``ssd_wipe_mismatch`` (bool, default false): a block file in ``ssd_cache_dir`` written for another model, layout
+  or TP rank is wiped and recreated; by default it is left alone and the tier refuses to start, naming the file.
 """
 
 from __future__ import annotations
@@ -52,6 +70,8 @@ ENV_VAR = "KVTIER_CONFIG"
 MIN_TOKENS_PER_BLOCK = 16
 TRANSFER_MODES: tuple[str, ...] = ("auto", "direct", "staged")
 EVICTION_POLICIES: tuple[str, ...] = ("lru",)
+SSD_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")
+SSD_ADMISSIONS: tuple[str, ...] = ("cost", "always")
 
 
 def default_tokens_per_block(page_size: int) -> int:
@@ -120,9 +140,15 @@ class TierConfig:
     num_programs: Optional[int] = None
     layerwise: bool = True
     eviction_policy: str = "lru"
-    # reserved for the SSD tier (validated, unused)
     ssd_cache_gb: float = 0.0
     ssd_cache_dir: Optional[str] = None
+    ssd_io_threads: int = 4
+    ssd_direct_io: bool = True
+    ssd_write_policy: str = "write_through"
+    ssd_admission: str = "cost"
+    ssd_read_gbps: Optional[float] = None
+    prefill_tokens_per_s: Optional[float] = None
+    ssd_wipe_mismatch: bool = False
 
     def __post_init__(self) -> None:
         if not _is_number(self.cpu_cache_gb) or self.cpu_cache_gb <= 0:
@@ -148,6 +174,23 @@ class TierConfig:
             raise _error(f"ssd_cache_gb must be a number >= 0 (GiB), got {_got(self.ssd_cache_gb)}")
         if self.ssd_cache_dir is not None and (not isinstance(self.ssd_cache_dir, str) or not self.ssd_cache_dir):
             raise _error(f"ssd_cache_dir must be a non-empty string or null, got {self.ssd_cache_dir!r}")
+        if self.ssd_cache_gb > 0 and self.ssd_cache_dir is None:
+            raise _error("ssd_cache_gb > 0 needs ssd_cache_dir (one or more directories separated by ';')")
+        if self.ssd_cache_dir is not None and not any(d.strip() for d in self.ssd_cache_dir.split(";")):
+            raise _error(f"ssd_cache_dir names no directory: {self.ssd_cache_dir!r}")
+        if not _is_int(self.ssd_io_threads) or self.ssd_io_threads < 1:
+            raise _error(f"ssd_io_threads must be an int >= 1, got {_got(self.ssd_io_threads)}")
+        for key in ("ssd_direct_io", "ssd_wipe_mismatch"):
+            if not isinstance(getattr(self, key), bool):
+                raise _error(f"{key} must be true or false, got {getattr(self, key)!r}")
+        if self.ssd_write_policy not in SSD_WRITE_POLICIES:
+            raise _error(f"ssd_write_policy must be one of {list(SSD_WRITE_POLICIES)}, got {self.ssd_write_policy!r}")
+        if self.ssd_admission not in SSD_ADMISSIONS:
+            raise _error(f"ssd_admission must be one of {list(SSD_ADMISSIONS)}, got {self.ssd_admission!r}")
+        for key in ("ssd_read_gbps", "prefill_tokens_per_s"):
+            v = getattr(self, key)
+            if v is not None and (not _is_number(v) or v <= 0):
+                raise _error(f"{key} must be a number > 0 or null, got {_got(v)}")
         object.__setattr__(self, "cpu_cache_gb", float(self.cpu_cache_gb))
         object.__setattr__(self, "ssd_cache_gb", float(self.ssd_cache_gb))
 
@@ -159,6 +202,15 @@ class TierConfig:
     @property
     def cpu_cache_bytes(self) -> int:
         return int(self.cpu_cache_gb * (1 << 30))
+
+    @property
+    def ssd_cache_bytes(self) -> int:
+        return int(self.ssd_cache_gb * (1 << 30))
+
+    @property
+    def ssd_dirs(self) -> list[str]:
+        """The SSD tier's directories (``ssd_cache_dir`` split at ``;``, blanks dropped)."""
+        return [d.strip() for d in (self.ssd_cache_dir or "").split(";") if d.strip()]
 
     @classmethod
     def keys(cls) -> list[str]:

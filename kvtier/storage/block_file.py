@@ -234,6 +234,16 @@ class BlockFile:
         return [(r.slot, BlockHeader(self.fingerprint, r.namespace, r.chain_hash, r.tokens, r.payload_len,
                                      r.payload_checksum)) for r in self.journal.replay().records()]
 
+    def recover_hashes(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`recover` as arrays (slot order): the slots and their blocks' chain hashes (uint64); from the
+        journal without building a header per slot."""
+        if self.journal is not None:
+            r = self.journal.replay()
+            return r.slots, r.chain_hashes.astype(np.uint64)
+        found = list(self.scan())
+        return (np.array([s for s, _ in found], dtype=np.int64),
+                np.array([h.chain_hash for _, h in found], dtype=np.uint64))
+
     def read(self, slot: int, out: np.ndarray) -> Optional[BlockHeader]:
         """Read ``slot`` into ``out`` (uint8, at least the payload's length); its header, or None when the slot is
         empty, its header or payload fails its checksum, or it belongs to another fingerprint (``out`` is then

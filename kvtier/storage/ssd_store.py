@@ -132,6 +132,15 @@ class SsdStore:
                                   enumerate(self.files))
         return sorted((x for part in per_file for x in part), key=lambda x: x[0])
 
+    def recover_hashes(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`recover` as arrays: store slots (ascending) and their blocks' chain hashes."""
+        k = len(self.files)
+        parts = list(self._pool.map(lambda f: f.recover_hashes(), self.files))
+        slots = np.concatenate([local * k + fi for fi, (local, _) in enumerate(parts)])
+        hashes = np.concatenate([h for _, h in parts])
+        order = np.argsort(slots, kind="stable")
+        return slots[order], hashes[order]
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         for f in self.files:

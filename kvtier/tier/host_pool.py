@@ -154,6 +154,7 @@ class HostBlockPool:
         self._raw = raw
         self._flat = raw[start:start + self.nbytes]
         self.host: torch.Tensor = self._flat.view(geometry.dtype).view(geometry.host_shape(self.num_blocks, layout))
+        self._bytes: Optional[np.ndarray] = None  # block_rows' view of the pool (made on first use)
         if self.pinned_bytes == 0:  # plain memory: registered in chunks when pinning (planned either way)
             self.chunks = plan_chunks(self.nbytes, unit=self._register_unit(), limit=register_chunk_bytes)
             if pin:
@@ -233,7 +234,7 @@ class HostBlockPool:
             return
         self._destroyed = True
         self._unregister()
-        self.host = self._flat = self._raw = None  # type: ignore[assignment]
+        self.host = self._flat = self._raw = self._bytes = None  # type: ignore[assignment]
 
     def __del__(self) -> None:
         try:
@@ -316,6 +317,19 @@ class HostBlockPool:
         self._cursor = 0
 
     @synchronized
+    def block_rows(self, block_id: int) -> np.ndarray:
+        """Block ``block_id``'s bytes as a uint8 view ``[layers * kv, row]``, a row being one (layer, K/V) page:
+        contiguous in ``page_first``, one strided row per plane in ``layer_first``. Its row order is a
+        ``page_first`` block's, so bytes copied through it mean the same in both layouts."""
+        self._check_alive()
+        geo = self.geometry
+        planes = geo.num_layers * geo.kv_count
+        if self._bytes is None:
+            flat = self._flat.numpy()
+            shape = (self.num_blocks, planes, -1) if self.layout == "page_first" else (planes, self.num_blocks, -1)
+            self._bytes = flat.reshape(shape)
+        return self._bytes[block_id] if self.layout == "page_first" else self._bytes[:, block_id]
+
     def is_free(self, block_id: int) -> bool:
         return bool(self._free[block_id])
 

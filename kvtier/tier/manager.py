@@ -16,13 +16,19 @@ page), so hits, stores and evictions come in whole blocks, and a load may start 
 * ``load_layerwise(tokens, ns, slots)``: the same, one launch per layer on the load stream, each followed by the
   :class:`~kvtier.tier.signal.LayerDoneCounter` event of that layer; ``task.producer_index`` is the slot the engine
   sets as consumer (-1 when nothing was loaded).
+* SSD tier (``config.ssd_cache_gb`` > 0, :mod:`kvtier.tier.ssd_link`): blocks reach the SSD from the CPU blocks,
+  off the engine's threads (``write_through``: as they enter the CPU index; ``write_back``: as it evicts them).
+  ``lookup`` starts promoting the blocks the SSD holds past the CPU hit (a ``"promote"`` task, when admission by
+  cost lets them in) and returns the CPU hit: it never waits on the disk. Promoted blocks become CPU hits when the
+  task is finalized; :meth:`KVTier.lookup_tiers` returns the task, for an engine that waits for it (``wait``).
 * ``poll() -> [task ids]``: drain completions; every task id is reported by exactly one poll (unless ``reset``).
   ``wait(task)``: block until it completes and finalize it. ``cancel(task)``: wait for its copy, then discard it
   (a store frees its blocks and inserts nothing). ``reset()``: wait for every copy, then drop everything.
 
-Invariants: pages read by an in-flight load or under an in-flight store are locked in the index, so never evicted;
-blocks written by an in-flight store belong to the task (not free, not in the index); nothing is freed before the
-copy that uses it has completed. Every pool block is free, held by the index, or owned by one in-flight store.
+Invariants: pages read by an in-flight load or under an in-flight store or promotion are locked in the index, so
+never evicted; blocks written by an in-flight store or promotion belong to the task (not free, not in the index);
+nothing is freed before the copy that uses it has completed. Every pool block is free, held by the index, owned by
+one in-flight store or promotion, or evicted and held until an SSD write that reads it is durable.
 
 Two in-flight stores of the same new pages both copy them; the first to complete inserts them, the second's blocks
 for those pages go back to the pool (correct, and rare: an engine stores a request's pages once).
@@ -38,7 +44,7 @@ import dataclasses
 import functools
 import logging
 import threading
-from typing import Optional, Union
+from typing import Mapping, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -50,11 +56,12 @@ from kvtier.tier.abstract import HostTier
 from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
 from kvtier.tier.host_pool import HostBlockPool, synchronized
 from kvtier.tier.signal import LayerDoneCounter
+from kvtier.tier.ssd_link import PromotionPlan, SsdLink
 from kvtier.tier.transfer_policy import CopyPlan, Path, TransferPolicy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVTier", "TierTask", "TierStats"]
+__all__ = ["KVTier", "TierTask", "TierStats", "TierHit"]
 
 
 @dataclasses.dataclass
@@ -63,9 +70,9 @@ class TierTask:
 
     Attributes:
         id: task id (reported once by ``poll``).
-        kind: ``"store"``, ``"load"`` or ``"load_layerwise"``.
-        num_pages: pages this task copies (store: new pages; load: hit pages loaded).
-        num_held: store only: leading pages already held, not copied.
+        kind: ``"store"``, ``"load"``, ``"load_layerwise"`` or ``"promote"`` (SSD blocks read into CPU blocks).
+        num_pages: pages this task copies (store: new pages; load: hit pages loaded; promote: pages read).
+        num_held: store and promote: leading pages already held on the CPU, not copied.
         producer_index: layerwise loads: the LayerDoneCounter slot to set as consumer (-1: nothing to wait for).
         status: ``"inflight"``, ``"done"``, ``"cancelled"`` or ``"failed"`` (issuing its copy raised: nothing
             was stored or loaded, ``num_pages`` is 0, and everything it took is given back).
@@ -81,6 +88,15 @@ class TierTask:
     @property
     def done(self) -> bool:
         return self.status != "inflight"
+
+
+class TierHit(NamedTuple):
+    """What :meth:`KVTier.lookup_tiers` found: leading pages on the CPU, pages past them on the SSD, and the
+    promotion reading those (None when none runs: nothing on the SSD, or admission refused it)."""
+
+    cpu_pages: int
+    ssd_pages: int
+    promotion: Optional["TierTask"]
 
 
 @dataclasses.dataclass
@@ -129,6 +145,9 @@ class TierStats:
     cancelled: int = 0
     failed_stores: int = 0  # issuing the copy raised: unwound, nothing stored
     failed_loads: int = 0  # issuing the copy raised: unwound, nothing loaded (the engine recomputes)
+    promotions: int = 0
+    pages_promoted: int = 0  # SSD pages that entered the CPU index
+    pages_promote_failed: int = 0  # started, but not read (a check or an IO error failed on the way)
     bytes_d2h: int = 0
     bytes_h2d: int = 0
     seconds_d2h: float = 0.0  # device time of completed stores (CUDA events; wall time on CPU)
@@ -181,11 +200,14 @@ class KVTier(HostTier):
             call that drains; ``"ordered"``: only by :meth:`finalize`, which the engine calls in an order and at
             moments that every TP rank agrees on, so the index evolves identically on every rank (``wait`` then
             only blocks, and ``poll`` reports what was finalized).
+        model_identity: what the engine's KV belongs to (model path and revision, TP rank and size, ...): the
+            SSD tier's blocks carry it, and blocks written under another identity are never read. Required with an
+            SSD tier.
     """
 
     def __init__(self, kv: PagedKV, config: Optional[TierConfig] = None, *, pool: Optional[HostBlockPool] = None,
                  executor=None, counter_backend: str = "auto", host_budget_bytes: Optional[int] = None,
-                 finalize: str = "auto") -> None:
+                 finalize: str = "auto", model_identity: Optional[Mapping] = None) -> None:
         self._lock = threading.RLock()
         self.config = config if config is not None else TierConfig.from_env()
         geo = kv.geometry
@@ -226,20 +248,53 @@ class KVTier(HostTier):
         self._finished: list[int] = []  # task ids finalized since the last poll
         self._next_id = 0
         self._stats = TierStats()
+        self.ssd: Optional[SsdLink] = None
+        if self.config.ssd_cache_gb > 0:
+            if not self._auto_finalize:
+                raise ValueError("the SSD tier does not run with finalize='ordered' (TP ranks) yet")
+            if model_identity is None:
+                raise ValueError("an SSD tier needs model_identity (model path and revision, TP rank and size): its "
+                                 "blocks outlive the process, and another model must never read them")
+            self.ssd = SsdLink.open(self.config, pool, self.block_tokens, model_identity)
 
     # --- engine API ---
 
     @synchronized
     def lookup(self, tokens, ns: Optional[Namespace] = None) -> int:
-        """Number of leading full pages of ``tokens`` held in the host tier (does not touch the LRU order)."""
+        """Number of leading full pages of ``tokens`` held in the CPU tier (does not touch the LRU order); with an
+        SSD tier, also starts promoting what the SSD holds past them (:meth:`lookup_tiers`)."""
+        return self.lookup_tiers(tokens, ns).cpu_pages
+
+    @synchronized
+    def lookup_tiers(self, tokens, ns: Optional[Namespace] = None) -> TierHit:
+        """Leading full pages of ``tokens`` on the CPU, and, with an SSD tier, the pages past them on the SSD
+        and the promotion reading them into the CPU tier (started here unless one from the same block is in
+        flight; none when admission refuses it). Never waits on the disk."""
         self._drain()
         toks = _as_tokens(tokens)
         B, G = self.block_tokens, self._pages_per_block
-        hit = self.index.match(toks[:toks.size // B * B], ns, touch=False).num_pages * G
+        n = toks.size // B
+        m = self.index.match(toks[:n * B], ns, touch=False)
+        hit = m.num_pages * G
         self._stats.lookups += 1
         self._stats.hit_pages += hit
         self._stats.miss_pages += toks.size // self.page_size - hit
-        return hit
+        if self.ssd is None:
+            return TierHit(hit, 0, None)
+        plan = self.ssd.plan_promotion(toks, ns, m.num_pages, n)
+        if plan is None:
+            return TierHit(hit, 0, None)
+        if isinstance(plan, int):
+            rec = self._inflight.get(plan)
+            return TierHit(hit, rec.task.num_pages if rec else 0, rec.task if rec else None)
+        return TierHit(hit, plan.slots.size * G, self._promote(toks, ns, m, plan))
+
+    @synchronized
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine prefilled ``tokens`` tokens in ``seconds``: the prefill rate SSD admission compares reads
+        with (unless ``prefill_tokens_per_s`` is configured)."""
+        if self.ssd is not None:
+            self.ssd.note_prefill(tokens, seconds)
 
     @synchronized
     def store(self, tokens, ns: Optional[Namespace], slot_indices) -> TierTask:
@@ -365,7 +420,9 @@ class KVTier(HostTier):
     def wait_on_current_stream(self, task: TierTask) -> None:
         """Make the engine's current stream wait (GPU-side on CUDA) for ``task``'s copy; the host does not block."""
         rec = self._inflight.get(task.id)
-        if rec is not None:
+        if rec is not None and rec.task.kind == "promote":  # a disk read: nothing on a stream to wait for
+            rec.completion.wait()
+        elif rec is not None:
             self.executor.wait_current(rec.completion)
 
     @synchronized
@@ -385,10 +442,13 @@ class KVTier(HostTier):
 
     @synchronized
     def reset(self) -> None:
-        """Wait for every in-flight copy, then drop every page and task (pending poll reports included)."""
+        """Wait for every in-flight copy, then drop every CPU page and task (pending poll reports included); the
+        SSD tier keeps its durable blocks (they outlive processes; a new KVTier over its directories serves them)."""
         for rec in list(self._inflight.values()):
             rec.completion.wait()
             self._finalize(rec, cancelled=True)
+        if self.ssd is not None:
+            self.ssd.drain(wait=True)  # no write reads a CPU block any more; the SSD tier keeps its blocks
         self.index.reset()
         self.pool.reset()
         self.counter.reset()
@@ -407,6 +467,8 @@ class KVTier(HostTier):
             if self.pool.destroyed:
                 return
             self.reset()
+            if self.ssd is not None:
+                self.ssd.close()
             self.pool.destroy()
 
     # --- accounting ---
@@ -423,6 +485,8 @@ class KVTier(HostTier):
                    inflight_tasks=len(self._inflight),
                    inflight_store_blocks=sum(r.block_ids.size for r in self._inflight.values()
                                              if r.task.kind == "store"))
+        if self.ssd is not None:
+            out.update(self.ssd.stats())
         return out
 
     @property
@@ -439,6 +503,26 @@ class KVTier(HostTier):
     def _finish_now(self, task: TierTask) -> TierTask:
         task.status = "done"
         self._finished.append(task.id)
+        return task
+
+    def _promote(self, toks: np.ndarray, ns, m, plan: PromotionPlan) -> Optional[TierTask]:
+        """Start reading ``plan``'s SSD blocks into new CPU blocks; they hang from the CPU-held prefix ``m``,
+        locked until the task is finalized."""
+        held = plan.held
+        if held:
+            self.index.lock(m)
+        ids = self._alloc(plan.slots.size)
+        if ids.size == 0:
+            if held:
+                self.index.unlock(m)
+            return None
+        G, B = self._pages_per_block, self.block_tokens
+        task = self._new_task("promote", int(ids.size) * G, num_held=held * G)
+        job = self.ssd.start_promotion(plan, ids, task.id)
+        self._stats.promotions += 1
+        self._inflight[task.id] = _Inflight(task, job, toks[:(held + ids.size) * B].copy(), ns, ids,
+                                            np.array(m.block_ids[:held], dtype=np.int64), m if held else None,
+                                            int(ids.size) * self.pool.block_bytes)
         return task
 
     def _launch(self, stream: str, fn):
@@ -463,6 +547,8 @@ class KVTier(HostTier):
         if copied == 0:
             return self._finish_now(task)
         self.index.lock(m)  # the whole matched path: the copied pages hang from the prefix
+        if self.ssd is not None:
+            self.ssd.used(toks[:m.num_pages * B], ns)
         ids = np.array(m.block_ids[start // B:m.num_pages])
         dst = slots[:copied]
         try:
@@ -565,9 +651,16 @@ class KVTier(HostTier):
     def _evict_blocks(self, n: int) -> int:
         """Evict up to ``n`` LRU unlocked blocks and free them; returns how many."""
         ids = self.index.evict(n)
-        self.pool.free(ids)
+        self._release(ids)
         self._stats.pages_evicted += ids.size * self._pages_per_block
         return int(ids.size)
+
+    def _release(self, ids: np.ndarray) -> None:
+        """Blocks evicted from the index go back to the pool (through the SSD tier's write policy, if any)."""
+        if self.ssd is None:
+            self.pool.free(ids)
+        else:
+            self.ssd.release(ids)
 
     def _alloc(self, n: int) -> np.ndarray:
         """Up to ``n`` free blocks, evicting LRU unlocked pages for room; fewer when not enough can be evicted."""
@@ -581,9 +674,24 @@ class KVTier(HostTier):
     def _drain(self) -> None:
         if not self._auto_finalize:
             return
+        if self.ssd is not None:
+            self.ssd.drain()
         for rec in list(self._inflight.values()):
             if rec.completion.done():
                 self._finalize(rec, cancelled=False)
+
+    def _insert(self, rec: _Inflight, k: int) -> np.ndarray:
+        """Insert the held prefix and the first ``k`` new blocks of a finished store or promotion; the new blocks
+        another task inserted first go back to the pool. Returns which of the ``k`` the index took."""
+        held, B = rec.prefix_ids.size, self.block_tokens
+        ids = rec.block_ids[:k]
+        toks = rec.tokens[:(held + k) * B]
+        r = self.index.insert(toks, np.concatenate((rec.prefix_ids, ids)), rec.ns)
+        owned = r.new_mask[held:]
+        self.pool.free(ids[~owned])
+        if self.ssd is not None:
+            self.ssd.entered(ids[owned], toks, rec.ns, held + np.flatnonzero(owned))
+        return owned
 
     def _finalize(self, rec: _Inflight, *, cancelled: bool) -> None:
         """The copy of ``rec`` has completed: insert / free / unlock, and account (a failed copy is discarded
@@ -599,12 +707,19 @@ class KVTier(HostTier):
             if cancelled:
                 self.pool.free(rec.block_ids)
             else:
-                held = rec.prefix_ids.size
-                r = self.index.insert(rec.tokens, np.concatenate((rec.prefix_ids, rec.block_ids)), rec.ns)
-                owned = r.new_mask[held:]
-                self.pool.free(rec.block_ids[~owned])
+                owned = self._insert(rec, rec.block_ids.size)
                 self._stats.pages_stored += int(owned.sum()) * self._pages_per_block
                 self._stats.pages_store_duplicate += int((~owned).sum()) * self._pages_per_block
+        elif task.kind == "promote":
+            job = rec.completion
+            self.ssd.end_promotion(job)
+            ok = 0 if cancelled else job.ok
+            self.pool.free(rec.block_ids[ok:])
+            if ok:
+                owned = self._insert(rec, ok)
+                self._stats.pages_promoted += int(owned.sum()) * self._pages_per_block
+            if not cancelled:
+                self._stats.pages_promote_failed += (rec.block_ids.size - ok) * self._pages_per_block
         else:
             self._stats.bytes_h2d += rec.nbytes
             self._stats.seconds_h2d += secs or 0.0

@@ -1,0 +1,225 @@
+"""SsdLink: how the CPU tier uses the SSD tier behind it: the write policy, CPU blocks held for writes, promotion
+plans and their admission.
+
+* Write policy (``ssd_write_policy``): ``write_through`` writes each block as it enters the CPU index
+  (:meth:`SsdLink.entered`); ``write_back`` writes each block the CPU index evicts (:meth:`SsdLink.release`), for
+  which it keeps every CPU block's chain hash, namespace and tokens.
+* A CPU block in a write job is held: the CPU index may evict it, but the pool gets it back only when the write is
+  durable or failed (:meth:`release` defers, :meth:`drain` frees). Nothing rewrites a block the disk still reads.
+* Promotion (:meth:`plan_promotion`): the leading blocks past a CPU hit that the SSD holds, if admission by cost
+  (:class:`~kvtier.tier.admission.CostAdmission`) lets them in, and if they are not already being promoted.
+
+Single-owner: called under the :class:`~kvtier.tier.KVTier` lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping, NamedTuple, Optional
+
+import numpy as np
+
+from kvtier.config import TierConfig
+from kvtier.geometry import KVGeometry
+from kvtier.index import Namespace, page_hashes
+from kvtier.storage import BlockFileError, SsdStore, fingerprint
+from kvtier.tier.admission import CostAdmission
+from kvtier.tier.host_pool import HostBlockPool
+from kvtier.tier.ssd_tier import IoJob, SsdTier
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SsdLink", "PromotionPlan", "ssd_fingerprint"]
+
+_DEFAULT_NS = Namespace()
+
+
+def ssd_fingerprint(geometry: KVGeometry, block_tokens: int, identity: Mapping) -> bytes:
+    """What an SSD block belongs to: the engine's model identity (model, revision, TP rank and size, ...), the KV
+    geometry and dtype, the block size, and the payload order (a ``page_first`` block's, whatever the CPU layout)."""
+    return fingerprint(kind="kvtier-ssd-block", identity=dict(identity), num_layers=geometry.num_layers,
+                       num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim, is_mla=geometry.is_mla,
+                       dtype=str(geometry.dtype), block_tokens=block_tokens, payload="page_first")
+
+
+class PromotionPlan(NamedTuple):
+    """SSD blocks to read past a CPU hit of ``held`` blocks."""
+
+    held: int  # CPU blocks before them
+    slots: np.ndarray
+    hashes: np.ndarray
+    namespace: int
+    tokens: np.ndarray  # (blocks, block_tokens)
+
+
+class SsdLink:
+    """The CPU tier's SSD tier (see the module docstring); built by :meth:`open`."""
+
+    def __init__(self, ssd: SsdTier, pool: HostBlockPool, config: TierConfig, block_tokens: int) -> None:
+        self.ssd, self.pool, self.block_tokens = ssd, pool, block_tokens
+        self.write_back = config.ssd_write_policy == "write_back"
+        self.admission = CostAdmission(config.ssd_admission, read_gbps=config.ssd_read_gbps,
+                                       prefill_tokens_per_s=config.prefill_tokens_per_s,
+                                       measured_read_gbps=lambda: ssd.read_gbps)
+        n = pool.num_blocks
+        self._refs = np.zeros(n, np.int32)  # write jobs reading each CPU block
+        self._free_later = np.zeros(n, bool)  # evicted from the CPU index while a write reads it
+        self._writes: list[IoJob] = []
+        self._promoting: dict[int, int] = {}  # chain hash of a promotion's first block -> task id
+        self.promote_bytes_inflight = 0
+        if self.write_back:  # what an evicted block is, to write it
+            self._hash = np.zeros(n, np.uint64)
+            self._ns = np.zeros(n, np.uint64)
+            self._tokens = np.zeros((n, block_tokens), np.int64)
+        self.refused_tokens = 0
+
+    @classmethod
+    def open(cls, config: TierConfig, pool: HostBlockPool, block_tokens: int, identity: Mapping) -> "SsdLink":
+        """The SSD tier of ``config`` (directories created if missing), recovered from what is durable there.
+
+        Raises:
+            kvtier.storage.BlockFileError: a directory cannot be used (no access, no space, another model's file).
+        """
+        for d in config.ssd_dirs:
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                raise BlockFileError(f"kvtier: cannot create the SSD cache directory {d}: {e.strerror}") from None
+        try:
+            store = SsdStore(config.ssd_dirs, capacity_bytes=config.ssd_cache_bytes, block_bytes=pool.block_bytes,
+                             fingerprint=ssd_fingerprint(pool.geometry, block_tokens, identity),
+                             io_threads=config.ssd_io_threads, direct=config.ssd_direct_io,
+                             wipe_mismatch=config.ssd_wipe_mismatch, tokens_per_block=block_tokens)
+        except BlockFileError as e:
+            if "left alone" not in str(e):
+                raise
+            raise BlockFileError(f"{e} (kvtier config: ssd_wipe_mismatch: true wipes it; a change of "
+                                 f"ssd_cache_gb changes the slot geometry)") from None
+        try:
+            ssd = SsdTier(store, block_tokens=block_tokens,
+                          copy_out=lambda b, buf: np.copyto(buf.reshape(pool.block_rows(b).shape), pool.block_rows(b)),
+                          copy_in=lambda b, buf: np.copyto(pool.block_rows(b), buf.reshape(pool.block_rows(b).shape)),
+                          max_pending_bytes=min(4 << 30, max(pool.nbytes // 4, 64 * pool.block_bytes)))
+        except BaseException:
+            store.close()
+            raise
+        logger.info("kvtier: SSD tier of %d blocks over %s (%s IO, %s), %d blocks recovered", store.num_slots,
+                    ";".join(store.dirs), "O_DIRECT" if store.direct else "buffered", config.ssd_write_policy,
+                    ssd.stats.blocks_recovered)
+        return cls(ssd, pool, config, block_tokens)
+
+    # --- blocks entering and leaving the CPU index ---
+
+    def entered(self, ids: np.ndarray, tokens: np.ndarray, ns: Optional[Namespace], positions: np.ndarray) -> None:
+        """CPU blocks ``ids`` entered the index as blocks ``positions`` (ascending) of ``tokens``'s chain."""
+        if ids.size == 0:
+            return
+        B = self.block_tokens
+        end = (int(positions[-1]) + 1) * B
+        hashes = page_hashes(tokens[:end], B, ns)[positions]
+        rows = tokens[:end].reshape(-1, B)[positions]
+        seed = (ns or _DEFAULT_NS).seed
+        if self.write_back:
+            self._hash[ids], self._ns[ids], self._tokens[ids] = hashes, seed, rows
+        else:
+            self._write(hashes, seed, rows, ids)
+
+    def release(self, ids: np.ndarray) -> None:
+        """CPU blocks ``ids`` left the index: back to the pool, once no write reads them (``write_back``: written
+        first)."""
+        if ids.size == 0:
+            return
+        if self.write_back:
+            for seed in np.unique(self._ns[ids]).tolist():
+                pick = ids[self._ns[ids] == seed]
+                self._write(self._hash[pick], seed, self._tokens[pick], pick)
+        busy = self._refs[ids] > 0
+        self._free_later[ids[busy]] = True
+        self.pool.free(ids[~busy])
+
+    def _write(self, hashes: np.ndarray, seed: int, rows: np.ndarray, ids: np.ndarray) -> None:
+        job = self.ssd.write(hashes, seed, rows, ids)
+        if job is not None:
+            np.add.at(self._refs, job.host_ids, 1)
+            self._writes.append(job)
+
+    def drain(self, wait: bool = False) -> None:
+        """Account finished writes (all of them, waiting, with ``wait``) and free the CPU blocks they held."""
+        keep = []
+        for job in self._writes:
+            if wait:
+                job.wait()
+            if not job.done():
+                keep.append(job)
+                continue
+            self.ssd.finish(job)
+            ids = job.host_ids
+            np.add.at(self._refs, ids, -1)
+            done = ids[(self._refs[ids] == 0) & self._free_later[ids]]
+            self._free_later[done] = False
+            self.pool.free(done)
+        self._writes = keep
+
+    def used(self, tokens: np.ndarray, ns: Optional[Namespace]) -> None:
+        """``tokens``' blocks were loaded from the CPU tier: the SSD's copies of them become the most recently
+        used too (a prefix hot on the CPU is kept on the SSD, which serves it after an eviction or a restart)."""
+        if tokens.size and self.ssd.index.num_held:
+            self.ssd.index.touch(self.ssd.match(page_hashes(tokens, self.block_tokens, ns)))
+
+    @property
+    def held_blocks(self) -> int:
+        """CPU blocks held by writes after the CPU index let them go."""
+        return int(self._free_later.sum())
+
+    # --- promotion ---
+
+    def plan_promotion(self, tokens: np.ndarray, ns: Optional[Namespace], held: int, n: int) -> Optional[int | PromotionPlan]:
+        """The SSD blocks after ``held`` CPU-held blocks of ``tokens``'s first ``n`` blocks, if admitted; an int
+        (the task id) when a promotion from the same block is in flight; None when nothing is to be read."""
+        if held >= n or self.ssd.index.num_held == 0:
+            return None
+        B = self.block_tokens
+        hashes = page_hashes(tokens[:n * B], B, ns)[held:]
+        slots = self.ssd.match(hashes)
+        if slots.size == 0:
+            return None
+        inflight = self._promoting.get(int(hashes[0]))
+        if inflight is not None:
+            return inflight
+        k = int(slots.size)
+        if not self.admission.admit(k * B, k * self.pool.block_bytes, self.promote_bytes_inflight):
+            self.refused_tokens += k * B
+            return None
+        rows = tokens[held * B:(held + k) * B].reshape(k, B)
+        return PromotionPlan(held, slots, hashes[:k], (ns or _DEFAULT_NS).seed, rows)
+
+    def start_promotion(self, plan: PromotionPlan, ids: np.ndarray, task_id: int) -> IoJob:
+        """Read the first ``ids.size`` blocks of ``plan`` into CPU blocks ``ids`` (owned by task ``task_id``)."""
+        k = ids.size
+        job = self.ssd.read(plan.slots[:k], plan.hashes[:k], plan.namespace, plan.tokens[:k], ids)
+        self._promoting[int(plan.hashes[0])] = task_id
+        self.promote_bytes_inflight += k * self.pool.block_bytes
+        return job
+
+    def end_promotion(self, job: IoJob) -> None:
+        self.ssd.finish(job)
+        self._promoting.pop(int(job.hashes[0]), None)
+        self.promote_bytes_inflight -= job.num_blocks * self.pool.block_bytes
+
+    # --- life cycle ---
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        self.admission.note_prefill(tokens, seconds)
+
+    def stats(self) -> dict:
+        out = {f"ssd_{k}": v for k, v in self.ssd.snapshot().items()}
+        out.update(ssd_write_policy="write_back" if self.write_back else "write_through",
+                   ssd_admitted=self.admission.admitted, ssd_refused=self.admission.refused,
+                   ssd_tokens_refused=self.refused_tokens, ssd_held_cpu_blocks=self.held_blocks,
+                   ssd_prefill_tokens_per_s=self.admission.prefill_tokens_per_s)
+        return out
+
+    def close(self) -> None:
+        self.drain(wait=True)
+        self.ssd.close()

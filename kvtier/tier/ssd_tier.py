@@ -1,0 +1,304 @@
+"""SsdTier: the SSD medium behind the CPU pool: its slot index, and IO jobs run off the engine's threads.
+
+The tier's owner (:class:`kvtier.tier.KVTier`) decides what to write and what to read; this class runs it:
+
+* :meth:`SsdTier.write` takes CPU blocks that hold finished pages and writes them to free (or LRU-evicted) slots on
+  a write thread. The caller keeps those CPU blocks unchanged until the job is done. A slot becomes findable only
+  when its batch is durable (:meth:`finish`). Jobs beyond :data:`MAX_PENDING_BYTES` (or the owner's cap) are
+  dropped and counted: a slow disk never holds the CPU pool.
+* :meth:`SsdTier.read` reads held slots into CPU blocks the caller owns, on a read thread (reads never wait behind
+  writes). Every block is checked before it counts: header and payload checksums, fingerprint, chain hash,
+  namespace, tokens. Reading stops at the first block that fails; that slot is removed and counted. The slots
+  stay locked (never evicted, never rewritten) until :meth:`finish`.
+
+Both threads move data in batches of at most :data:`BATCH_BYTES` through their own aligned buffers; the copies
+between those buffers and the CPU blocks are the owner's functions (``copy_out``, ``copy_in``), so this module
+knows neither torch nor the pool's layout. Single-owner: every method except the workers' is called under the
+owner's lock; the workers touch only their job and the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from kvtier.storage import Block, SsdStore
+from kvtier.storage.aligned_io import aligned
+from kvtier.storage.block_format import padded
+from kvtier.tier.slot_index import SlotIndex
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SsdTier", "IoJob", "SsdStats", "BATCH_BYTES", "MAX_PENDING_BYTES"]
+
+BATCH_BYTES = 64 << 20  # one durable put (two syncs per file) or one read round per this many bytes
+MAX_PENDING_BYTES = 4 << 30  # writes queued beyond this are dropped (they hold CPU blocks until written)
+
+CopyFn = Callable[[int, np.ndarray], None]  # (CPU block id, contiguous uint8 buffer of block_bytes)
+
+
+def signed64(x: int) -> int:
+    """A uint64 (a namespace seed) as the int64 the on-disk header keeps."""
+    x = int(x)
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+@dataclasses.dataclass
+class IoJob:
+    """A batch of blocks to write to or read from the SSD; its completion interface is the executors' (``done``,
+    ``wait``, ``seconds``)."""
+
+    kind: str  # "write" | "read"
+    slots: np.ndarray  # int64, one per block
+    hashes: np.ndarray  # uint64 chain hashes
+    namespace: int  # signed namespace seed
+    tokens: np.ndarray  # (blocks, tokens per block) int64
+    host_ids: np.ndarray  # CPU blocks read from (write) or filled (read)
+    ok: int = 0  # leading blocks durable (write) or verified and copied in (read)
+    bad: int = -1  # read: the block that failed a check (-1: none)
+    error: Optional[BaseException] = None  # an IO error that ended the job early
+    io_seconds: float = 0.0
+    _event: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.slots.size)
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        self._event.wait()
+
+    def seconds(self) -> Optional[float]:
+        return self.io_seconds
+
+
+@dataclasses.dataclass
+class SsdStats:
+    """SSD counters since construction."""
+
+    blocks_recovered: int = 0
+    writes: int = 0
+    blocks_written: int = 0
+    blocks_write_skipped: int = 0  # already on the SSD or being written
+    blocks_write_dropped: int = 0  # the write queue was full, or no slot could be had
+    blocks_write_failed: int = 0  # an IO error (disk full, device error): the slots go back, nothing is findable
+    blocks_duplicate: int = 0
+    reads: int = 0
+    blocks_read: int = 0
+    blocks_corrupt: int = 0  # failed a check on read: a miss, the slot freed
+    read_errors: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    seconds_write: float = 0.0
+    seconds_read: float = 0.0
+
+
+class _Worker:
+    """A thread running one kind of job, FIFO, with its own aligned batch buffers."""
+
+    def __init__(self, name: str, run: Callable[[IoJob, list], None], batch: int, block_bytes: int) -> None:
+        self._run, self._batch, self._block_bytes = run, batch, block_bytes
+        self._bufs: list = []
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: IoJob) -> None:
+        self._q.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            if not self._bufs:
+                stride = padded(self._block_bytes)
+                flat = aligned(self._batch * stride)
+                self._bufs = [flat[i * stride:i * stride + self._block_bytes] for i in range(self._batch)]
+            t0 = time.perf_counter()
+            try:
+                self._run(job, self._bufs)
+            except BaseException as e:  # an IO error: the job ends here, counted by finish()
+                job.error = e
+            job.io_seconds = time.perf_counter() - t0
+            job._event.set()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+
+
+class SsdTier:
+    """The SSD medium over ``store``, for blocks of ``block_tokens`` tokens.
+
+    Args:
+        store: the block files (its ``block_bytes`` is the CPU pool's block size).
+        block_tokens: tokens per block.
+        copy_out: copies a CPU block into a contiguous buffer (writes).
+        copy_in: copies a contiguous buffer into a CPU block (reads).
+        max_pending_bytes: writes queued beyond this many bytes are dropped.
+    """
+
+    def __init__(self, store: SsdStore, *, block_tokens: int, copy_out: CopyFn, copy_in: CopyFn,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+        self.store, self.block_tokens = store, block_tokens
+        self.block_bytes = store.block_bytes
+        self._copy_out, self._copy_in = copy_out, copy_in
+        self.index = SlotIndex(store.num_slots)
+        self.stats = SsdStats()
+        self._max_pending = max(1, max_pending_bytes // self.block_bytes)
+        self._pending_blocks = 0
+        self._writing: set[int] = set()  # chain hashes of blocks in write jobs
+        t0 = time.perf_counter()
+        slots, hashes = store.recover_hashes()
+        self.stats.blocks_recovered = self.index.recover(slots, hashes)
+        self.recovery_seconds = time.perf_counter() - t0
+        if self.stats.blocks_recovered:
+            logger.info("kvtier: SSD tier recovered %d blocks from %s in %.2f s", self.stats.blocks_recovered,
+                        ";".join(store.dirs), self.recovery_seconds)
+        batch = max(1, BATCH_BYTES // self.block_bytes)
+        self._writer = _Worker("kvtier-ssd-write", self._run_write, batch, self.block_bytes)
+        self._reader = _Worker("kvtier-ssd-read", self._run_read, batch, self.block_bytes)
+
+    # --- owner's side (under its lock) ---
+
+    def match(self, hashes: np.ndarray) -> np.ndarray:
+        """Slots of the leading ``hashes`` on the SSD (no IO)."""
+        return self.index.match(hashes)
+
+    def write(self, hashes: np.ndarray, namespace: int, tokens: np.ndarray,
+              host_ids: np.ndarray) -> Optional[IoJob]:
+        """Start writing CPU blocks ``host_ids`` (chain ``hashes``, ``tokens`` rows) to the SSD; those already
+        there or being written are skipped. None when nothing is written (all skipped, or dropped: the queue is
+        full or every slot is locked or pending). The caller keeps the CPU blocks unchanged until the job is done
+        and then calls :meth:`finish`."""
+        keep = np.fromiter((not self.index.contains(h) and int(h) not in self._writing for h in hashes.tolist()),
+                           dtype=bool, count=hashes.size)
+        self.stats.blocks_write_skipped += int((~keep).sum())
+        n = int(keep.sum())
+        if n == 0:
+            return None
+        if self._pending_blocks + n > self._max_pending:
+            self.stats.blocks_write_dropped += n
+            return None
+        slots = self.index.alloc(n)
+        self.stats.blocks_write_dropped += n - slots.size
+        if slots.size == 0:
+            return None
+        pick = np.flatnonzero(keep)[:slots.size]
+        job = IoJob("write", slots, hashes[pick].astype(np.uint64), signed64(namespace),
+                    np.ascontiguousarray(tokens[pick], dtype=np.int64), np.asarray(host_ids)[pick].copy())
+        self._writing.update(job.hashes.tolist())
+        self._pending_blocks += job.num_blocks
+        self.stats.writes += 1
+        self._writer.submit(job)
+        return job
+
+    def read(self, slots: np.ndarray, hashes: np.ndarray, namespace: int, tokens: np.ndarray,
+             host_ids: np.ndarray) -> IoJob:
+        """Start reading held ``slots`` (a prefix: ``hashes``, ``tokens`` rows) into CPU blocks ``host_ids`` the
+        caller owns until the job is done and it has called :meth:`finish`."""
+        self.index.lock(slots)
+        self.index.touch(slots)
+        job = IoJob("read", np.asarray(slots, np.int64), hashes.astype(np.uint64), signed64(namespace),
+                    np.ascontiguousarray(tokens, dtype=np.int64), np.asarray(host_ids).copy())
+        self.stats.reads += 1
+        self._reader.submit(job)
+        return job
+
+    def finish(self, job: IoJob) -> None:
+        """Account a done job in the index: durable slots become findable, the others go back; read slots
+        unlock, a slot that failed its check is removed."""
+        n, ok = job.num_blocks, job.ok
+        if job.kind == "write":
+            for s, h in zip(job.slots[:ok].tolist(), job.hashes[:ok].tolist()):
+                if not self.index.commit(s, h):
+                    self.stats.blocks_duplicate += 1
+            self.index.release(job.slots[ok:])
+            self._writing.difference_update(job.hashes.tolist())
+            self._pending_blocks -= n
+            self.stats.blocks_written += ok
+            self.stats.blocks_write_failed += n - ok
+            self.stats.bytes_written += ok * self.block_bytes
+            self.stats.seconds_write += job.io_seconds
+            if job.error is not None:
+                logger.warning("kvtier: SSD write of %d blocks failed after %d (%s: %s); the CPU tier carries on",
+                               n, ok, type(job.error).__name__, job.error)
+        else:
+            self.index.unlock(job.slots)
+            if job.bad >= 0:
+                self.index.remove(job.slots[job.bad])
+                if job.error is None:
+                    self.stats.blocks_corrupt += 1
+                else:
+                    self.stats.read_errors += 1
+                    logger.warning("kvtier: SSD read failed (%s: %s); the block is a miss",
+                                   type(job.error).__name__, job.error)
+            self.stats.blocks_read += ok
+            self.stats.bytes_read += ok * self.block_bytes
+            self.stats.seconds_read += job.io_seconds
+
+    @property
+    def read_gbps(self) -> Optional[float]:
+        """Measured read bandwidth of finished reads (None before any)."""
+        s = self.stats
+        return s.bytes_read / s.seconds_read / 1e9 if s.seconds_read > 0 and s.bytes_read else None
+
+    def clear(self) -> None:
+        """Forget every held block (their slots become free; nothing may be locked or pending)."""
+        self.index.clear()
+
+    def close(self) -> None:
+        """Finish the queued jobs, stop the threads, close the files; idempotent."""
+        if self._writer is None:
+            return
+        self._writer.close()
+        self._reader.close()
+        self._writer = self._reader = None
+        self.store.close()
+
+    def snapshot(self) -> dict:
+        out = dataclasses.asdict(self.stats)
+        out.update(blocks_held=self.index.num_held, blocks_pending=self.index.num_pending,
+                   blocks_total=self.index.num_slots, blocks_evicted=self.index.evicted,
+                   read_gbps=self.read_gbps, direct_io=self.store.direct)
+        return out
+
+    # --- worker side ---
+
+    def _run_write(self, job: IoJob, bufs: list) -> None:
+        step = len(bufs)
+        for a in range(0, job.num_blocks, step):
+            b = min(a + step, job.num_blocks)
+            for i in range(a, b):
+                self._copy_out(int(job.host_ids[i]), bufs[i - a])
+            self.store.put(job.slots[a:b].tolist(),
+                           [Block(job.namespace, int(job.hashes[i]), job.tokens[i], bufs[i - a])
+                            for i in range(a, b)])
+            job.ok = b
+
+    def _run_read(self, job: IoJob, bufs: list) -> None:
+        step = len(bufs)
+        for a in range(0, job.num_blocks, step):
+            b = min(a + step, job.num_blocks)
+            try:
+                heads = self.store.get(job.slots[a:b].tolist(), bufs[:b - a])
+            except OSError:
+                job.bad = a  # which block failed is unknown: the batch's first is dropped, reading stops
+                raise
+            for i in range(a, b):
+                h = heads[i - a]
+                if (h is None or h.chain_hash != int(job.hashes[i]) or h.namespace != job.namespace
+                        or h.payload_len != self.block_bytes or not np.array_equal(h.tokens, job.tokens[i])):
+                    job.bad = i
+                    return
+                self._copy_in(int(job.host_ids[i]), bufs[i - a])
+                job.ok = i + 1

@@ -1,0 +1,297 @@
+"""The SSD tier behind KVTier, over real files in temporary directories: device -> CPU -> SSD -> CPU -> device round
+trips in both layouts, restarts in a new process, damaged and foreign files, IO errors, capacity, write policies and
+admission by cost."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.config import TierConfig
+from kvtier.index import page_hashes
+from kvtier.storage import BlockFileError
+from kvtier.storage.ssd_store import FILE_NAME
+from kvtier.tier import HostBlockPool, KVTier
+from tests.kv_helpers import make_kv
+from tests.tier_helpers import TINY, page_slots, slot_bytes
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+ID = {"model": "tiny-test", "tp_rank": 0, "tp_size": 1}
+P = TINY.page_size  # tokens per page = per block here
+
+
+def make_ssd_tier(ssd_dir, *, layout: str = "layer_first", num_blocks: int = 8, seed: int = 0, identity=ID,
+                  ssd_slots: int = 64, **cfg) -> KVTier:
+    """A tier over a tiny random KV pool (128 slots), CPU blocks of one page, an SSD tier of ``ssd_slots`` slots."""
+    kv = make_kv(TINY, 128, "cpu", torch.Generator().manual_seed(seed))
+    slot_bytes_on_disk = 4096 + 4096  # a header and a padded payload
+    cfg.setdefault("ssd_admission", "always")
+    config = TierConfig(page_size=P, tokens_per_block=P, host_layout=layout, cpu_cache_gb=1.0,
+                        ssd_cache_gb=ssd_slots * slot_bytes_on_disk / 2**30, ssd_cache_dir=str(ssd_dir), **cfg)
+    pool = HostBlockPool(dataclasses.replace(TINY, page_size=P), num_blocks, layout=layout)
+    return KVTier(kv, config, pool=pool, model_identity=identity)
+
+
+def prompt(i: int, pages: int) -> np.ndarray:
+    return np.arange(pages * P) + 1000 * i
+
+
+def store_all(tier: KVTier, toks: np.ndarray, first_page: int = 0) -> list[torch.Tensor]:
+    """Store ``toks`` from device pages ``first_page..``, wait until the SSD has it; the bytes stored."""
+    slots = page_slots(first_page, toks.size // P, P)
+    tier.wait(tier.store(toks, None, slots))
+    tier.ssd.drain(wait=True)
+    return slot_bytes(tier, slots)
+
+
+def promote_and_load(tier: KVTier, toks: np.ndarray, first_page: int = 40) -> tuple[int, list[torch.Tensor]]:
+    """Promote ``toks``'s SSD pages, load the host hit into device pages ``first_page..``; (pages, their bytes)."""
+    hit = tier.lookup_tiers(toks, None)
+    if hit.promotion is not None:
+        tier.wait(hit.promotion)
+    dst = page_slots(first_page, toks.size // P, P)
+    task = tier.load(toks, None, dst)
+    tier.wait(task)
+    return task.num_pages, slot_bytes(tier, dst[:task.num_pages * P])
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor], pages: int) -> bool:
+    return all(torch.equal(x[:pages * P], y[:pages * P]) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("src,dst", [("layer_first", "page_first"), ("page_first", "layer_first"),
+                                     ("layer_first", "layer_first")])
+def test_pages_round_trip_device_cpu_ssd_cpu_device_across_layouts(tmp_path, src, dst):
+    a = make_ssd_tier(tmp_path, layout=src)
+    toks = prompt(1, 6)
+    want = store_all(a, toks)
+    assert a.stats()["ssd_blocks_written"] == 6
+    a.destroy()
+    b = make_ssd_tier(tmp_path, layout=dst, seed=1)  # other device bytes: only what the SSD held can match
+    assert b.stats()["ssd_blocks_recovered"] == 6
+    assert b.lookup(toks) == 0  # the CPU tier is empty: the pages are on the SSD, being promoted
+    pages, got = promote_and_load(b, toks)
+    assert pages == 6 and same(got, want, 6)
+    s = b.stats()
+    assert s["pages_promoted"] == 6 and s["ssd_blocks_read"] == 6 and s["ssd_blocks_corrupt"] == 0
+    b.destroy()
+
+
+def test_lookup_returns_the_cpu_hit_and_promotes_only_the_pages_past_it(tmp_path):
+    t = make_ssd_tier(tmp_path, num_blocks=8)
+    first, second = prompt(1, 4), prompt(2, 6)
+    want = store_all(t, first)
+    store_all(t, second, first_page=10)  # 4 + 6 blocks > 8: the LRU pages of `first` leave the CPU tier
+    cpu = t.lookup(first)
+    assert cpu < 4
+    hit = t.lookup_tiers(first, None)
+    assert hit.cpu_pages == cpu and hit.ssd_pages == 4 - cpu and hit.promotion.num_held == cpu
+    again = t.lookup_tiers(first, None)  # the same promotion, not a second one
+    assert again.promotion.id == hit.promotion.id and t.stats()["promotions"] == 1
+    t.wait(hit.promotion)
+    assert t.lookup(first) == 4
+    pages, got = promote_and_load(t, first, first_page=40)
+    assert pages == 4 and same(got, want, 4)
+    t.destroy()
+
+
+def test_restart_in_a_new_process_finds_every_durable_page(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {ROOT!r})
+        import numpy as np
+        from tests.test_tier_ssd import make_ssd_tier, prompt, store_all
+        t = make_ssd_tier({str(tmp_path)!r}, num_blocks=16)
+        for i in range(3):
+            store_all(t, prompt(i, 5), first_page=5 * i)
+        print(t.stats()["ssd_blocks_written"], flush=True)
+        import os
+        os._exit(0)  # no clean shutdown: what the SSD holds was durable when its write finished
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "15"
+    ref = make_ssd_tier(tmp_path / "ref", num_blocks=16)  # the same device bytes (seed 0), no SSD history
+    t = make_ssd_tier(tmp_path, num_blocks=16, seed=3)
+    assert t.stats()["ssd_blocks_recovered"] == 15
+    for i in range(3):
+        want = slot_bytes(ref, page_slots(5 * i, 5, P))
+        pages, got = promote_and_load(t, prompt(i, 5))
+        assert pages == 5 and same(got, want, 5)
+    t.destroy()
+    ref.destroy()
+
+
+def _payload_offset(slot: int) -> int:
+    return 4096 + slot * (4096 + 4096) + 4096  # file header, then slots of a header and a payload
+
+
+def ssd_slots_of(tmp_path, toks: np.ndarray) -> list:
+    """The SSD slots a restarted tier finds ``toks``'s blocks in."""
+    t = make_ssd_tier(tmp_path, seed=1)
+    slots = [t.ssd.ssd.index.slot_of(int(h)) for h in page_hashes(toks, P)]
+    t.destroy()
+    return slots
+
+
+def test_a_flipped_byte_on_disk_is_a_counted_miss_never_served(tmp_path):
+    a = make_ssd_tier(tmp_path)
+    toks = prompt(1, 4)
+    want = store_all(a, toks)
+    a.destroy()
+    slot = ssd_slots_of(tmp_path, toks)[2]
+    with open(os.path.join(tmp_path, FILE_NAME), "r+b") as f:  # damage the third block's payload
+        f.seek(_payload_offset(slot) + 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    c = make_ssd_tier(tmp_path, seed=1)
+    pages, got = promote_and_load(c, toks)
+    assert pages == 2 and same(got, want, 2)  # the blocks before the damaged one serve, nothing after it
+    s = c.stats()
+    assert s["ssd_blocks_corrupt"] == 1 and s["pages_promote_failed"] == 2 and s["ssd_blocks_held"] == 3
+    assert c.lookup_tiers(toks, None).ssd_pages == 0  # the damaged block is no longer on the SSD tier
+    c.destroy()
+
+
+def test_a_truncated_file_serves_the_blocks_before_the_cut(tmp_path):
+    a = make_ssd_tier(tmp_path)
+    toks = prompt(1, 6)
+    want = store_all(a, toks)
+    a.destroy()
+    slots = ssd_slots_of(tmp_path, toks)
+    assert slots == sorted(slots)
+    os.truncate(tmp_path / FILE_NAME, _payload_offset(slots[3]) + 100)  # the 4th block's payload is cut
+    c = make_ssd_tier(tmp_path, seed=1)
+    pages, got = promote_and_load(c, toks)
+    assert pages == 3 and same(got, want, 3)
+    assert c.stats()["ssd_blocks_corrupt"] == 1
+    c.destroy()
+
+
+def test_another_models_directory_is_left_alone_or_wiped_when_configured(tmp_path):
+    a = make_ssd_tier(tmp_path)
+    store_all(a, prompt(1, 3))
+    a.destroy()
+    size = os.path.getsize(tmp_path / FILE_NAME)
+    with pytest.raises(BlockFileError, match="another model.*left alone"):
+        make_ssd_tier(tmp_path, identity={**ID, "tp_size": 2})
+    assert os.path.getsize(tmp_path / FILE_NAME) == size
+    b = make_ssd_tier(tmp_path, identity={**ID, "model": "other"}, ssd_wipe_mismatch=True)
+    assert b.stats()["ssd_blocks_recovered"] == 0 and b.lookup_tiers(prompt(1, 3), None).ssd_pages == 0
+    b.destroy()
+    with pytest.raises(BlockFileError, match="ssd_wipe_mismatch"):  # the file is the other model's now
+        make_ssd_tier(tmp_path)
+
+
+def test_unusable_directories_are_clear_errors_at_start(tmp_path):
+    with pytest.raises(BlockFileError, match="cannot create the SSD cache directory /proc/kvtier"):
+        make_ssd_tier("/proc/kvtier")  # not creatable, even by root
+    with pytest.raises(BlockFileError, match="cannot create /proc/" + FILE_NAME):
+        make_ssd_tier("/proc")  # exists, not writable, even by root
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(BlockFileError, match="not enough space"):
+        make_ssd_tier(tmp_path, ssd_slots=2 * free // 8192 + 1)
+    assert not os.path.exists(tmp_path / FILE_NAME)  # nothing left behind
+    with pytest.raises(ValueError, match="needs model_identity"):
+        make_ssd_tier(tmp_path, identity=None)
+
+
+def test_write_errors_mid_serving_are_counted_and_the_cpu_tier_carries_on(tmp_path):
+    t = make_ssd_tier(tmp_path)
+    store_all(t, prompt(1, 2))
+    f = t.ssd.ssd.store.files[0]
+    os.close(f._fd)  # the disk goes away under the tier: every write and read now fails in the kernel
+    f._fd = os.open(tmp_path, os.O_RDONLY)  # a directory: reads fail with EISDIR, writes with EBADF
+    toks = prompt(2, 3)
+    want = store_all(t, toks, first_page=10)
+    s = t.stats()
+    assert s["ssd_blocks_write_failed"] == 3 and s["ssd_blocks_held"] == 2 and s["ssd_blocks_pending"] == 0
+    assert t.lookup(toks) == 3  # the CPU tier has them
+    pages, got = promote_and_load(t, toks)
+    assert pages == 3 and same(got, want, 3)
+    t.evict(100)
+    assert t.lookup_tiers(toks, None).ssd_pages == 0  # never findable on the SSD
+    hit = t.lookup_tiers(prompt(1, 2), None)  # a read of the broken file: a counted miss
+    t.wait(hit.promotion)
+    assert t.lookup(prompt(1, 2)) == 0 and t.stats()["ssd_read_errors"] == 1
+    assert t.pool.num_free == t.pool.num_blocks  # nothing leaked
+    t.destroy()
+
+
+def test_the_ssd_tier_keeps_its_size_evicting_lru_blocks(tmp_path):
+    t = make_ssd_tier(tmp_path, num_blocks=8, ssd_slots=6)
+    assert t.stats()["ssd_blocks_total"] == 6
+    for i in range(4):
+        store_all(t, prompt(i, 3), first_page=3 * i)
+        # prompt 0, loaded from the CPU tier every time, stays the most recently used on the SSD too
+        assert promote_and_load(t, prompt(0, 3))[0] == 3
+    assert t.stats()["promotions"] == 0
+    s = t.stats()
+    assert s["ssd_blocks_held"] == 6 and s["ssd_blocks_evicted"] == 6
+    t.evict(100)
+    assert t.lookup_tiers(prompt(0, 3), None).ssd_pages == 3
+    assert t.lookup_tiers(prompt(3, 3), None).ssd_pages == 3
+    assert t.lookup_tiers(prompt(1, 3), None).ssd_pages == 0
+    t.destroy()
+    assert os.path.getsize(tmp_path / FILE_NAME) == 4096 + 6 * 8192
+
+
+def test_write_back_writes_a_block_when_the_cpu_tier_evicts_it(tmp_path):
+    t = make_ssd_tier(tmp_path, num_blocks=4, ssd_write_policy="write_back")
+    first = prompt(1, 3)
+    want = store_all(t, first)
+    assert t.stats()["ssd_blocks_written"] == 0  # on the CPU only
+    store_all(t, prompt(2, 3), first_page=10)  # 3 + 3 > 4: two of `first`'s blocks are evicted, and written
+    t.ssd.drain(wait=True)
+    s = t.stats()
+    assert s["ssd_blocks_written"] == s["pages_evicted"] > 0 and s["ssd_held_cpu_blocks"] == 0
+    t.evict(100)
+    t.ssd.drain(wait=True)
+    pages, got = promote_and_load(t, first)
+    assert pages == 3 and same(got, want, 3)
+    t.destroy()
+
+
+def test_admission_by_cost_refuses_a_read_slower_than_recompute(tmp_path):
+    a = make_ssd_tier(tmp_path)
+    toks = prompt(1, 4)
+    store_all(a, toks)
+    a.destroy()
+    slow = make_ssd_tier(tmp_path, ssd_admission="cost", ssd_read_gbps=1e-9, prefill_tokens_per_s=1e6)
+    hit = slow.lookup_tiers(toks, None)
+    assert hit.promotion is None and slow.stats()["ssd_refused"] == 1
+    slow.destroy()
+    fast = make_ssd_tier(tmp_path, ssd_admission="cost", ssd_read_gbps=1.0)
+    fast.note_prefill(1, 1.0)  # the engine's measured rate: one token a second
+    hit = fast.lookup_tiers(toks, None)
+    assert hit.promotion is not None and fast.stats()["ssd_admitted"] == 1
+    fast.wait(hit.promotion)
+    fast.destroy()
+
+
+def test_a_block_whose_tokens_differ_from_the_querys_is_a_miss(tmp_path):
+    """A chain-hash collision (the SSD index keeps hashes, not tokens) is caught by the header's tokens."""
+    t = make_ssd_tier(tmp_path)
+    toks = prompt(1, 3)
+    store_all(t, toks)
+    t.evict(100)
+    link = t.ssd
+    plan = link.plan_promotion(toks, None, 0, 3)
+    forged = plan._replace(tokens=plan.tokens.copy())
+    forged.tokens[1, 0] += 1  # as if another prefix's block had the same chain hash
+    ids = t.pool.alloc(3)
+    job = link.start_promotion(forged, ids, task_id=-1)
+    job.wait()
+    link.end_promotion(job)
+    t.pool.free(ids)
+    assert (job.ok, job.bad) == (1, 1)
+    assert t.stats()["ssd_blocks_corrupt"] == 1 and t.lookup_tiers(toks, None).ssd_pages == 1
+    t.destroy()
