@@ -47,7 +47,7 @@ def store_all(tier: KVTier, toks: np.ndarray, first_page: int = 0) -> list[torch
     """Store ``toks`` from device pages ``first_page..``, wait until the SSD has it; the bytes stored."""
     slots = page_slots(first_page, toks.size // P, P)
     tier.wait(tier.store(toks, None, slots))
-    tier.ssd.drain(wait=True)
+    tier.flush_ssd()
     return slot_bytes(tier, slots)
 
 
@@ -250,11 +250,11 @@ def test_write_back_writes_a_block_when_the_cpu_tier_evicts_it(tmp_path):
     want = store_all(t, first)
     assert t.stats()["ssd_blocks_written"] == 0  # on the CPU only
     store_all(t, prompt(2, 3), first_page=10)  # 3 + 3 > 4: two of `first`'s blocks are evicted, and written
-    t.ssd.drain(wait=True)
+    t.flush_ssd()
     s = t.stats()
     assert s["ssd_blocks_written"] == s["pages_evicted"] > 0 and s["ssd_held_cpu_blocks"] == 0
     t.evict(100)
-    t.ssd.drain(wait=True)
+    t.flush_ssd()
     pages, got = promote_and_load(t, first)
     assert pages == 3 and same(got, want, 3)
     t.destroy()
@@ -295,3 +295,28 @@ def test_a_block_whose_tokens_differ_from_the_querys_is_a_miss(tmp_path):
     assert (job.ok, job.bad) == (1, 1)
     assert t.stats()["ssd_blocks_corrupt"] == 1 and t.lookup_tiers(toks, None).ssd_pages == 1
     t.destroy()
+
+
+def test_a_model_reads_kv_the_ssd_tier_brought_back_after_a_restart(tmp_path):
+    """A random-weight Qwen3 serves a prompt, the engine is rebuilt over the same SSD directory (an empty CPU tier),
+    and the prompt's prefix comes back from the SSD: the outputs equal the warm device cache's."""
+    pytest.importorskip("transformers")
+    from kvtier.e2e.engine import TierEngine
+    from kvtier.e2e.model import PagedDecoder, qwen3_config
+
+    cfg = qwen3_config(num_layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
+    model = PagedDecoder.from_config(cfg, seed=0, device="cpu")
+    config = TierConfig(cpu_cache_gb=1 / 256, page_size=16, ssd_cache_gb=1 / 64, ssd_cache_dir=str(tmp_path),
+                        ssd_admission="always")
+    prompt = torch.randint(1, 256, (80,), generator=torch.Generator().manual_seed(0)).tolist()
+    ident = {"model": "tiny-qwen3", "seed": 0}
+    first = TierEngine(model, config, num_slots=512, model_identity=ident)
+    first.serve(prompt, 4, source="none")
+    warm = first.serve(prompt, 4, source="device")
+    first.tier.destroy()
+    again = TierEngine(model, config, num_slots=512, model_identity=ident)
+    assert again.tier.lookup(prompt) == 0
+    served = again.serve(prompt, 4, source="kvtier")
+    assert served.cached == 64 and served.output == warm.output
+    assert again.tier.stats()["pages_promoted"] >= 4
+    again.tier.destroy()

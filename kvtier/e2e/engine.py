@@ -7,7 +7,10 @@ serves one request at a time from one of three sources for its prefix:
 * ``"none"``: recompute everything;
 * ``"device"``: reuse the previous request's slots (a warm device cache of one entry);
 * ``"kvtier"``: the device holds nothing; the prefix is loaded from the host tier (layer by layer when the config
-  says so).
+  says so). With an SSD tier the request first waits for the promotion of what the SSD holds past the CPU hit,
+  when admission lets it in (as HiCache's ``wait_complete`` prefetch policy does).
+
+Prefills of ``"none"`` requests report their rate to the tier (``KVTier.note_prefill``), for SSD admission.
 
 Every request is stored to the host tier when it finishes (its slots are freed once that copy has completed).
 """
@@ -99,12 +102,13 @@ class Result:
 class TierEngine:
     """One model, one :class:`PagedPool`, one :class:`~kvtier.tier.KVTier` (see the module docstring)."""
 
-    def __init__(self, model: PagedDecoder, config: TierConfig, *, num_slots: int) -> None:
+    def __init__(self, model: PagedDecoder, config: TierConfig, *, num_slots: int,
+                 model_identity: Optional[dict] = None) -> None:
         from kvtier.tier import KVTier
 
         self.model, self.config, self.page_size = model, config, config.page_size
         self.pool = PagedPool(model, num_slots, config.page_size)
-        self.tier = KVTier(self.pool.paged_kv(), config)
+        self.tier = KVTier(self.pool.paged_kv(), config, model_identity=model_identity)
         if config.layerwise:
             self.pool.register_layer_transfer_counter(self.tier.counter)
         self._last: Optional[tuple[list[int], torch.Tensor]] = None  # the device cache: tokens, slots
@@ -129,6 +133,9 @@ class TierEngine:
         cached = reuse
         if source == "kvtier":
             want = (n - 1) // P * P
+            promotion = self.tier.lookup_tiers(tokens[:want], None).promotion
+            if promotion is not None:
+                self.tier.wait(promotion)
             load = self.tier.load_layerwise if self.config.layerwise else self.tier.load
             task = load(tokens[:want], None, slots[:want])
             cached = task.num_pages * P
@@ -139,6 +146,8 @@ class TierEngine:
         toks = torch.tensor(tokens[cached:], dtype=torch.int64, device=dev)
         out = [greedy(self.model.forward(self.pool, toks, cached, slots[cached:n], slots[:n]))]
         ttft = time.perf_counter() - t0
+        if source == "none":
+            self.tier.note_prefill(n, ttft)
         for pos in range(n, n + max_new_tokens - 1):
             last = torch.tensor([out[-1]], dtype=torch.int64, device=dev)
             out.append(greedy(self.model.forward(self.pool, last, pos, slots[pos:pos + 1], slots[:pos + 1])))

@@ -290,6 +290,13 @@ class KVTier(HostTier):
         return TierHit(hit, plan.slots.size * G, self._promote(toks, ns, m, plan))
 
     @synchronized
+    def flush_ssd(self) -> None:
+        """Block until every queued SSD write is durable (or failed), and account them; no-op without an SSD
+        tier. A clean shutdown calls it (``destroy`` does): queued writes are otherwise lost with the process."""
+        if self.ssd is not None:
+            self.ssd.drain(wait=True)
+
+    @synchronized
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """The engine prefilled ``tokens`` tokens in ``seconds``: the prefill rate SSD admission compares reads
         with (unless ``prefill_tokens_per_s`` is configured)."""
