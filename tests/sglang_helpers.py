@@ -38,10 +38,12 @@ class Setup:
 
 def build(*, mla: bool = False, page_size: int = 4, kv_size: int = 64, layers: int = 2, host_blocks_kb: float = 64,
           layerwise: bool = False, max_reqs: int = 8, max_context: int = 64, device="cpu",
-          transfer_mode: Optional[str] = None, tokens_per_block: Optional[int] = None, **cache_kw) -> Setup:
+          transfer_mode: Optional[str] = None, tokens_per_block: Optional[int] = None, ssd_dir: Optional[str] = None,
+          **cache_kw) -> Setup:
     """Real sglang pools, allocator and req-to-token pool on ``device`` ("cpu", "cuda", "cuda:1", ...) and a
     KVTierRadixCache over them (pinned host pool and CUDA streams when the device is CUDA). Host blocks of
-    ``tokens_per_block`` tokens (default: one engine page; 0: the config's default for the page size)."""
+    ``tokens_per_block`` tokens (default: one engine page; 0: the config's default for the page size). With
+    ``ssd_dir``, an SSD tier of 1 MiB there (every hit admitted)."""
     set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=page_size))
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -60,6 +62,9 @@ def build(*, mla: bool = False, page_size: int = 4, kv_size: int = 64, layers: i
                              page_size=page_size)
     extra = {} if transfer_mode is None else {"transfer_mode": transfer_mode}
     extra["tokens_per_block"] = page_size if tokens_per_block is None else tokens_per_block or None
+    if ssd_dir is not None:
+        extra.update(ssd_cache_gb=1 / 1024, ssd_cache_dir=ssd_dir, ssd_admission="always")
+        cache_kw.setdefault("model_identity", {"model": "sglang-helpers", "mla": mla})
     config = TierConfig(cpu_cache_gb=host_blocks_kb / (1 << 20), page_size=page_size, layerwise=layerwise, **extra)
     cache = KVTierRadixCache(params, config, **cache_kw)
     return Setup(cache, allocator, r2t, kv_pool, page_size, mla, dev)

@@ -57,11 +57,11 @@ def test_unsupported_sglang_version(monkeypatch, caplog):
         ks.factory(None)
 
 
-def _ctx(s, **flags):
+def _ctx(s, tp_size: int = 1, **flags):
     base = dict(is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=False)
     base.update(flags)
     return registry.TreeCacheBuildContext(server_args=None, params=s.cache_params, tp_worker=None, model_config=None,
-                                          tp_size=1, tp_rank=0, tp_group=None, **base)
+                                          tp_size=tp_size, tp_rank=0, tp_group=None, **base)
 
 
 @pytest.fixture
@@ -134,6 +134,32 @@ def test_round_trip_through_host(mla, page_size):
     a = h.serve(s, toks)
     assert (a.device_len, a.host_hit, a.loaded) == (full, 0, 0)
     h.assert_clean(s, free0)
+
+
+def test_an_ssd_hit_after_a_restart_serves_the_prefix_on_real_sglang_pools(tmp_path):
+    s = h.build(kv_size=32, ssd_dir=str(tmp_path))
+    toks = list(range(100, 116))  # 4 pages
+    h.serve(s, toks)
+    s.cache.tier.destroy()  # the server stops (its SSD writes flushed)
+    s = h.build(kv_size=32, ssd_dir=str(tmp_path))  # a new server: empty device tree, empty CPU tier
+    req = h.make_req(s, toks)
+    m = s.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", toks)), req=req))
+    assert m.host_hit_length == 0  # the SSD pages are being promoted; match_prefix never waits on the disk
+    s.req_to_token_pool.free(req)
+    s.cache.wait_all()
+    a = h.serve(s, toks)  # checks the loaded KV bytes
+    assert (a.device_len, a.host_hit, a.loaded) == (0, 16, 16)
+    st = s.cache.tier.stats()
+    assert st["pages_promoted"] == 4 and st["ssd_blocks_recovered"] == 4
+    s.cache.tier.destroy()
+
+
+def test_factory_refuses_an_ssd_tier_with_tp_ranks(built, tmp_path, monkeypatch):
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text(f"page_size: 4\nssd_cache_gb: 0.001\nssd_cache_dir: {tmp_path}\n")
+    monkeypatch.setenv("KVTIER_CONFIG", str(cfg))
+    with pytest.raises(ValueError, match="SSD tier .* does not run with TP ranks"):
+        ks.factory(_ctx(built, tp_size=2))
 
 
 def test_device_prefix_plus_host_hit():

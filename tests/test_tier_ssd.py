@@ -320,3 +320,15 @@ def test_a_model_reads_kv_the_ssd_tier_brought_back_after_a_restart(tmp_path):
     assert served.cached == 64 and served.output == warm.output
     assert again.tier.stats()["pages_promoted"] >= 4
     again.tier.destroy()
+
+
+def test_destroy_makes_the_queued_ssd_writes_durable_and_releases_the_pool(tmp_path):
+    a = make_ssd_tier(tmp_path)
+    toks = prompt(1, 5)
+    a.wait(a.store(toks, None, page_slots(0, 5, P)))  # its SSD write is queued, maybe not done
+    a.destroy()
+    assert a.pool.destroyed is True and a.pool.host is None
+    a.destroy()  # idempotent
+    b = make_ssd_tier(tmp_path, seed=1)
+    assert b.stats()["ssd_blocks_recovered"] == 5
+    b.destroy()

@@ -25,7 +25,7 @@ BACKEND_NAME = "kvtier"
 logger = logging.getLogger(__name__)
 
 __all__ = ["SUPPORTED_SGLANG_VERSION", "BACKEND_NAME", "installed_sglang_version", "check_sglang_version",
-           "register", "factory", "unsupported_reasons"]
+           "register", "factory", "unsupported_reasons", "model_identity"]
 
 
 def installed_sglang_version() -> str | None:
@@ -137,6 +137,9 @@ def factory(ctx):
 
     params = ctx.params
     config = _config_for(params)
+    if config.ssd_cache_gb > 0 and ctx.tp_size > 1:
+        raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: the SSD tier (ssd_cache_gb > 0) does not run with "
+                         f"TP ranks yet (--tp-size {ctx.tp_size}); set ssd_cache_gb: 0 or run one TP rank")
     budget = host_budget(config.cpu_cache_bytes)
     if budget is not None and config.cpu_cache_bytes > budget and not os.environ.get(ENV_VAR, "").strip():
         # no kvtier config: the default pool shrinks to this rank's share (an explicit size that does not fit
@@ -154,7 +157,17 @@ def factory(ctx):
     except AttributeError:
         pass
     return KVTierRadixCache(params, config, tp_group=tp_group if ctx.tp_size > 1 else None,
-                            forward_stream=forward_stream, host_budget_bytes=budget)
+                            forward_stream=forward_stream, host_budget_bytes=budget, model_identity=model_identity(ctx))
+
+
+def model_identity(ctx) -> dict:
+    """What this rank's KV belongs to, as the SSD tier's blocks record it: the model and tokenizer, their
+    revision, quantization and KV dtype, and the TP layout (another value of any of them never reads the blocks)."""
+    args = ctx.server_args
+    keys = ("model_path", "tokenizer_path", "revision", "quantization", "kv_cache_dtype", "dtype")
+    out = {k: getattr(args, k, None) for k in keys}
+    out.update(tp_size=ctx.tp_size, tp_rank=ctx.tp_rank)
+    return out
 
 
 def host_budget(requested_bytes: int):

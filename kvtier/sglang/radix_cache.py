@@ -102,11 +102,13 @@ class KVTierRadixCache(RadixCache):
         executor / counter_backend / pool: passed to :class:`KVTier` (tests).
         host_budget_bytes: this rank's share of host memory (the factory asks SGLang's host-memory budget: what
             is available, less SGLang's reserve, split between the ranks of the host); the pinned pool must fit.
+        model_identity: what the KV belongs to, for the SSD tier's blocks (the factory's
+            :func:`kvtier.sglang.model_identity`).
     """
 
     def __init__(self, params: CacheInitParams, config: Optional[TierConfig] = None, *, tp_group=None,
                  forward_stream=None, executor=None, counter_backend: str = "auto", pool=None,
-                 host_budget_bytes: Optional[int] = None) -> None:
+                 host_budget_bytes: Optional[int] = None, model_identity: Optional[dict] = None) -> None:
         super().__init__(params)
         self.tier_config = config if config is not None else TierConfig.from_env()
         self.tp_group = tp_group
@@ -136,7 +138,8 @@ class KVTierRadixCache(RadixCache):
             if agreed < self.tier_config.cpu_cache_bytes:
                 self.tier_config = dataclasses.replace(self.tier_config, cpu_cache_gb=agreed / (1 << 30))
         self.tier = KVTier(kv, self.tier_config, executor=executor, counter_backend=counter_backend, pool=pool,
-                           host_budget_bytes=host_budget_bytes, finalize="auto" if tp_group is None else "ordered")
+                           host_budget_bytes=host_budget_bytes, finalize="auto" if tp_group is None else "ordered",
+                           model_identity=model_identity)
         self.set_layerwise(self.tier_config.layerwise)
 
     @classmethod

@@ -222,8 +222,8 @@ class HostBlockPool:
         self._registered = []
         self.pinned_bytes = 0
 
-    @synchronized
     @property
+    @synchronized
     def destroyed(self) -> bool:
         """True once :meth:`destroy` has released the memory."""
         return getattr(self, "_destroyed", True)

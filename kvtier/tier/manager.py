@@ -469,10 +469,13 @@ class KVTier(HostTier):
         return self._evict_blocks(-(-num_pages // G)) * G
 
     def destroy(self) -> None:
-        """Wait for in-flight copies and release the host pool (unpins it); idempotent."""
+        """Wait for in-flight copies and release the host pool (unpins it); idempotent. With an SSD tier, stores
+        in flight complete first and every queued SSD write is made durable: a restart serves them."""
         with self._lock:
             if self.pool.destroyed:
                 return
+            if self.ssd is not None:
+                self.wait_all()
             self.reset()
             if self.ssd is not None:
                 self.ssd.close()
