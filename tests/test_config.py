@@ -59,6 +59,15 @@ def test_unknown_key_names_it_and_the_allowed_keys():
     ("ssd_cache_gb", -1, r"ssd_cache_gb must be a number >= 0"),
     ("ssd_cache_dir", "", r"ssd_cache_dir must be a non-empty string or null"),
     ("ssd_cache_dir", 3, r"ssd_cache_dir must be a non-empty string or null"),
+    ("ssd_cache_dir", " ; ", r"ssd_cache_dir names no directory"),
+    ("ssd_cache_gb", 10, r"ssd_cache_gb > 0 needs ssd_cache_dir"),
+    ("ssd_io_threads", 0, r"ssd_io_threads must be an int >= 1, got 0"),
+    ("ssd_direct_io", "no", r"ssd_direct_io must be true or false"),
+    ("ssd_wipe_mismatch", 1, r"ssd_wipe_mismatch must be true or false"),
+    ("ssd_write_policy", "write_around", r"ssd_write_policy must be one of \['write_through', 'write_back'\]"),
+    ("ssd_admission", "never", r"ssd_admission must be one of \['cost', 'always'\]"),
+    ("ssd_read_gbps", 0, r"ssd_read_gbps must be a number > 0 or null"),
+    ("prefill_tokens_per_s", "1e4", r"prefill_tokens_per_s must be a number > 0 or null, got the string"),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(key, value, message):
     with pytest.raises(ValueError, match="kvtier config: " + message):
@@ -123,3 +132,15 @@ def test_a_key_given_twice_is_an_error(tmp_path, name, text):
     f.write_text(text)
     with pytest.raises(ValueError, match="key 'page_size' is given twice"):
         TierConfig.from_file(f)
+
+
+def test_the_ssd_tier_from_yaml_and_the_environment(tmp_path, monkeypatch):
+    y = tmp_path / "tier.yaml"
+    y.write_text("ssd_cache_gb: 512\nssd_cache_dir: /nvme0/kv; /nvme1/kv\nssd_write_policy: write_back\n"
+                 "ssd_admission: always\nssd_io_threads: 8\nssd_read_gbps: 6.5\n")
+    monkeypatch.setenv("KVTIER_CONFIG", str(y))
+    c = TierConfig.from_env()
+    assert c.ssd_cache_bytes == 512 << 30 and c.ssd_dirs == ["/nvme0/kv", "/nvme1/kv"]
+    assert (c.ssd_write_policy, c.ssd_admission, c.ssd_io_threads, c.ssd_read_gbps) == ("write_back", "always", 8, 6.5)
+    d = TierConfig()
+    assert (d.ssd_cache_gb, d.ssd_write_policy, d.ssd_admission, d.ssd_direct_io) == (0.0, "write_through", "cost", True)
