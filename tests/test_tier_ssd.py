@@ -332,3 +332,21 @@ def test_destroy_makes_the_queued_ssd_writes_durable_and_releases_the_pool(tmp_p
     b = make_ssd_tier(tmp_path, seed=1)
     assert b.stats()["ssd_blocks_recovered"] == 5
     b.destroy()
+
+
+def test_admission_compares_the_read_and_the_rest_with_the_measured_prefill_at_that_size():
+    """The H200's figures: prefills of 64 / 2080 / 8224 / 28704 tokens in 15 / 75 / 310 / 1550 ms, reads of 3.3 GB/s
+    (a RAM disk) and 147 KB of KV per token: a 2k-token hit loses (91 ms of read + the 32-token rest against 75 ms),
+    a 28k-token one wins; a single rate from the short prompts would have admitted both."""
+    from kvtier.tier.admission import CostAdmission
+
+    adm = CostAdmission("cost", read_gbps=3.3, prefill_tokens_per_s=None, measured_read_gbps=lambda: None)
+    assert adm.admit(2048, 2080, 2048 * 147456)  # no prefill measured yet: admitted, to measure
+    for n, ms in ((64, 15), (2080, 75), (8224, 310), (28704, 1550)):
+        adm.note_prefill(n, ms / 1e3)
+    assert not adm.admit(2048, 2080, 2048 * 147456)
+    assert not adm.admit(8192, 8224, 8192 * 147456)  # 366 ms of read + the rest against 310 ms
+    assert adm.admit(28672, 28704, 28672 * 147456)
+    assert not adm.admit(28672, 28704, 28672 * 147456, queued_bytes=2 << 30)  # behind 2 GiB of reads: loses
+    assert adm.prefill.seconds(57408) > 3.1  # beyond the largest prefill: the last slope
+    assert (adm.admitted, adm.refused) == (2, 3)

@@ -1,26 +1,62 @@
 """Admission by cost: serve an SSD hit only when reading it is faster than recomputing it.
 
-A request whose prefix continues on the SSD past the CPU hit either waits for those blocks to be promoted (read
-into CPU blocks, then loaded like any host hit) or recomputes them. Reading ``b`` bytes behind ``q`` bytes of reads
-already queued takes ``(q + b) / read_bandwidth``; recomputing ``t`` tokens takes ``t / prefill_rate``. The policy
-admits the hit when the first is smaller (sglang#26305 measured file-backend hits at 2,450 ms against 1,725 ms of
-recompute: without this check a slow disk makes the cache a loss).
+A request of ``n`` tokens past its CPU hit whose first ``k`` are on the SSD either waits for those blocks to be
+promoted (read into CPU blocks, then loaded like any host hit) and prefills the other ``n - k``, or prefills all
+``n``. Reading ``b`` bytes behind ``q`` bytes of reads already queued takes ``(q + b) / read_bandwidth``; the
+policy admits the hit when ``read + prefill(n - k) < prefill(n)`` (sglang#26305 measured file-backend hits at
+2,450 ms against 1,725 ms of recompute: without this check a slow disk makes the cache a loss).
 
-Bandwidth: ``ssd_read_gbps`` from the config, else the SSD tier's measured reads (none yet: admit, to measure).
-Prefill rate: ``prefill_tokens_per_s`` from the config, else what the engine reports through
-:meth:`CostAdmission.note_prefill` (none: admit, logged once).
+``prefill(x)``: ``prefill_tokens_per_s`` from the config (``x / rate``), else interpolated between the prefills
+the engine reports (:meth:`CostAdmission.note_prefill`: tokens computed, seconds), so a prefill's fixed cost and
+attention's growth with the context are in it; beyond the largest one it grows with the last slope, below the
+smallest one it costs as much as the smallest (a conservative floor). Bandwidth: ``ssd_read_gbps`` from the config,
+else the SSD tier's measured reads. Unknown rates admit (to measure), logged once.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Callable, Optional
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["CostAdmission"]
+__all__ = ["CostAdmission", "PrefillModel"]
 
-_EWMA = 0.2  # weight of a new prefill measurement
+
+class PrefillModel:
+    """Prefill seconds as a function of tokens, from the last ``keep`` reported prefills (or a fixed rate)."""
+
+    def __init__(self, tokens_per_s: Optional[float] = None, keep: int = 64) -> None:
+        self.tokens_per_s = tokens_per_s
+        self._samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=keep)
+
+    def note(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self._samples.append((int(tokens), float(seconds)))
+
+    @property
+    def known(self) -> bool:
+        return self.tokens_per_s is not None or bool(self._samples)
+
+    def seconds(self, tokens: int) -> Optional[float]:
+        """Estimated prefill seconds of ``tokens`` tokens; None before any measurement."""
+        if self.tokens_per_s is not None:
+            return tokens / self.tokens_per_s
+        if not self._samples:
+            return None
+        by: dict[int, list[float]] = {}
+        for n, t in self._samples:
+            by.setdefault(n, []).append(t)
+        ns = np.array(sorted(by), dtype=np.float64)
+        ts = np.array([float(np.median(by[int(n)])) for n in ns])
+        ts = np.maximum.accumulate(ts)  # more tokens never cost less
+        if tokens <= ns[-1]:
+            return float(np.interp(tokens, ns, ts))  # np.interp holds ts[0] below ns[0]
+        slope = (ts[-1] - ts[-2]) / (ns[-1] - ns[-2]) if ns.size > 1 else ts[-1] / ns[-1]
+        return float(ts[-1] + slope * (tokens - ns[-1]))
 
 
 class CostAdmission:
@@ -33,44 +69,44 @@ class CostAdmission:
         self.mode = mode
         self._read_gbps = read_gbps
         self._measured = measured_read_gbps
-        self.prefill_tokens_per_s = prefill_tokens_per_s
-        self._configured_rate = prefill_tokens_per_s is not None
+        self.prefill = PrefillModel(prefill_tokens_per_s)
         self._said_unknown = False
         self.admitted = 0
         self.refused = 0
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
-        """The engine prefilled ``tokens`` in ``seconds`` (its measured rate, unless the config fixes one)."""
-        if self._configured_rate or tokens <= 0 or seconds <= 0:
-            return
-        rate = tokens / seconds
-        old = self.prefill_tokens_per_s
-        self.prefill_tokens_per_s = rate if old is None else (1 - _EWMA) * old + _EWMA * rate
+        """The engine prefilled ``tokens`` (computed, not cached) in ``seconds``."""
+        self.prefill.note(tokens, seconds)
 
     @property
     def read_gbps(self) -> Optional[float]:
         return self._read_gbps if self._read_gbps is not None else self._measured()
 
-    def estimate(self, tokens: int, nbytes: int, queued_bytes: int) -> tuple[Optional[float], Optional[float]]:
-        """(seconds to read, seconds to recompute); None where unknown."""
-        gbps, rate = self.read_gbps, self.prefill_tokens_per_s
-        read_s = (queued_bytes + nbytes) / (gbps * 1e9) if gbps else None
-        return read_s, (tokens / rate if rate else None)
+    def estimate(self, hit_tokens: int, tokens: int, nbytes: int, queued_bytes: int
+                 ) -> tuple[Optional[float], Optional[float]]:
+        """(seconds with the SSD hit: its read and the prefill of the rest, seconds without it: the prefill of all
+        ``tokens``); None where unknown."""
+        gbps = self.read_gbps
+        rest, everything = self.prefill.seconds(tokens - hit_tokens), self.prefill.seconds(tokens)
+        if not gbps or rest is None:
+            return None, everything
+        return (queued_bytes + nbytes) / (gbps * 1e9) + rest, everything
 
-    def admit(self, tokens: int, nbytes: int, queued_bytes: int = 0) -> bool:
-        """Whether to promote an SSD hit of ``tokens`` tokens (``nbytes`` bytes) behind ``queued_bytes`` of reads."""
+    def admit(self, hit_tokens: int, tokens: int, nbytes: int, queued_bytes: int = 0) -> bool:
+        """Whether to promote the first ``hit_tokens`` of ``tokens`` tokens past the CPU hit (``nbytes`` bytes on
+        the SSD) behind ``queued_bytes`` of reads."""
         if self.mode == "always":
             self.admitted += 1
             return True
-        read_s, recompute_s = self.estimate(tokens, nbytes, queued_bytes)
-        if read_s is None or recompute_s is None:
-            if recompute_s is None and not self._said_unknown:
+        with_hit, without = self.estimate(hit_tokens, tokens, nbytes, queued_bytes)
+        if with_hit is None or without is None:
+            if without is None and not self._said_unknown:
                 self._said_unknown = True
-                logger.info("kvtier: SSD admission by cost has no prefill rate yet (set prefill_tokens_per_s, or the "
-                            "engine reports it): admitting SSD hits until it has one")
+                logger.info("kvtier: SSD admission by cost has no prefill measurement yet (set prefill_tokens_per_s, "
+                            "or the engine reports it): admitting SSD hits until it has one")
             self.admitted += 1
             return True
-        ok = read_s < recompute_s
+        ok = with_hit < without
         self.admitted += ok
         self.refused += not ok
         return ok

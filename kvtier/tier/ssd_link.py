@@ -26,7 +26,7 @@ from kvtier.index import Namespace, page_hashes
 from kvtier.storage import BlockFileError, SsdStore, fingerprint
 from kvtier.tier.admission import CostAdmission
 from kvtier.tier.host_pool import HostBlockPool
-from kvtier.tier.ssd_tier import IoJob, SsdTier
+from kvtier.tier.ssd_tier import MAX_PENDING_BYTES, IoJob, SsdTier
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class SsdLink:
             ssd = SsdTier(store, block_tokens=block_tokens,
                           copy_out=lambda b, buf: np.copyto(buf.reshape(pool.block_rows(b).shape), pool.block_rows(b)),
                           copy_in=lambda b, buf: np.copyto(pool.block_rows(b), buf.reshape(pool.block_rows(b).shape)),
-                          max_pending_bytes=min(4 << 30, max(pool.nbytes // 4, 64 * pool.block_bytes)))
+                          max_pending_bytes=min(MAX_PENDING_BYTES, max(pool.nbytes // 2, 64 * pool.block_bytes)))
         except BaseException:
             store.close()
             raise
@@ -188,7 +188,8 @@ class SsdLink:
         if inflight is not None:
             return inflight
         k = int(slots.size)
-        if not self.admission.admit(k * B, k * self.pool.block_bytes, self.promote_bytes_inflight):
+        if not self.admission.admit(k * B, tokens.size - held * B, k * self.pool.block_bytes,
+                                    self.promote_bytes_inflight):
             self.refused_tokens += k * B
             return None
         rows = tokens[held * B:(held + k) * B].reshape(k, B)
@@ -217,7 +218,7 @@ class SsdLink:
         out.update(ssd_write_policy="write_back" if self.write_back else "write_through",
                    ssd_admitted=self.admission.admitted, ssd_refused=self.admission.refused,
                    ssd_tokens_refused=self.refused_tokens, ssd_held_cpu_blocks=self.held_blocks,
-                   ssd_prefill_tokens_per_s=self.admission.prefill_tokens_per_s)
+                   ssd_prefill_1k_tokens_s=self.admission.prefill.seconds(1024))
         return out
 
     def close(self) -> None:

@@ -4,8 +4,8 @@ The tier's owner (:class:`kvtier.tier.KVTier`) decides what to write and what to
 
 * :meth:`SsdTier.write` takes CPU blocks that hold finished pages and writes them to free (or LRU-evicted) slots on
   a write thread. The caller keeps those CPU blocks unchanged until the job is done. A slot becomes findable only
-  when its batch is durable (:meth:`finish`). Jobs beyond :data:`MAX_PENDING_BYTES` (or the owner's cap) are
-  dropped and counted: a slow disk never holds the CPU pool.
+  when its batch is durable (:meth:`finish`). Blocks beyond :data:`MAX_PENDING_BYTES` (or the owner's cap) of
+  queued writes are dropped (a job's last blocks first) and counted: a slow disk never holds the CPU pool.
 * :meth:`SsdTier.read` reads held slots into CPU blocks the caller owns, on a read thread (reads never wait behind
   writes). Every block is checked before it counts: header and payload checksums, fingerprint, chain hash,
   namespace, tokens. Reading stops at the first block that fails; that slot is removed and counted. The slots
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["SsdTier", "IoJob", "SsdStats", "BATCH_BYTES", "MAX_PENDING_BYTES"]
 
 BATCH_BYTES = 64 << 20  # one durable put (two syncs per file) or one read round per this many bytes
-MAX_PENDING_BYTES = 4 << 30  # writes queued beyond this are dropped (they hold CPU blocks until written)
+MAX_PENDING_BYTES = 8 << 30  # writes queued beyond this are dropped (they hold CPU blocks until written)
 
 CopyFn = Callable[[int, np.ndarray], None]  # (CPU block id, contiguous uint8 buffer of block_bytes)
 
@@ -186,10 +186,8 @@ class SsdTier:
         n = int(keep.sum())
         if n == 0:
             return None
-        if self._pending_blocks + n > self._max_pending:
-            self.stats.blocks_write_dropped += n
-            return None
-        slots = self.index.alloc(n)
+        room = min(n, self._max_pending - self._pending_blocks)  # the first blocks: a prefix's head serves most
+        slots = self.index.alloc(room) if room > 0 else np.empty(0, np.int64)
         self.stats.blocks_write_dropped += n - slots.size
         if slots.size == 0:
             return None

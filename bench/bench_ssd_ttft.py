@@ -1,0 +1,133 @@
+"""TTFT of SSD-resident prefixes against recompute, with admission by cost on and off (issue 18, part 9).
+
+A random-weight Qwen3 (8B shapes on a GPU) serves through :class:`kvtier.e2e.engine.TierEngine` with an SSD tier in
+each directory given (a disk, and a RAM-backed one for the software's own ceiling). For every prefix length, the
+prefix is served once (it reaches the CPU tier and, written through, the SSD); then every repetition serves the
+prefix with a fresh suffix twice: ``recompute`` (nothing cached; the engine reports the prefill rate the admission
+uses) and ``ssd`` (the CPU tier emptied first, so the prefix is on the SSD only: the request waits for its
+promotion when admission lets it in, then loads it layer by layer). The SSD writes of each request finish before
+the next one starts. The figure of a cell is median(ssd TTFT) / median(recompute TTFT); a cell where admission
+refused the hit recomputes (ratio ~1).
+
+Summary: ``ttft_ssd_over_recompute_admission`` (disk, the worst prefix), ``ttft_ssd_over_recompute_admission_ram``,
+and the same with admission off (``..._no_admission``, ``..._no_admission_ram``), with the read GB/s measured.
+
+Run on the GPU machine: ``python bench/bench_ssd_ttft.py --dir /var/tmp/kvtier-ttft --ram-dir /dev/shm/kvtier-ttft
+--out $OUT/ssd_ttft_h200.json``; ``--smoke`` runs toy sizes on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench.common import env_info, write_json  # noqa: E402
+from kvtier.config import TierConfig  # noqa: E402
+from kvtier.e2e.engine import TierEngine  # noqa: E402
+from kvtier.e2e.model import PagedDecoder, qwen3_config  # noqa: E402
+
+
+def model_for(args):
+    if args.smoke:
+        cfg = qwen3_config(num_layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
+    else:
+        cfg = qwen3_config(num_layers=args.layers)
+    return cfg, PagedDecoder.from_config(cfg, seed=0, device=args.device)
+
+
+def kv_bytes_per_token(model: PagedDecoder) -> int:
+    shape = model.kv_shape
+    return shape.num_layers * (1 if shape.is_mla else 2) * shape.kv_heads * shape.head_dim * model.dtype.itemsize
+
+
+def run_dir(model, cfg, directory: str, admission: str, args) -> list[dict]:
+    """Every prefix length's cell for one directory and admission mode."""
+    shutil.rmtree(directory, ignore_errors=True)
+    longest = max(args.prefix) + args.suffix + args.new_tokens
+    kv_gb = longest * kv_bytes_per_token(model) / 2**30
+    config = TierConfig(page_size=16, cpu_cache_gb=max(1 / 64, 2.5 * kv_gb),
+                        ssd_cache_gb=max(1 / 16, 3 * kv_gb), ssd_cache_dir=directory,
+                        ssd_admission=admission)
+    engine = TierEngine(model, config, num_slots=2 * (longest + 64), model_identity={"bench": "ssd_ttft"})
+    gen = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    tier = engine.tier
+
+    def serve(tokens, source):
+        engine.drop_device_cache()
+        r = engine.serve(tokens, args.new_tokens, source=source)
+        tier.flush_ssd()
+        return r
+
+    for source in ("none", "kvtier"):  # kernels compiled, every path warm
+        serve(rand(64), source)
+    rows = []
+    for plen in args.prefix:
+        prefix = rand(plen)
+        serve(prefix + rand(args.suffix), "none")
+        rec, ssd, cached = [], [], []
+        for _ in range(args.reps):
+            prompt = prefix + rand(args.suffix)
+            rec.append(serve(prompt, "none").ttft_s)
+            tier.reset()  # the CPU tier is empty; the SSD keeps the prefix
+            r = serve(prompt, "kvtier")
+            ssd.append(r.ttft_s)
+            cached.append(r.cached)
+        s = tier.stats()
+        rows.append({"dir": directory, "admission": admission, "prefix": plen, "suffix": args.suffix,
+                     "recompute_ttft_ms": [x * 1e3 for x in rec], "ssd_ttft_ms": [x * 1e3 for x in ssd],
+                     "cached_tokens": cached, "ratio": statistics.median(ssd) / statistics.median(rec),
+                     "ssd_read_gbps": s["ssd_read_gbps"], "ssd_direct_io": s["ssd_direct_io"],
+                     "prefill_tokens_per_s": s["ssd_prefill_tokens_per_s"], "ssd_refused": s["ssd_refused"],
+                     "kv_bytes": plen * kv_bytes_per_token(model)})
+        print(f"{directory} {admission} prefix {plen}: recompute {statistics.median(rec) * 1e3:.1f} ms, ssd "
+              f"{statistics.median(ssd) * 1e3:.1f} ms ({rows[-1]['ratio']:.3f}), cached {cached}, read "
+              f"{s['ssd_read_gbps']} GB/s, refused {s['ssd_refused']}", flush=True)
+    tier.destroy()
+    shutil.rmtree(directory, ignore_errors=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", required=True, help="an SSD cache directory on the disk to measure")
+    ap.add_argument("--ram-dir", default="", help="an SSD cache directory on a RAM-backed file system")
+    ap.add_argument("--prefix", type=int, nargs="+", default=[2048, 8192, 28672])
+    ap.add_argument("--suffix", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--smoke", action="store_true", help="toy model and sizes (a CPU, seconds)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.prefix, args.reps = [64, 128], 1
+    cfg, model = model_for(args)
+    dirs = [("disk", args.dir)] + ([("ram", args.ram_dir)] if args.ram_dir else [])
+    rows = [r for _, d in dirs for adm in ("cost", "always") for r in run_dir(model, cfg, d, adm, args)]
+    summary = {}
+    for name, d in dirs:
+        tail = "" if name == "disk" else "_ram"
+        for adm, key in (("cost", "admission"), ("always", "no_admission")):
+            cells = [r for r in rows if r["dir"] == d and r["admission"] == adm]
+            summary[f"ttft_ssd_over_recompute_{key}{tail}"] = max(r["ratio"] for r in cells)
+            summary[f"ssd_read_gbps_{key}{tail}"] = min((r["ssd_read_gbps"] for r in cells
+                                                         if r["ssd_read_gbps"]), default=None)
+    write_json(args.out, {"env": env_info(), "args": vars(args), "model_layers": cfg.num_hidden_layers,
+                          "summary": summary, "rows": rows})
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
