@@ -87,7 +87,7 @@ def run_dir(model, cfg, directory: str, admission: str, args) -> list[dict]:
                      "recompute_ttft_ms": [x * 1e3 for x in rec], "ssd_ttft_ms": [x * 1e3 for x in ssd],
                      "cached_tokens": cached, "ratio": statistics.median(ssd) / statistics.median(rec),
                      "ssd_read_gbps": s["ssd_read_gbps"], "ssd_direct_io": s["ssd_direct_io"],
-                     "prefill_tokens_per_s": s["ssd_prefill_tokens_per_s"], "ssd_refused": s["ssd_refused"],
+                     "prefill_1k_tokens_s": s["ssd_prefill_1k_tokens_s"], "ssd_refused": s["ssd_refused"],
                      "kv_bytes": plen * kv_bytes_per_token(model)})
         print(f"{directory} {admission} prefix {plen}: recompute {statistics.median(rec) * 1e3:.1f} ms, ssd "
               f"{statistics.median(ssd) * 1e3:.1f} ms ({rows[-1]['ratio']:.3f}), cached {cached}, read "
