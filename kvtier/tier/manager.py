@@ -56,7 +56,7 @@ from kvtier.tier.abstract import HostTier
 from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
 from kvtier.tier.host_pool import HostBlockPool, synchronized
 from kvtier.tier.signal import LayerDoneCounter
-from kvtier.tier.ssd_link import PromotionPlan, SsdLink
+from kvtier.tier.ssd_link import InFlight, PromotionPlan, SsdLink
 from kvtier.tier.transfer_policy import CopyPlan, Path, TransferPolicy
 
 logger = logging.getLogger(__name__)
@@ -284,9 +284,9 @@ class KVTier(HostTier):
         plan = self.ssd.plan_promotion(toks, ns, m.num_pages, n)
         if plan is None:
             return TierHit(hit, 0, None)
-        if isinstance(plan, int):
-            rec = self._inflight.get(plan)
-            return TierHit(hit, rec.task.num_pages if rec else 0, rec.task if rec else None)
+        if isinstance(plan, InFlight):
+            rec = self._inflight.get(plan.task_id)
+            return TierHit(hit, plan.blocks * G if rec else 0, rec.task if rec else None)
         return TierHit(hit, plan.slots.size * G, self._promote(toks, ns, m, plan))
 
     @synchronized
@@ -521,7 +521,8 @@ class KVTier(HostTier):
         held = plan.held
         if held:
             self.index.lock(m)
-        ids = self._alloc(plan.slots.size)
+        with self.ssd.holding(plan):  # making room may write back evicted CPU blocks, evicting SSD slots
+            ids = self._alloc(plan.slots.size)
         if ids.size == 0:
             if held:
                 self.index.unlock(m)

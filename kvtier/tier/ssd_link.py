@@ -14,6 +14,7 @@ Single-owner: called under the :class:`~kvtier.tier.KVTier` lock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Mapping, NamedTuple, Optional
@@ -30,7 +31,7 @@ from kvtier.tier.ssd_tier import MAX_PENDING_BYTES, IoJob, SsdTier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SsdLink", "PromotionPlan", "ssd_fingerprint"]
+__all__ = ["SsdLink", "PromotionPlan", "InFlight", "ssd_fingerprint"]
 
 _DEFAULT_NS = Namespace()
 
@@ -41,6 +42,13 @@ def ssd_fingerprint(geometry: KVGeometry, block_tokens: int, identity: Mapping) 
     return fingerprint(kind="kvtier-ssd-block", identity=dict(identity), num_layers=geometry.num_layers,
                        num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim, is_mla=geometry.is_mla,
                        dtype=str(geometry.dtype), block_tokens=block_tokens, payload="page_first")
+
+
+class InFlight(NamedTuple):
+    """A promotion in flight from the same first block: its task and the blocks it shares with the query."""
+
+    task_id: int
+    blocks: int
 
 
 class PromotionPlan(NamedTuple):
@@ -66,7 +74,7 @@ class SsdLink:
         self._refs = np.zeros(n, np.int32)  # write jobs reading each CPU block
         self._free_later = np.zeros(n, bool)  # evicted from the CPU index while a write reads it
         self._writes: list[IoJob] = []
-        self._promoting: dict[int, int] = {}  # chain hash of a promotion's first block -> task id
+        self._promoting: dict[int, tuple[int, np.ndarray]] = {}  # first block's chain hash -> (task, hashes)
         self.promote_bytes_inflight = 0
         if self.write_back:  # what an evicted block is, to write it
             self._hash = np.zeros(n, np.uint64)
@@ -174,9 +182,10 @@ class SsdLink:
 
     # --- promotion ---
 
-    def plan_promotion(self, tokens: np.ndarray, ns: Optional[Namespace], held: int, n: int) -> Optional[int | PromotionPlan]:
-        """The SSD blocks after ``held`` CPU-held blocks of ``tokens``'s first ``n`` blocks, if admitted; an int
-        (the task id) when a promotion from the same block is in flight; None when nothing is to be read."""
+    def plan_promotion(self, tokens: np.ndarray, ns: Optional[Namespace], held: int,
+                       n: int) -> Optional[InFlight | PromotionPlan]:
+        """The SSD blocks after ``held`` CPU-held blocks of ``tokens``'s first ``n`` blocks, if admitted; the
+        promotion in flight from the same block, if any; None when nothing is to be read."""
         if held >= n or self.ssd.index.num_held == 0:
             return None
         B = self.block_tokens
@@ -186,7 +195,10 @@ class SsdLink:
             return None
         inflight = self._promoting.get(int(hashes[0]))
         if inflight is not None:
-            return inflight
+            task_id, theirs = inflight
+            m = min(theirs.size, hashes.size)
+            differ = np.flatnonzero(theirs[:m] != hashes[:m])
+            return InFlight(task_id, int(differ[0]) if differ.size else m)
         k = int(slots.size)
         if not self.admission.admit(k * B, tokens.size - held * B, k * self.pool.block_bytes,
                                     self.promote_bytes_inflight):
@@ -199,9 +211,19 @@ class SsdLink:
         """Read the first ``ids.size`` blocks of ``plan`` into CPU blocks ``ids`` (owned by task ``task_id``)."""
         k = ids.size
         job = self.ssd.read(plan.slots[:k], plan.hashes[:k], plan.namespace, plan.tokens[:k], ids)
-        self._promoting[int(plan.hashes[0])] = task_id
+        self._promoting[int(plan.hashes[0])] = (task_id, job.hashes)
         self.promote_bytes_inflight += k * self.pool.block_bytes
         return job
+
+    @contextlib.contextmanager
+    def holding(self, plan: PromotionPlan):
+        """Keep ``plan``'s slots from being evicted (by the write-back of the CPU blocks evicted to make room for
+        the promotion) until its read locks them."""
+        self.ssd.index.lock(plan.slots)
+        try:
+            yield
+        finally:
+            self.ssd.index.unlock(plan.slots)
 
     def end_promotion(self, job: IoJob) -> None:
         self.ssd.finish(job)
