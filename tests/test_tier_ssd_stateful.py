@@ -223,8 +223,8 @@ class SsdTierMachine(RuleBasedStateMachine):
             self._settle()
             return
         assert prom.kind == "promote" and prom.num_held == hit.cpu_pages and prom.num_pages > 0
-        # The promotion may be one in flight from the same block for another prompt (TierHit then reports its pages,
-        # which may run past this prompt's): the pages it brings this prompt are those the two prompts share.
+        # The promotion may be one in flight from the same block for another prompt: the pages it brings this prompt
+        # are those the two prompts share.
         mine = self.tier._inflight[prom.id].tokens
         k = min(mine.size, n * P)
         common = k if np.array_equal(mine[:k], toks[:k]) else int(np.argmax(mine[:k] != np.array(toks[:k])))
@@ -232,6 +232,8 @@ class SsdTierMachine(RuleBasedStateMachine):
         assert covered > 0, "a promotion shared by a prompt that does not share its first block"
         if started:  # it reads what the SSD holds past the CPU hit, or its first blocks when fewer CPU blocks are free
             assert hit.ssd_pages >= prom.num_pages == covered and hit.cpu_pages + hit.ssd_pages <= n
+        else:  # one in flight: TierHit reports the pages it brings this prompt
+            assert hit.ssd_pages == covered, (hit, covered)
         if wait:
             failed0 = self.tier.stats()["pages_promote_failed"]
             self.tier.wait(prom)
