@@ -296,15 +296,53 @@ def ssd_table() -> str:
     res = _load("ssd_cpu.json")
     if res is None:
         return "_no results yet_"
-    rows = ["| SSD store (`kvtier/storage`, not yet behind the tier), 2.25 MiB blocks, CPU machine | raw O_DIRECT "
-            "write / read GB/s | store write / read GB/s (over raw) | journal replay, s per million blocks |",
+    rows = ["| SSD store (`kvtier/storage`), 2.25 MiB blocks | raw O_DIRECT write / read GB/s | store write / read "
+            "GB/s (over raw) | recovery, s per million blocks |",
             "|---|---|---|---|"]
-    for key, label in (("disk", "ext4 disk"), ("ram", "RAM-backed directory")):
-        d = res.get(key)
-        if d:
-            rows.append(f"| {label} | {d['raw_write_gbps']:.2f} / {d['raw_read_gbps']:.2f} | "
-                        f"{d['store_write_gbps']:.2f} ({d['write_over_raw']:.3f}) / {d['store_read_gbps']:.2f} "
-                        f"({d['read_over_raw']:.3f}) | {d['recovery_s_per_million_blocks']:.2f} |")
+    h200 = _load("ssd_h200.json")
+    for res_, machine in ((res, "CPU machine"), (h200, "H200 machine")):
+        for key, label in (("disk", "disk"), ("ram", "RAM-backed directory")):
+            d = (res_ or {}).get(key)
+            if d:
+                rows.append(f"| {machine}, {label} | {d['raw_write_gbps']:.2f} / {d['raw_read_gbps']:.2f} | "
+                            f"{d['store_write_gbps']:.2f} ({d['write_over_raw']:.3f}) / {d['store_read_gbps']:.2f} "
+                            f"({d['read_over_raw']:.3f}) | {d['recovery_s_per_million_blocks']:.2f} |")
+    return "\n".join(rows)
+
+
+def ssd_tier_table() -> str:
+    ttft, policy = _load("ssd_ttft_h200.json"), _load("ssd_policy_cpu.json")
+    crash = (_load("ssd_cpu.json") or {}).get("crash")
+    if ttft is None and policy is None and crash is None:
+        return "_no results yet_"
+    rows = ["| SSD tier behind the CPU pool (TTFT targets: <= 1.05 with admission on the disk, < 1 on RAM) | value |",
+            "|---|---|"]
+    if ttft is not None:
+        t = ttft["summary"]
+        cells = {(r["dir"].startswith("/dev/shm"), r["admission"], r["prefix"]): r["ratio"] for r in ttft["rows"]}
+        prefixes = sorted({k[2] for k in cells})
+        for ram, label in ((False, "disk"), (True, "RAM-backed directory")):
+            for adm, what in (("cost", "admission by cost"), ("always", "no admission")):
+                vals = [cells.get((ram, adm, p)) for p in prefixes]
+                if all(v is None for v in vals):
+                    continue
+                rows.append(f"| H200, {label}, {what}: TTFT over recompute at "
+                            + " / ".join(f"{p // 1024}k" for p in prefixes) + " | "
+                            + " / ".join(f"{v:.3f}" for v in vals) + " |")
+        rows.append(f"| H200 SSD tier read GB/s measured, disk / RAM (admission on) | "
+                    f"{t['ssd_read_gbps_admission']:.2f} / {t.get('ssd_read_gbps_admission_ram') or 0:.2f} |")
+    if policy is not None:
+        p = policy["summary"]
+        rows.append("| write policy, CPU machine (CPU pool a quarter of the workload): host hits cold / after a "
+                    "restart, MiB written; write_through; write_back | " + "; ".join(
+                        f"{p[f'host_hit_pass1_{w}']:.3f} / {p[f'host_hit_after_restart_{w}']:.3f}, "
+                        f"{p[f'ssd_bytes_written_{w}'] / 2**20:.1f}" for w in ("write_through", "write_back")) + " |")
+        rows.append(f"| restart to the first SSD hit in the CPU tier (CPU machine, write_through) | "
+                    f"{p['start_to_first_hit_s_write_through']:.3f} s |")
+    if crash is not None:
+        rows.append(f"| crash loop (SIGKILL a storing process, restart, check): kills; acknowledged blocks lost; "
+                    f"corrupt blocks served (targets >= 200; 0; 0) | {crash['kills']}; {crash['durable_lost']}; "
+                    f"{crash['corrupt_served']} |")
     return "\n".join(rows)
 
 
@@ -382,7 +420,7 @@ def e2e_table() -> str:
 
 
 TABLES = {"headline": headline_table, "transfer": transfer_table, "index": index_table, "layerwise": layerwise_table,
-          "fragmentation": fragmentation_table, "ssd": ssd_table, "e2e": e2e_table}
+          "fragmentation": fragmentation_table, "ssd": ssd_table, "ssd_tier": ssd_tier_table, "e2e": e2e_table}
 
 
 def render(readme: str) -> str:
