@@ -2,9 +2,10 @@
 
 Layout (:mod:`kvtier.storage.block_format`): a file header, then ``num_slots`` slots of a block header and a padded
 payload. Durability is the caller's protocol, in this order: :meth:`BlockFile.write_payload` for each block,
-:meth:`BlockFile.sync`, :meth:`BlockFile.write_header` for each, :meth:`BlockFile.sync`; a header therefore never
-names a payload that is not on disk. A crash in between leaves slots whose header is old or missing: an old header
-over a new payload fails the payload checksum, a missing header is an empty slot; neither is ever read back as KV.
+:meth:`BlockFile.sync`, :meth:`BlockFile.commit` (the journal records, then the headers), :meth:`BlockFile.sync`; a
+header therefore never names a payload that is not on disk. A crash in between leaves slots whose header is old or
+missing: an old header over a new payload fails the payload checksum, a missing header is an empty slot; neither is
+ever read back as KV.
 
 Errors at open are :class:`BlockFileError` with what to do; a block that fails a check on read is a miss (None).
 """
@@ -202,15 +203,22 @@ class BlockFile:
         self._write_all(buf, self._slot_offset(slot))
 
     def commit(self, entries: list[tuple[int, BlockHeader]]) -> None:
-        """Write the headers of slots whose payloads are durable, and their journal records (durable with
+        """Write the journal records of slots whose payloads are durable, then their headers (durable with
         :meth:`sync`)."""
+        self.record(entries)
         for slot, h in entries:
             self.write_header(slot, h)
-        if self.journal is not None:
-            self.journal.append(_record(slot, h) for slot, h in entries)
-            j = self.journal
-            if j.pages > 2 * -(-self.num_slots // j.per_page) + 256:  # mostly superseded records: keep the live ones
-                j.rewrite(j.replay().records())
+
+    def record(self, entries: list[tuple[int, BlockHeader]]) -> None:
+        """Append the journal records of slots whose payloads are durable, before their headers are written
+        (:meth:`commit`, or :meth:`write_header` from several threads): a process killed in between leaves records
+        without headers (a miss on read), never a header that recovery does not list. Durable with :meth:`sync`."""
+        j = self.journal
+        if j is None:
+            return
+        j.append(_record(slot, h) for slot, h in entries)
+        if j.pages > 2 * -(-self.num_slots // j.per_page) + 256:  # mostly superseded records: keep the live ones
+            j.rewrite(j.replay().records())
 
     def free(self, slots: list[int]) -> None:
         """Mark slots empty, in their headers and the journal (durable with :meth:`sync`)."""
@@ -238,8 +246,7 @@ class BlockFile:
         """:meth:`recover` as arrays (slot order): the slots and their blocks' chain hashes (uint64); from the
         journal without building a header per slot."""
         if self.journal is not None:
-            r = self.journal.replay()
-            return r.slots, r.chain_hashes.astype(np.uint64)
+            return self.journal.replay_hashes()
         found = list(self.scan())
         return (np.array([s for s, _ in found], dtype=np.int64),
                 np.array([h.chain_hash for _, h in found], dtype=np.uint64))

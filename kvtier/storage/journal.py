@@ -3,9 +3,10 @@
 Reading every slot's 4 KiB header costs one disk round trip per slot (120-240 s per million slots on the CPU
 machine's disk); the journal holds the same records side by side. Records are appended after their payloads are
 durable (the same rule as the headers), a batch at a time, in whole 4 KiB pages; a record never straddles a page,
-so a torn page voids only its own records (each carries a checksum). Replay keeps the last valid record per slot;
-a ``free`` record empties it. The journal is a cache of the headers: a slot's header stays the authority when the
-block is read, so a record the journal lost or kept too long costs a miss, never wrong data.
+and each page ends with the xxh3-64 checksum of the rest of it, so a torn or damaged page voids its own records and
+no others. Replay keeps the last record per slot of the intact pages; a ``free`` record empties it. The journal is a
+cache of the headers: a slot's header stays the authority when the block is read, so a record the journal lost or
+kept too long costs a miss, never wrong data.
 
 When it grows past twice the pages its live records need (plus 256) the journal is rewritten with the live records
 only (a new file, synced, renamed over the old one): a batch takes whole pages, so small batches fill it faster.
@@ -22,18 +23,21 @@ import numpy as np
 import xxhash
 
 from kvtier.storage.aligned_io import aligned as _aligned, read_all, write_all as _write_all
-from kvtier.storage.block_format import ALIGN, FORMAT_VERSION
+from kvtier.storage.block_format import ALIGN
 
 __all__ = ["Journal", "Record", "Replay", "BLOCK", "FREE"]
 
 BLOCK, FREE = 1, 2
+_VERSION = 2  # 2: a checksum per page (1: one per record; such a journal is invalid here and rebuilt)
 _MAGIC = 0x524A564B  # "KVJR"
-_HEAD_MAGIC = b"KVTJRNL1"
+_HEAD_MAGIC = b"KVTJRNL2"
 _FIXED = struct.Struct("<IHHqqQQQI4x")  # magic, version, kind, slot, namespace, chain, payload len, checksum, ntok
-_DTYPE = np.dtype([("magic", "<u4"), ("version", "<u2"), ("kind", "<u2"), ("slot", "<i8"), ("ns", "<i8"),
-                   ("chain", "<u8"), ("plen", "<u8"), ("pcheck", "<u8"), ("ntok", "<u4"), ("pad", "<u4")])
+_FIELDS = [("magic", "<u4"), ("version", "<u2"), ("kind", "<u2"), ("slot", "<i8"), ("ns", "<i8"), ("chain", "<u8"),
+           ("plen", "<u8"), ("pcheck", "<u8"), ("ntok", "<u4"), ("pad", "<u4")]
 _HEAD = struct.Struct("<8sI16sI")  # magic, version, fingerprint, tokens per record
 _CHECK = struct.Struct("<Q")
+_BODY = ALIGN - _CHECK.size  # a page's bytes before its checksum
+_CHUNK = 1024 * ALIGN  # bytes read and parsed at a time by a replay
 
 
 class Replay(NamedTuple):
@@ -73,10 +77,11 @@ class Journal:
 
     def __init__(self, path: str, *, fingerprint: bytes, tokens: int, direct: bool) -> None:
         self.path, self.fingerprint, self.tokens = path, fingerprint, tokens
-        self.record_bytes = -(-(_FIXED.size + 8 * tokens + _CHECK.size) // 8) * 8
-        self.per_page = ALIGN // self.record_bytes
+        self.record_bytes = _FIXED.size + 8 * tokens
+        self.per_page = _BODY // self.record_bytes
         if self.per_page < 1:
             raise ValueError(f"a journal record of {tokens} tokens does not fit a {ALIGN}-byte page")
+        self._dtype = np.dtype(_FIELDS + [("toks", "<i8", (tokens,))])  # a record, as numpy parses it
         self._direct = direct
         self.valid = False
         self.pages = 0  # pages appended since the last rewrite (compaction counts them)
@@ -89,7 +94,7 @@ class Journal:
             self.end = os.fstat(self._fd).st_size // ALIGN * ALIGN
 
     def _head(self) -> bytes:
-        body = _HEAD.pack(_HEAD_MAGIC, FORMAT_VERSION, self.fingerprint, self.tokens)
+        body = _HEAD.pack(_HEAD_MAGIC, _VERSION, self.fingerprint, self.tokens)
         return (body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))).ljust(ALIGN, b"\0")
 
     def _head_ok(self, buf: bytes) -> bool:
@@ -111,19 +116,20 @@ class Journal:
         toks = np.ascontiguousarray(r.tokens, dtype="<i8")
         if toks.size > self.tokens:
             raise ValueError(f"a record holds at most {self.tokens} tokens, got {toks.size}")
-        body = _FIXED.pack(_MAGIC, FORMAT_VERSION, r.kind, r.slot, r.namespace, r.chain_hash, r.payload_len,
+        return _FIXED.pack(_MAGIC, _VERSION, r.kind, r.slot, r.namespace, r.chain_hash, r.payload_len,
                            r.payload_checksum, toks.size) + toks.tobytes()
-        body = body.ljust(self.record_bytes - _CHECK.size, b"\0")
-        return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
     def _pages(self, records: list[Record]) -> np.ndarray:
-        pages = -(-len(records) // self.per_page)
-        buf = _aligned(pages * ALIGN)
+        """``records`` packed in whole pages, each page's checksum last."""
+        pages = _aligned(-(-len(records) // self.per_page) * ALIGN).reshape(-1, ALIGN)
+        rb = self.record_bytes
         for i, r in enumerate(records):
             p, k = divmod(i, self.per_page)
-            off = p * ALIGN + k * self.record_bytes
-            buf[off:off + self.record_bytes] = np.frombuffer(self._pack(r), dtype=np.uint8)
-        return buf
+            rec = np.frombuffer(self._pack(r), dtype=np.uint8)
+            pages[p, k * rb:k * rb + rec.size] = rec
+        for page in pages:
+            page[_BODY:] = np.frombuffer(_CHECK.pack(xxhash.xxh3_64_intdigest(page[:_BODY])), dtype=np.uint8)
+        return pages.reshape(-1)
 
     def append(self, records: Iterable[Record]) -> None:
         """Append records in whole pages (durable with :meth:`sync`; write them only after their payloads are)."""
@@ -140,36 +146,41 @@ class Journal:
             os.fdatasync(self._fd)
 
     def replay(self) -> Replay:
-        """The last valid record of every slot that holds a block (slots freed last are left out), as arrays.
-        Parsed with numpy; only each record's checksum is a per-record call."""
-        empty = np.empty(0, np.int64)
-        none = Replay(empty, empty, empty.astype(np.uint64), empty.astype(np.uint64), empty.astype(np.uint64),
-                      np.empty((0, self.tokens), np.int64), empty.astype(np.uint32))
-        if not self.valid or self.end <= ALIGN:
-            return none
-        raw = _aligned(self.end - ALIGN)  # whole pages: end is page-aligned
-        read_all(self._fd, raw, ALIGN)
-        rb, body = self.record_bytes, self.record_bytes - _CHECK.size
-        recs = raw.reshape(-1, ALIGN)[:, :self.per_page * rb].reshape(-1, rb)
-        fixed = np.ascontiguousarray(recs[:, :_FIXED.size]).view(_DTYPE).reshape(-1)
-        cand = np.flatnonzero((fixed["magic"] == _MAGIC) & (fixed["version"] == FORMAT_VERSION)
-                              & ((fixed["kind"] == BLOCK) | (fixed["kind"] == FREE)) & (fixed["ntok"] <= self.tokens))
-        checks = np.ascontiguousarray(recs[cand, body:]).view("<u8").reshape(-1).tolist()
-        rows = memoryview(np.ascontiguousarray(recs[cand, :body])).cast("B")
-        digest = xxhash.xxh3_64_intdigest
-        good = np.fromiter((digest(rows[i * body:(i + 1) * body]) == c for i, c in enumerate(checks)),
-                           dtype=bool, count=cand.size)
-        idx = cand[good]
-        if idx.size == 0:
-            return none
-        slots = fixed["slot"][idx]
-        uniq, last_rev = np.unique(slots[::-1], return_index=True)  # each slot's last record (slot order)
-        last = idx[idx.size - 1 - last_rev]
-        last = last[fixed["kind"][last] == BLOCK]
-        f = fixed[last]
-        toks = np.ascontiguousarray(recs[last, _FIXED.size:_FIXED.size + 8 * self.tokens]).view("<i8")
-        return Replay(f["slot"].copy(), f["ns"].copy(), f["chain"].copy(), f["plen"].copy(), f["pcheck"].copy(),
-                      toks.reshape(-1, self.tokens), f["ntok"].copy())
+        """The last record of every slot that holds a block (slots freed last are left out), from the intact pages,
+        as arrays in slot order."""
+        live = self._live(("ns", "chain", "plen", "pcheck", "toks", "ntok"))
+        return Replay(live["slot"], live["ns"], live["chain"], live["plen"], live["pcheck"], live["toks"],
+                      live["ntok"])
+
+    def replay_hashes(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`replay`'s slots and chain hashes only (what a restart's index needs; no tokens are gathered)."""
+        live = self._live(("chain",))
+        return live["slot"], live["chain"]
+
+    def _live(self, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """``slot`` and ``fields`` of each slot's last record, where that record holds a block, in slot order."""
+        recs = self._scan(fields)
+        _, last_rev = np.unique(recs["slot"][::-1], return_index=True)  # each slot's last record (slot order)
+        last = recs["slot"].size - 1 - last_rev
+        last = last[recs["kind"][last] == BLOCK]
+        return {k: recs[k][last] for k in ("slot",) + fields}
+
+    def _scan(self, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """``slot``, ``kind`` and ``fields`` of every well-formed record of the intact pages, in append order. Read
+        and parsed a chunk at a time through one buffer: new memory costs more than the parsing."""
+        names = ("slot", "kind") + fields
+        parts = {k: [np.empty(0, self._dtype)[k]] for k in names}
+        end = self.end if self.valid else ALIGN
+        buf = _aligned(min(end - ALIGN, _CHUNK))
+        for off in range(ALIGN, end, _CHUNK):
+            pages = buf[:min(_CHUNK, end - off)].reshape(-1, ALIGN)
+            read_all(self._fd, pages.reshape(-1), off)
+            recs = pages[:, :self.per_page * self.record_bytes].view(self._dtype)
+            keep = (_intact(pages)[:, None] & (recs["magic"] == _MAGIC) & (recs["version"] == _VERSION)
+                    & ((recs["kind"] == BLOCK) | (recs["kind"] == FREE)) & (recs["ntok"] <= self.tokens))
+            for k in names:
+                parts[k].append(recs[k][keep])
+        return {k: np.concatenate(v) for k, v in parts.items()}
 
     def rewrite(self, live: Iterable[Record]) -> None:
         """Replace the journal with ``live`` records only (a new file, synced, renamed over this one)."""
@@ -202,3 +213,11 @@ class Journal:
             os.close(self._fd)
             self._fd = -1
 
+
+def _intact(pages: np.ndarray) -> np.ndarray:
+    """Which of ``pages`` (rows of :data:`ALIGN` bytes) match the checksum they end with."""
+    stored = np.ascontiguousarray(pages[:, _BODY:]).view("<u8").reshape(-1).tolist()
+    flat = memoryview(pages.reshape(-1))
+    digest = xxhash.xxh3_64_intdigest
+    return np.fromiter((digest(flat[i * ALIGN:i * ALIGN + _BODY]) == c for i, c in enumerate(stored)), dtype=bool,
+                       count=len(stored))

@@ -6,15 +6,15 @@ that pass every check. Which blocks go to disk, when, and which come back is the
 A store of ``capacity_bytes`` over directories ``d_0 .. d_{k-1}`` has one :class:`~kvtier.storage.BlockFile` per
 directory (``kvtier_blocks.bin``), its slots dealt round robin (slot ``s`` lives in file ``s % k``), so a batch of
 consecutive slots reads and writes every disk at once. :meth:`SsdStore.put` writes a batch by the durability
-protocol (payloads on IO threads, a sync per file, headers, a sync per file) and returns only once the batch is
-durable; :meth:`SsdStore.recover` lists what a previous process made durable.
+protocol (payloads on IO threads, a sync per file, journal records then headers on IO threads, a sync per file)
+and returns only once the batch is durable; :meth:`SsdStore.recover` lists what a previous process made durable.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -67,6 +67,7 @@ class SsdStore:
                       for d in self.dirs]
         self.fingerprint = fingerprint
         self.num_slots = per_dir * len(self.files)
+        self._threads = io_threads
         self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-ssd")
 
     @property
@@ -81,7 +82,8 @@ class SsdStore:
         return self.files[slot % k], slot // k
 
     def put(self, slots: Sequence[int], blocks: Sequence[Block]) -> None:
-        """Store ``blocks[i]`` in ``slots[i]`` and return once all are durable (payloads, sync, headers, sync).
+        """Store ``blocks[i]`` in ``slots[i]`` and return once all are durable (payloads, sync, journal records and
+        headers, sync).
         An exception (a disk error, the disk full) leaves the batch's slots unspecified: the caller treats them as
         empty and frees them."""
         if len(slots) != len(blocks):
@@ -90,15 +92,17 @@ class SsdStore:
             if np.asarray(b.payload).nbytes > self.block_bytes:
                 raise ValueError(f"a payload of {np.asarray(b.payload).nbytes} B exceeds the {self.block_bytes} B block")
         where = [self._where(s) for s in slots]
-        checks = list(self._pool.map(lambda wb: wb[0][0].write_payload(wb[0][1], wb[1].payload), zip(where, blocks)))
+        checks = self._spread(lambda wb: wb[0][0].write_payload(wb[0][1], wb[1].payload), list(zip(where, blocks)))
         touched = list({id(f): f for f, _ in where}.values())
         list(self._pool.map(BlockFile.sync, touched))
+        headers = [BlockHeader(self.fingerprint, b.namespace, b.chain_hash, np.asarray(b.tokens, dtype=np.int64),
+                               np.asarray(b.payload).nbytes, c) for b, c in zip(blocks, checks)]
         per_file: dict[int, list] = {}
-        for (f, local), b, c in zip(where, blocks, checks):
-            per_file.setdefault(id(f), [f, []])[1].append(
-                (local, BlockHeader(self.fingerprint, b.namespace, b.chain_hash, np.asarray(b.tokens, dtype=np.int64),
-                                    np.asarray(b.payload).nbytes, c)))
-        list(self._pool.map(lambda fe: fe[0].commit(fe[1]), per_file.values()))
+        for (f, local), h in zip(where, headers):
+            per_file.setdefault(id(f), [f, []])[1].append((local, h))
+        list(self._pool.map(lambda fe: fe[0].record(fe[1]), per_file.values()))  # records before headers
+        # a 4 KiB write per slot, io_threads at once: the disks see them together, not one round trip each
+        self._spread(lambda wh: wh[0][0].write_header(wh[0][1], wh[1]), list(zip(where, headers)))
         list(self._pool.map(BlockFile.sync, touched))
 
     def get(self, slots: Sequence[int], outs: Sequence[np.ndarray]) -> list[Optional[BlockHeader]]:
@@ -106,7 +110,14 @@ class SsdStore:
         None where the slot is empty or fails a check (the caller also compares the tokens with its own)."""
         if len(slots) != len(outs):
             raise ValueError(f"{len(slots)} slots for {len(outs)} buffers")
-        return list(self._pool.map(lambda so: self._read(so[0], so[1]), zip(slots, outs)))
+        return self._spread(lambda so: self._read(so[0], so[1]), list(zip(slots, outs)))
+
+    def _spread(self, fn: Callable[[Any], Any], items: list) -> list:
+        """``fn`` of each item, in order, on the IO threads: a contiguous share of the items per thread (a task per
+        thread, not per item: fewer handoffs)."""
+        n = max(1, -(-len(items) // self._threads))
+        shares = self._pool.map(lambda share: [fn(x) for x in share], [items[i:i + n] for i in range(0, len(items), n)])
+        return [r for share in shares for r in share]
 
     def _read(self, slot: int, out: np.ndarray) -> Optional[BlockHeader]:
         f, local = self._where(slot)

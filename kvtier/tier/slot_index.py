@@ -129,12 +129,17 @@ class SlotIndex:
         keeps its first slot). Returns how many are held."""
         if self._slot_of or self._pending:
             raise RuntimeError("recover() fills a new index")
-        taken = set(int(s) for s in slots.tolist())
-        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
-        held = 0
-        for s, h in zip(slots.tolist(), hashes.tolist()):
-            held += self._hold(int(s), int(h))
-        return held
+        slots = np.asarray(slots, dtype=np.int64)
+        sl, hl = slots.tolist(), np.asarray(hashes).tolist()
+        self._slot_of = dict(zip(reversed(hl), reversed(sl)))  # a hash found twice keeps its first slot
+        unique = len(self._slot_of) == len(sl)
+        self._lru = collections.OrderedDict(zip(sl, hl) if unique else
+                                            ((s, h) for s, h in zip(sl, hl) if self._slot_of[h] == s))
+        untaken = np.ones(self.num_slots, dtype=bool)
+        untaken[slots] = False
+        dups = [] if unique else [s for s, h in zip(sl, hl) if self._slot_of[h] != s]  # freed after the rest
+        self._free = np.flatnonzero(untaken)[::-1].tolist() + dups  # a stack: low slots first
+        return len(self._lru)
 
     def clear(self) -> None:
         """Drop every held slot (locked or pending ones are refused)."""
