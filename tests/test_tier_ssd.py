@@ -257,7 +257,13 @@ def test_write_back_writes_a_block_when_the_cpu_tier_evicts_it(tmp_path):
     t.flush_ssd()
     pages, got = promote_and_load(t, first)
     assert pages == 3 and same(got, want, 3)
+    last = prompt(3, 2)
+    want = store_all(t, last, first_page=20)  # on the CPU only, until the tier shuts down
     t.destroy()
+    b = make_ssd_tier(tmp_path, num_blocks=4, ssd_write_policy="write_back", seed=1)
+    pages, got = promote_and_load(b, last)
+    assert pages == 2 and same(got, want, 2)
+    b.destroy()
 
 
 def test_admission_by_cost_refuses_a_read_slower_than_recompute(tmp_path):

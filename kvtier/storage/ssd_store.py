@@ -35,6 +35,14 @@ class Block(NamedTuple):
     payload: np.ndarray
 
 
+def _all(pool: concurrent.futures.Executor, fn: Callable[[Any], Any], items: list) -> list:
+    """``fn`` of each item on ``pool``, waiting for every one before returning or raising the first error: a
+    failed part never leaves the others still writing into buffers or files the caller reuses."""
+    futures = [pool.submit(fn, x) for x in items]
+    concurrent.futures.wait(futures)
+    return [f.result() for f in futures]
+
+
 class SsdStore:
     """Fixed-size block slots on disk.
 
@@ -68,7 +76,9 @@ class SsdStore:
         self.fingerprint = fingerprint
         self.num_slots = per_dir * len(self.files)
         self._threads = io_threads
-        self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-ssd")
+        # reads never queue behind a batch of writes and its syncs
+        self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-ssd-w")
+        self._read_pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-ssd-r")
 
     @property
     def direct(self) -> bool:
@@ -94,29 +104,30 @@ class SsdStore:
         where = [self._where(s) for s in slots]
         checks = self._spread(lambda wb: wb[0][0].write_payload(wb[0][1], wb[1].payload), list(zip(where, blocks)))
         touched = list({id(f): f for f, _ in where}.values())
-        list(self._pool.map(BlockFile.sync, touched))
+        _all(self._pool, BlockFile.sync, touched)
         headers = [BlockHeader(self.fingerprint, b.namespace, b.chain_hash, np.asarray(b.tokens, dtype=np.int64),
                                np.asarray(b.payload).nbytes, c) for b, c in zip(blocks, checks)]
         per_file: dict[int, list] = {}
         for (f, local), h in zip(where, headers):
             per_file.setdefault(id(f), [f, []])[1].append((local, h))
-        list(self._pool.map(lambda fe: fe[0].record(fe[1]), per_file.values()))  # records before headers
+        _all(self._pool, lambda fe: fe[0].record(fe[1]), list(per_file.values()))  # records before headers
         # a 4 KiB write per slot, io_threads at once: the disks see them together, not one round trip each
         self._spread(lambda wh: wh[0][0].write_header(wh[0][1], wh[1]), list(zip(where, headers)))
-        list(self._pool.map(BlockFile.sync, touched))
+        _all(self._pool, BlockFile.sync, touched)
 
     def get(self, slots: Sequence[int], outs: Sequence[np.ndarray]) -> list[Optional[BlockHeader]]:
         """Read ``slots[i]`` into ``outs[i]`` (uint8 buffers of at least ``block_bytes``); each one's header, or
         None where the slot is empty or fails a check (the caller also compares the tokens with its own)."""
         if len(slots) != len(outs):
             raise ValueError(f"{len(slots)} slots for {len(outs)} buffers")
-        return self._spread(lambda so: self._read(so[0], so[1]), list(zip(slots, outs)))
+        return self._spread(lambda so: self._read(so[0], so[1]), list(zip(slots, outs)), self._read_pool)
 
-    def _spread(self, fn: Callable[[Any], Any], items: list) -> list:
+    def _spread(self, fn: Callable[[Any], Any], items: list, pool=None) -> list:
         """``fn`` of each item, in order, on the IO threads: a contiguous share of the items per thread (a task per
         thread, not per item: fewer handoffs)."""
         n = max(1, -(-len(items) // self._threads))
-        shares = self._pool.map(lambda share: [fn(x) for x in share], [items[i:i + n] for i in range(0, len(items), n)])
+        shares = _all(pool or self._pool, lambda share: [fn(x) for x in share],
+                      [items[i:i + n] for i in range(0, len(items), n)])
         return [r for share in shares for r in share]
 
     def _read(self, slot: int, out: np.ndarray) -> Optional[BlockHeader]:
@@ -154,6 +165,7 @@ class SsdStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)
         for f in self.files:
             f.close()
 

@@ -91,8 +91,9 @@ class TierTask:
 
 
 class TierHit(NamedTuple):
-    """What :meth:`KVTier.lookup_tiers` found: leading pages on the CPU, pages past them on the SSD, and the
-    promotion reading those (None when none runs: nothing on the SSD, or admission refused it)."""
+    """What :meth:`KVTier.lookup_tiers` found: leading pages on the CPU, the pages past them that a promotion
+    brings from the SSD, and that promotion (None, and 0 pages, when none runs: nothing on the SSD, admission refused
+    it, or no CPU block could be had)."""
 
     cpu_pages: int
     ssd_pages: int
@@ -102,11 +103,11 @@ class TierHit(NamedTuple):
 @dataclasses.dataclass
 class _Inflight:
     task: TierTask
-    completion: object
-    tokens: np.ndarray  # store: tokens of the held + new pages
+    completion: object  # an executor's fence, or the SSD read (IoJob) of a promotion
+    tokens: np.ndarray  # store and promote: tokens of the held + new pages
     ns: Optional[Namespace]
-    block_ids: np.ndarray  # store: new blocks, owned by the task; load: blocks read
-    prefix_ids: np.ndarray  # store: blocks of the held prefix
+    block_ids: np.ndarray  # store and promote: new blocks, owned by the task; load: blocks read
+    prefix_ids: np.ndarray  # store and promote: blocks of the held prefix
     handle: object  # locked index path (MatchResult) or None
     nbytes: int
 
@@ -210,6 +211,11 @@ class KVTier(HostTier):
                  finalize: str = "auto", model_identity: Optional[Mapping] = None) -> None:
         self._lock = threading.RLock()
         self.config = config if config is not None else TierConfig.from_env()
+        if self.config.ssd_cache_gb > 0 and finalize == "ordered":
+            raise ValueError("the SSD tier does not run with finalize='ordered' (TP ranks) yet")
+        if self.config.ssd_cache_gb > 0 and model_identity is None:
+            raise ValueError("an SSD tier needs model_identity (model path and revision, TP rank and size): its "
+                             "blocks outlive the process, and another model must never read them")
         geo = kv.geometry
         if geo.page_size != self.config.page_size:
             raise ValueError(f"the KV pool has page_size {geo.page_size}, the kvtier config {self.config.page_size}:"
@@ -250,11 +256,6 @@ class KVTier(HostTier):
         self._stats = TierStats()
         self.ssd: Optional[SsdLink] = None
         if self.config.ssd_cache_gb > 0:
-            if not self._auto_finalize:
-                raise ValueError("the SSD tier does not run with finalize='ordered' (TP ranks) yet")
-            if model_identity is None:
-                raise ValueError("an SSD tier needs model_identity (model path and revision, TP rank and size): its "
-                                 "blocks outlive the process, and another model must never read them")
             self.ssd = SsdLink.open(self.config, pool, self.block_tokens, model_identity)
 
     # --- engine API ---
@@ -287,7 +288,8 @@ class KVTier(HostTier):
         if isinstance(plan, InFlight):
             rec = self._inflight.get(plan.task_id)
             return TierHit(hit, plan.blocks * G if rec else 0, rec.task if rec else None)
-        return TierHit(hit, plan.slots.size * G, self._promote(toks, ns, m, plan))
+        task = self._promote(toks, ns, m, plan)
+        return TierHit(hit, task.num_pages if task is not None else 0, task)
 
     @synchronized
     def flush_ssd(self) -> None:
@@ -476,6 +478,8 @@ class KVTier(HostTier):
                 return
             if self.ssd is not None:
                 self.wait_all()
+                if self.ssd.write_back:  # the blocks still on the CPU are written too: a restart serves them
+                    self._evict_blocks(self.pool.num_blocks)
             self.reset()
             if self.ssd is not None:
                 self.ssd.close()

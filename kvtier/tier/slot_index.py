@@ -3,8 +3,9 @@
 A block's chain hash (:func:`kvtier.index.page_hashes`: ``h_i = xxh64(tokens of block i, seed=h_{i-1})``, the seed
 from the namespace) names the block and its whole prefix, so the SSD tier needs no trie: a query's leading blocks on
 the SSD are its leading hashes found here. The tokens are not kept in memory; the slot's header holds them, and a
-read compares them with the query's before the payload is used (a 64-bit chain collision costs a miss, never wrong
-KV: every block of a promoted prefix is verified on its own).
+read compares them with the query's before the payload is used. A promotion reads and checks every block of the
+prefix from its first SSD block on, so a wrong block needs a 64-bit chain-hash collision between two prefixes
+whose blocks hold the same tokens.
 
 A slot is free, pending (allocated to a write in flight: not findable), or held (findable, in LRU order). Held
 slots read by a promotion are locked and never evicted. Touching a prefix orders its blocks last-to-first, so a

@@ -207,7 +207,7 @@ class SsdTier:
         self.index.lock(slots)
         self.index.touch(slots)
         job = IoJob("read", np.asarray(slots, np.int64), hashes.astype(np.uint64), signed64(namespace),
-                    np.ascontiguousarray(tokens, dtype=np.int64), np.asarray(host_ids).copy())
+                    np.array(tokens, dtype=np.int64), np.asarray(host_ids).copy())  # a copy: the caller's may change
         self.stats.reads += 1
         self._reader.submit(job)
         return job
@@ -232,6 +232,8 @@ class SsdTier:
                                n, ok, type(job.error).__name__, job.error)
         else:
             self.index.unlock(job.slots)
+            if job.bad < 0 and job.error is not None and job.ok < n:  # another error: the reading stopped here
+                job.bad = job.ok
             if job.bad >= 0:
                 self.index.remove(job.slots[job.bad])
                 if job.error is None:
