@@ -136,7 +136,7 @@ def _payload_offset(slot: int) -> int:
 def ssd_slots_of(tmp_path, toks: np.ndarray) -> list:
     """The SSD slots a restarted tier finds ``toks``'s blocks in."""
     t = make_ssd_tier(tmp_path, seed=1)
-    slots = [t.ssd.ssd.index.slot_of(int(h)) for h in page_hashes(toks, P)]
+    slots = [t.ssd.medium.index.slot_of(int(h)) for h in page_hashes(toks, P)]
     t.destroy()
     return slots
 
@@ -207,7 +207,7 @@ def test_unusable_directories_are_clear_errors_at_start(tmp_path):
 def test_write_errors_mid_serving_are_counted_and_the_cpu_tier_carries_on(tmp_path):
     t = make_ssd_tier(tmp_path)
     store_all(t, prompt(1, 2))
-    f = t.ssd.ssd.store.files[0]
+    f = t.ssd.medium.store.files[0]
     os.close(f._fd)  # the disk goes away under the tier: every write and read now fails in the kernel
     f._fd = os.open(tmp_path, os.O_RDONLY)  # a directory: reads fail with EISDIR, writes with EBADF
     toks = prompt(2, 3)

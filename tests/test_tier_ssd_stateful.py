@@ -108,7 +108,7 @@ class SsdTierMachine(RuleBasedStateMachine):
         self.ex = None
         if self.deferred:  # before any copy: copies then run only when a rule (or a wait) releases them
             self.ex = self.tier.executor = DeferredExecutor()
-        assert self.tier.ssd.ssd.index.num_slots == self.ssd_slots
+        assert self.tier.ssd.medium.index.num_slots == self.ssd_slots
         self.rows = [b.view(torch.uint8).view(b.shape[0], -1) for b in self.tier.kv.buffers]
         self.src_busy: dict[int, object] = {}  # source region -> store task reading it
         self.dst_busy: dict[int, tuple] = {}  # destination region -> (load task, tokens, ns index, start page)
@@ -127,7 +127,7 @@ class SsdTierMachine(RuleBasedStateMachine):
         """``tier.destroy()``: the SSD tier closed (its files, journal and threads), the pool released."""
         t = self.tier
         t.destroy()
-        assert t.pool.destroyed is True and t.ssd.ssd._writer is None and all(f._fd < 0 for f in t.ssd.ssd.store.files)
+        assert t.pool.destroyed is True and t.ssd.medium._writer is None and all(f._fd < 0 for f in t.ssd.medium.store.files)
         self.tier = None
 
     def teardown(self) -> None:
@@ -181,7 +181,7 @@ class SsdTierMachine(RuleBasedStateMachine):
         return 0
 
     def _ssd_held_hashes(self) -> set:
-        idx = self.tier.ssd.ssd.index
+        idx = self.tier.ssd.medium.index
         return {h for h in self.known if idx.contains(h)}
 
     # --- rules ---
@@ -325,7 +325,7 @@ class SsdTierMachine(RuleBasedStateMachine):
         self._finish_all()
         self.tier.flush_ssd()
         before = self._ssd_held_hashes()
-        slot_of = {h: self.tier.ssd.ssd.index.slot_of(h) for h in before}
+        slot_of = {h: self.tier.ssd.medium.index.slot_of(h) for h in before}
         block_bytes = self.tier.pool.block_bytes
         self._destroy()
         self.restarts += 1
@@ -406,7 +406,7 @@ class SsdTierMachine(RuleBasedStateMachine):
     @invariant()
     def ssd_slots_accounted(self) -> None:
         link = self.tier.ssd
-        idx = link.ssd.index
+        idx = link.medium.index
         assert idx.num_held + idx.num_pending + idx.num_free + len(idx._doomed) == idx.num_slots == self.ssd_slots
         assert len(set(idx._free)) == len(idx._free), "an SSD slot free twice"
         assert not set(idx._free) & set(idx._lru), "an SSD slot both free and held"
@@ -455,7 +455,7 @@ def test_a_promotion_whose_planned_slot_a_write_back_takes_is_a_miss_not_a_crash
     t.destroy()
     t = make_ssd_tier(tmp_path, num_blocks=4, ssd_slots=2, ssd_write_policy="write_back")
     try:
-        assert t.ssd.ssd.match(page_hashes(a, P)).tolist() == [0, 1]
+        assert t.ssd.medium.match(page_hashes(a, P)).tolist() == [0, 1]
         t.wait(t.store(b, None, slots))  # 3 of the 4 CPU blocks
         # plans slots [0, 1]; room for 2 CPU blocks evicts one of b's, written back into the SSD's LRU slot: 0
         hit = t.lookup_tiers(a, None)

@@ -65,7 +65,7 @@ class SsdLink:
     """The CPU tier's SSD tier (see the module docstring); built by :meth:`open`."""
 
     def __init__(self, ssd: SsdTier, pool: HostBlockPool, config: TierConfig, block_tokens: int) -> None:
-        self.ssd, self.pool, self.block_tokens = ssd, pool, block_tokens
+        self.medium, self.pool, self.block_tokens = ssd, pool, block_tokens  # the SSD tier this links to
         self.write_back = config.ssd_write_policy == "write_back"
         self.admission = CostAdmission(config.ssd_admission, read_gbps=config.ssd_read_gbps,
                                        prefill_tokens_per_s=config.prefill_tokens_per_s,
@@ -147,7 +147,7 @@ class SsdLink:
         self.pool.free(ids[~busy])
 
     def _write(self, hashes: np.ndarray, seed: int, rows: np.ndarray, ids: np.ndarray) -> None:
-        job = self.ssd.write(hashes, seed, rows, ids)
+        job = self.medium.write(hashes, seed, rows, ids)
         if job is not None:
             np.add.at(self._refs, job.host_ids, 1)
             self._writes.append(job)
@@ -161,7 +161,7 @@ class SsdLink:
             if not job.done():
                 keep.append(job)
                 continue
-            self.ssd.finish(job)
+            self.medium.finish(job)
             ids = job.host_ids
             np.add.at(self._refs, ids, -1)
             done = ids[(self._refs[ids] == 0) & self._free_later[ids]]
@@ -172,8 +172,8 @@ class SsdLink:
     def used(self, tokens: np.ndarray, ns: Optional[Namespace]) -> None:
         """``tokens``' blocks were loaded from the CPU tier: the SSD's copies of them become the most recently
         used too (a prefix hot on the CPU is kept on the SSD, which serves it after an eviction or a restart)."""
-        if tokens.size and self.ssd.index.num_held:
-            self.ssd.index.touch(self.ssd.match(page_hashes(tokens, self.block_tokens, ns)))
+        if tokens.size and self.medium.num_held:
+            self.medium.touch(self.medium.match(page_hashes(tokens, self.block_tokens, ns)))
 
     @property
     def held_blocks(self) -> int:
@@ -186,11 +186,11 @@ class SsdLink:
                        n: int) -> Optional[InFlight | PromotionPlan]:
         """The SSD blocks after ``held`` CPU-held blocks of ``tokens``'s first ``n`` blocks, if admitted; the
         promotion in flight from the same block, if any; None when nothing is to be read."""
-        if held >= n or self.ssd.index.num_held == 0:
+        if held >= n or self.medium.num_held == 0:
             return None
         B = self.block_tokens
         hashes = page_hashes(tokens[:n * B], B, ns)[held:]
-        slots = self.ssd.match(hashes)
+        slots = self.medium.match(hashes)
         if slots.size == 0:
             return None
         inflight = self._promoting.get(int(hashes[0]))
@@ -210,7 +210,7 @@ class SsdLink:
     def start_promotion(self, plan: PromotionPlan, ids: np.ndarray, task_id: int) -> IoJob:
         """Read the first ``ids.size`` blocks of ``plan`` into CPU blocks ``ids`` (owned by task ``task_id``)."""
         k = ids.size
-        job = self.ssd.read(plan.slots[:k], plan.hashes[:k], plan.namespace, plan.tokens[:k], ids)
+        job = self.medium.read(plan.slots[:k], plan.hashes[:k], plan.namespace, plan.tokens[:k], ids)
         self._promoting[int(plan.hashes[0])] = (task_id, job.hashes)
         self.promote_bytes_inflight += k * self.pool.block_bytes
         return job
@@ -219,14 +219,14 @@ class SsdLink:
     def holding(self, plan: PromotionPlan):
         """Keep ``plan``'s slots from being evicted (by the write-back of the CPU blocks evicted to make room for
         the promotion) until its read locks them."""
-        self.ssd.index.lock(plan.slots)
+        self.medium.lock(plan.slots)
         try:
             yield
         finally:
-            self.ssd.index.unlock(plan.slots)
+            self.medium.unlock(plan.slots)
 
     def end_promotion(self, job: IoJob) -> None:
-        self.ssd.finish(job)
+        self.medium.finish(job)
         self._promoting.pop(int(job.hashes[0]), None)
         self.promote_bytes_inflight -= job.num_blocks * self.pool.block_bytes
 
@@ -236,7 +236,7 @@ class SsdLink:
         self.admission.note_prefill(tokens, seconds)
 
     def stats(self) -> dict:
-        out = {f"ssd_{k}": v for k, v in self.ssd.snapshot().items()}
+        out = {f"ssd_{k}": v for k, v in self.medium.snapshot().items()}
         out.update(ssd_write_policy="write_back" if self.write_back else "write_through",
                    ssd_admitted=self.admission.admitted, ssd_refused=self.admission.refused,
                    ssd_tokens_refused=self.refused_tokens, ssd_held_cpu_blocks=self.held_blocks,
@@ -245,4 +245,4 @@ class SsdLink:
 
     def close(self) -> None:
         self.drain(wait=True)
-        self.ssd.close()
+        self.medium.close()

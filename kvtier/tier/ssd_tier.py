@@ -174,6 +174,22 @@ class SsdTier:
         """Slots of the leading ``hashes`` on the SSD (no IO)."""
         return self.index.match(hashes)
 
+    @property
+    def num_held(self) -> int:
+        """Blocks findable on the SSD."""
+        return self.index.num_held
+
+    def touch(self, slots: np.ndarray) -> None:
+        """Mark a prefix's held slots most recently used."""
+        self.index.touch(slots)
+
+    def lock(self, slots: np.ndarray) -> None:
+        """Keep held slots from being evicted until :meth:`unlock`."""
+        self.index.lock(slots)
+
+    def unlock(self, slots: np.ndarray) -> None:
+        self.index.unlock(slots)
+
     def write(self, hashes: np.ndarray, namespace: int, tokens: np.ndarray,
               host_ids: np.ndarray) -> Optional[IoJob]:
         """Start writing CPU blocks ``host_ids`` (chain ``hashes``, ``tokens`` rows) to the SSD; those already
