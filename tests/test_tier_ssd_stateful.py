@@ -324,10 +324,11 @@ class SsdTierMachine(RuleBasedStateMachine):
         directory: the CPU tier starts empty, the SSD tier serves what was durable."""
         self._finish_all()
         self.tier.flush_ssd()
-        before = self._ssd_held_hashes()
-        slot_of = {h: self.tier.ssd.medium.index.slot_of(h) for h in before}
         block_bytes = self.tier.pool.block_bytes
-        self._destroy()
+        index = self.tier.ssd.medium.index
+        self._destroy()  # write_back writes the CPU's blocks here, which may evict SSD ones
+        before = {h for h in self.known if index.contains(h)}  # what the closed tier held durably
+        slot_of = {h: index.slot_of(h) for h in before}
         self.restarts += 1
         hit = None
         if damage and before:
