@@ -81,6 +81,26 @@ def open_store(base: str) -> SsdStore:
                     io_threads=2, tokens_per_block=TOKENS)
 
 
+def apply_writer_log(out: bytes, acked: dict, begun: dict) -> tuple[dict, int]:
+    """Apply a killed writer's complete ``begin``/``done`` lines to ``acked`` (slot -> durable block, not being
+    replaced) and ``begun`` (slot -> every block begun there); returns the slots being replaced at the kill
+    (slot -> (old block or -1, new block)) and how many blocks were acknowledged."""
+    lines = out.decode().splitlines()
+    replacing: dict[int, tuple[int, int]] = {}
+    done = 0
+    for line in lines if out.endswith(b"\n") else lines[:-1]:
+        what, slot, chain = line.split()
+        slot, chain = int(slot), int(chain)
+        if what == "begin":
+            replacing[slot] = (acked.pop(slot, -1), chain)
+            begun.setdefault(slot, set()).add(chain)
+        else:
+            acked[slot] = chain
+            replacing.pop(slot, None)
+            done += 1
+    return replacing, done
+
+
 def crash_loop(base: str, kills: int, seed: int = 0, max_lines: int = 24, max_delay_s: float = 0.03) -> dict:
     """Run ``kills`` writer processes over ``base``, killing each; the figures (see the module docstring)."""
     rng = np.random.default_rng(seed)
@@ -96,18 +116,8 @@ def crash_loop(base: str, kills: int, seed: int = 0, max_lines: int = 24, max_de
         p.send_signal(signal.SIGKILL)
         out = b"".join(seen) + p.stdout.read()  # the same buffered reader as readline (it reads ahead)
         p.wait(timeout=60)
-        lines = out.decode().splitlines()
-        replacing: dict[int, tuple[int, int]] = {}  # slot -> (old block or -1, new block) at the kill
-        for line in lines if out.endswith(b"\n") else lines[:-1]:
-            what, slot, chain = line.split()
-            slot, chain = int(slot), int(chain)
-            if what == "begin":
-                replacing[slot] = (acked.pop(slot, -1), chain)
-                begun.setdefault(slot, set()).add(chain)
-            else:
-                acked[slot] = chain
-                replacing.pop(slot, None)
-                acked_total += 1
+        replacing, done = apply_writer_log(out, acked, begun)
+        acked_total += done
         with open_store(base) as store:
             # A restarted tier reads a slot only for the block recovery lists there, and a header naming another
             # block is a miss; so "served" is a read that returns the listed block.

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.ssd_crash import apply_writer_log
 from kvtier.storage import BlockFile, BlockFileError, BlockHeader, fingerprint
 from kvtier.storage.block_format import ALIGN, pack_block_header, unpack_block_header
 
@@ -202,19 +203,8 @@ def test_a_storing_process_killed_at_random_points_loses_nothing_acknowledged_an
         p.send_signal(signal.SIGKILL)
         out = b"".join(seen) + p.stdout.read()  # through the same buffered reader as readline (it reads ahead)
         p.wait(timeout=30)
-        lines = out.decode().splitlines()
-        complete = lines if out.endswith(b"\n") else lines[:-1]
-        replacing: dict[int, tuple[int, int]] = {}  # slot -> (old block or -1, new block) at the kill
-        for line in complete:
-            what, slot, chain = line.split()
-            slot, chain = int(slot), int(chain)
-            if what == "begin":
-                replacing[slot] = (acked.pop(slot, -1), chain)
-                begun.setdefault(slot, set()).add(chain)
-            else:
-                acked[slot] = chain
-                replacing.pop(slot, None)
-                durable += 1
+        replacing, done = apply_writer_log(out, acked, begun)
+        durable += done
         with open_file(path, num_slots=6, journal_tokens=journal) as f:
             recovered = dict((slot, h.chain_hash) for slot, h in f.recover())
             for slot, chain in acked.items():
