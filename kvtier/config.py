@@ -53,6 +53,27 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
   null: what the engine reports (``KVTier.note_prefill``).
 * ``ssd_wipe_mismatch`` (bool, default false): a block file in ``ssd_cache_dir`` written for another model, layout
   or TP rank is wiped and recreated; by default it is left alone and the tier refuses to start, naming the file.
+* ``remote_backend`` (``"mooncake"`` or null, default null): the remote tier behind the CPU (and SSD) tiers, a
+  Mooncake Store shared by kvtier instances (SGLang HiCache's ``--hicache-storage-backend mooncake``, LMCache's
+  ``mooncakestore://``); needs the ``kvtier[remote]`` extra and a running ``mooncake_master``.
+* ``remote_master`` (``host:port``): the master's RPC address (SGLang's ``MOONCAKE_MASTER``); required with a
+  remote backend.
+* ``remote_protocol`` (``"tcp"`` | ``"rdma"``, default ``"tcp"``) and ``remote_device`` (str, default ``""``):
+  Mooncake's transport and RDMA devices (``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``).
+* ``remote_local_hostname`` (str, default ``"localhost"``): the address other clients reach this one's segment at
+  (``MOONCAKE_LOCAL_HOSTNAME``; a routable address across machines).
+* ``remote_metadata_server`` (str, default ``"P2PHANDSHAKE"``): Mooncake's metadata service (``P2PHANDSHAKE``:
+  none needed).
+* ``remote_segment_gb`` (float >= 0, default 4): memory this instance mounts into the store, GiB
+  (``MOONCAKE_GLOBAL_SEGMENT_SIZE``; 0: it only uses other clients' segments).
+* ``remote_timeout_s`` (float > 0, default 5): the longest kvtier waits for one remote call; a call past it, or
+  an unreachable master, marks the tier down (puts dropped, no fetches) until the master answers again.
+* ``remote_required`` (bool, default true): a master not reachable at start is an error; false: start without
+  the remote tier, with a warning.
+* ``remote_key_prefix`` (str, default ``"kvtier"``) and ``remote_tenant`` (str, default ``"default"``): the first
+  part of every key, and Mooncake's tenant id (``tenant_id``).
+* ``remote_admission`` (``"cost"`` | ``"always"``, default ``"cost"``) and ``remote_read_gbps`` (float > 0 or
+  null): as ``ssd_admission`` and ``ssd_read_gbps``, for fetches from the remote tier.
 """
 
 from __future__ import annotations
@@ -72,6 +93,8 @@ TRANSFER_MODES: tuple[str, ...] = ("auto", "direct", "staged")
 EVICTION_POLICIES: tuple[str, ...] = ("lru",)
 SSD_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")
 SSD_ADMISSIONS: tuple[str, ...] = ("cost", "always")
+REMOTE_BACKENDS: tuple[str, ...] = ("mooncake",)
+REMOTE_PROTOCOLS: tuple[str, ...] = ("tcp", "rdma")
 
 
 def default_tokens_per_block(page_size: int) -> int:
@@ -149,6 +172,19 @@ class TierConfig:
     ssd_read_gbps: Optional[float] = None
     prefill_tokens_per_s: Optional[float] = None
     ssd_wipe_mismatch: bool = False
+    remote_backend: Optional[str] = None
+    remote_master: Optional[str] = None
+    remote_protocol: str = "tcp"
+    remote_device: str = ""
+    remote_local_hostname: str = "localhost"
+    remote_metadata_server: str = "P2PHANDSHAKE"
+    remote_segment_gb: float = 4.0
+    remote_timeout_s: float = 5.0
+    remote_required: bool = True
+    remote_key_prefix: str = "kvtier"
+    remote_tenant: str = "default"
+    remote_admission: str = "cost"
+    remote_read_gbps: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.cpu_cache_gb) or self.cpu_cache_gb <= 0:
@@ -187,12 +223,42 @@ class TierConfig:
             raise _error(f"ssd_write_policy must be one of {list(SSD_WRITE_POLICIES)}, got {self.ssd_write_policy!r}")
         if self.ssd_admission not in SSD_ADMISSIONS:
             raise _error(f"ssd_admission must be one of {list(SSD_ADMISSIONS)}, got {self.ssd_admission!r}")
-        for key in ("ssd_read_gbps", "prefill_tokens_per_s"):
+        for key in ("ssd_read_gbps", "prefill_tokens_per_s", "remote_read_gbps"):
             v = getattr(self, key)
             if v is not None and (not _is_number(v) or v <= 0):
                 raise _error(f"{key} must be a number > 0 or null, got {_got(v)}")
+        self._check_remote()
         object.__setattr__(self, "cpu_cache_gb", float(self.cpu_cache_gb))
         object.__setattr__(self, "ssd_cache_gb", float(self.ssd_cache_gb))
+
+    def _check_remote(self) -> None:
+        if self.remote_backend is not None and self.remote_backend not in REMOTE_BACKENDS:
+            raise _error(f"remote_backend must be null or one of {list(REMOTE_BACKENDS)}, got "
+                         f"{self.remote_backend!r}")
+        if self.remote_backend is not None and self.remote_master is None:
+            raise _error("remote_backend needs remote_master (the mooncake_master address, host:port)")
+        m = self.remote_master
+        if m is not None and (not isinstance(m, str) or ":" not in m or not m.rpartition(":")[2].isdigit()):
+            raise _error(f"remote_master must be host:port, got {m!r}")
+        if self.remote_protocol not in REMOTE_PROTOCOLS:
+            raise _error(f"remote_protocol must be one of {list(REMOTE_PROTOCOLS)}, got {self.remote_protocol!r}")
+        for key in ("remote_device", "remote_local_hostname", "remote_metadata_server", "remote_key_prefix",
+                    "remote_tenant"):
+            v = getattr(self, key)
+            if not isinstance(v, str) or (not v and key != "remote_device"):
+                raise _error(f"{key} must be a{'' if key == 'remote_device' else ' non-empty'} string, got {v!r}")
+        if not _is_number(self.remote_segment_gb) or self.remote_segment_gb < 0:
+            raise _error(f"remote_segment_gb must be a number >= 0 (GiB), got {_got(self.remote_segment_gb)}")
+        if not _is_number(self.remote_timeout_s) or self.remote_timeout_s <= 0:
+            raise _error(f"remote_timeout_s must be a number > 0 (seconds), got {_got(self.remote_timeout_s)}")
+        if not isinstance(self.remote_required, bool):
+            raise _error(f"remote_required must be true or false, got {self.remote_required!r}")
+        if self.remote_admission not in SSD_ADMISSIONS:
+            raise _error(f"remote_admission must be one of {list(SSD_ADMISSIONS)}, got {self.remote_admission!r}")
+
+    @property
+    def remote_segment_bytes(self) -> int:
+        return int(self.remote_segment_gb * (1 << 30))
 
     @property
     def block_tokens(self) -> int:

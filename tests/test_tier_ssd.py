@@ -252,7 +252,7 @@ def test_write_back_writes_a_block_when_the_cpu_tier_evicts_it(tmp_path):
     store_all(t, prompt(2, 3), first_page=10)  # 3 + 3 > 4: two of `first`'s blocks are evicted, and written
     t.flush_ssd()
     s = t.stats()
-    assert s["ssd_blocks_written"] == s["pages_evicted"] > 0 and s["ssd_held_cpu_blocks"] == 0
+    assert s["ssd_blocks_written"] == s["pages_evicted"] > 0 and s["held_cpu_blocks"] == 0
     t.evict(100)
     t.flush_ssd()
     pages, got = promote_and_load(t, first)

@@ -12,7 +12,7 @@ CPU or on the SSD, from any store, must hold the same bytes. Checked:
 * bytes: every finalized load delivered the canonical bytes of every page it reported (nothing wrong is ever
   served, whatever was evicted, promoted, restarted or damaged);
 * CPU blocks: free + held by the CPU index + owned by in-flight stores and promotions + held for SSD writes after
-  the CPU index let them go (``ssd_held_cpu_blocks``) == the pool, the sets disjoint; a block an SSD write reads is
+  the CPU index let them go (``held_cpu_blocks``) == the pool, the sets disjoint; a block an SSD write reads is
   never free nor owned by a store or promotion (nothing rewrites a block the disk still reads);
 * SSD slots: held + pending + free (+ removed while locked) == total; pending == the slots of unfinished writes;
   slot locks == the in-flight promotions reading them (never negative);
@@ -354,7 +354,7 @@ class SsdTierMachine(RuleBasedStateMachine):
         self.tier.flush_ssd()
         s = self.tier.stats()
         note(f"flush: ssd held {s['ssd_blocks_held']}")
-        assert s["ssd_held_cpu_blocks"] == 0 and s["ssd_blocks_pending"] == 0
+        assert s["held_cpu_blocks"] == 0 and s["ssd_blocks_pending"] == 0
 
     @precondition(lambda self: self.steps % 12 == 11)  # rare but deterministic, as in test_tier_stateful
     @rule()
@@ -367,7 +367,7 @@ class SsdTierMachine(RuleBasedStateMachine):
         assert not self.src_busy and not self.dst_busy
         s = self.tier.stats()
         assert self.tier.pool.num_free == self.num_blocks and s["pages_held"] == 0 and s["inflight_tasks"] == 0
-        assert s["ssd_held_cpu_blocks"] == 0 and s["ssd_blocks_pending"] == 0
+        assert s["held_cpu_blocks"] == 0 and s["ssd_blocks_pending"] == 0
 
     # --- invariants ---
 
@@ -384,7 +384,7 @@ class SsdTierMachine(RuleBasedStateMachine):
         held = self._held_blocks().tolist()
         stores = [int(b) for r in t._inflight.values() if r.task.kind == "store" for b in r.block_ids]
         promos = [int(b) for r in t._inflight.values() if r.task.kind == "promote" for b in r.block_ids]
-        for_ssd = np.flatnonzero(link._free_later).tolist()
+        for_ssd = np.flatnonzero(t.holds.free_later).tolist()
         assert len(free) == t.pool.num_free
         owned = [held, stores, promos, for_ssd]
         everything = [b for part in owned for b in part]
@@ -393,12 +393,12 @@ class SsdTierMachine(RuleBasedStateMachine):
         assert len(free) + len(everything) == n, f"blocks leaked: free {sorted(free)}, owned {owned}"
         s = t.stats()
         assert (t.pool.num_free + s["pages_held"] + s["inflight_store_blocks"] + len(promos)
-                + s["ssd_held_cpu_blocks"]) == s["blocks_total"] == n
+                + s["held_cpu_blocks"]) == s["blocks_total"] == n
         # SSD writes: the CPU blocks they read are kept (in the index, or held for the write), never reused
         refs = np.zeros(n, np.int32)
         for job in link._writes:
             np.add.at(refs, job.host_ids, 1)
-        assert np.array_equal(refs, link._refs), "CPU block write references out of step"
+        assert np.array_equal(refs, t.holds.refs), "CPU block write references out of step"
         reading = set(np.flatnonzero(refs).tolist())
         assert not reading & (free | set(stores) | set(promos)), "a CPU block an SSD write reads was reused"
         assert set(for_ssd) <= reading, "a CPU block held for a write that no write reads"

@@ -21,6 +21,10 @@ page), so hits, stores and evictions come in whole blocks, and a load may start 
   ``lookup`` starts promoting the blocks the SSD holds past the CPU hit (a ``"promote"`` task, when admission by
   cost lets them in) and returns the CPU hit: it never waits on the disk. Promoted blocks become CPU hits when the
   task is finalized; :meth:`KVTier.lookup_tiers` returns the task, for an engine that waits for it (``wait``).
+* Remote tier (``config.remote_backend``, :mod:`kvtier.tier.remote_link`): blocks entering the CPU index are put to
+  the remote store asynchronously. When neither the CPU nor the SSD tier holds the next block, ``lookup`` starts
+  a ``"fetch"`` task: a probe of the store, then (when the probe returns and admission lets it in) a get into new
+  CPU blocks. It never waits on the network; ``wait`` on a fetch waits at most ``remote_timeout_s`` per stage.
 * ``poll() -> [task ids]``: drain completions; every task id is reported by exactly one poll (unless ``reset``).
   ``wait(task)``: block until it completes and finalize it. ``cancel(task)``: wait for its copy, then discard it
   (a store frees its blocks and inserts nothing). ``reset()``: wait for every copy, then drop everything.
@@ -28,7 +32,7 @@ page), so hits, stores and evictions come in whole blocks, and a load may start 
 Invariants: pages read by an in-flight load or under an in-flight store or promotion are locked in the index, so
 never evicted; blocks written by an in-flight store or promotion belong to the task (not free, not in the index);
 nothing is freed before the copy that uses it has completed. Every pool block is free, held by the index, owned by
-one in-flight store or promotion, or evicted and held until an SSD write that reads it is durable.
+one in-flight store, promotion or fetch, or let go of and held until the lower-tier IO using it has returned.
 
 Two in-flight stores of the same new pages both copy them; the first to complete inserts them, the second's blocks
 for those pages go back to the pool (correct, and rare: an engine stores a request's pages once).
@@ -44,18 +48,21 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 from typing import Mapping, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
 
 from kvtier.config import TierConfig
-from kvtier.index import Namespace, PageTrie
+from kvtier.index import Namespace, PageTrie, page_hashes
 from kvtier.kernels import DirectCopy, PagedKV, StagedCopy, StagedTransfer, load_pages, store_pages
 from kvtier.tier.abstract import HostTier
+from kvtier.tier.block_holds import BlockHolds
 from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
 from kvtier.tier.host_pool import HostBlockPool, synchronized
 from kvtier.tier.signal import LayerDoneCounter
+from kvtier.tier.remote_link import FetchPlan, RemoteLink
 from kvtier.tier.ssd_link import InFlight, PromotionPlan, SsdLink
 from kvtier.tier.transfer_policy import CopyPlan, Path, TransferPolicy
 
@@ -70,9 +77,11 @@ class TierTask:
 
     Attributes:
         id: task id (reported once by ``poll``).
-        kind: ``"store"``, ``"load"``, ``"load_layerwise"`` or ``"promote"`` (SSD blocks read into CPU blocks).
-        num_pages: pages this task copies (store: new pages; load: hit pages loaded; promote: pages read).
-        num_held: store and promote: leading pages already held on the CPU, not copied.
+        kind: ``"store"``, ``"load"``, ``"load_layerwise"``, ``"promote"`` (SSD blocks read into CPU blocks) or
+            ``"fetch"`` (remote blocks read into CPU blocks).
+        num_pages: pages this task copies (store: new pages; load: hit pages loaded; promote: pages read; fetch:
+            0 until its probe has returned, then the pages it reads).
+        num_held: store, promote and fetch: leading pages already held on the CPU, not copied.
         producer_index: layerwise loads: the LayerDoneCounter slot to set as consumer (-1: nothing to wait for).
         status: ``"inflight"``, ``"done"``, ``"cancelled"`` or ``"failed"`` (issuing its copy raised: nothing
             was stored or loaded, ``num_pages`` is 0, and everything it took is given back).
@@ -93,7 +102,8 @@ class TierTask:
 class TierHit(NamedTuple):
     """What :meth:`KVTier.lookup_tiers` found: leading pages on the CPU, the pages past them that a promotion
     brings from the SSD, and that promotion (None, and 0 pages, when none runs: nothing on the SSD, admission refused
-    it, or no CPU block could be had)."""
+    it, or no CPU block could be had); or, when the SSD has nothing past the CPU hit, the remote fetch probing for
+    them (its ``num_pages`` is known once its probe has returned)."""
 
     cpu_pages: int
     ssd_pages: int
@@ -103,7 +113,7 @@ class TierHit(NamedTuple):
 @dataclasses.dataclass
 class _Inflight:
     task: TierTask
-    completion: object  # an executor's fence, or the SSD read (IoJob) of a promotion
+    completion: object  # an executor's fence, the SSD read (IoJob) of a promotion, the RemoteJob of a fetch
     tokens: np.ndarray  # store and promote: tokens of the held + new pages
     ns: Optional[Namespace]
     block_ids: np.ndarray  # store and promote: new blocks, owned by the task; load: blocks read
@@ -149,6 +159,9 @@ class TierStats:
     promotions: int = 0
     pages_promoted: int = 0  # SSD pages that entered the CPU index
     pages_promote_failed: int = 0  # started, but not read (a check or an IO error failed on the way)
+    fetches: int = 0
+    pages_fetched: int = 0  # remote pages that entered the CPU index
+    pages_fetch_failed: int = 0  # blocks allocated for a fetch but not read (gone, corrupt, down, abandoned)
     bytes_d2h: int = 0
     bytes_h2d: int = 0
     seconds_d2h: float = 0.0  # device time of completed stores (CUDA events; wall time on CPU)
@@ -211,11 +224,14 @@ class KVTier(HostTier):
                  finalize: str = "auto", model_identity: Optional[Mapping] = None) -> None:
         self._lock = threading.RLock()
         self.config = config if config is not None else TierConfig.from_env()
-        if self.config.ssd_cache_gb > 0 and finalize == "ordered":
-            raise ValueError("the SSD tier does not run with finalize='ordered' (TP ranks) yet")
-        if self.config.ssd_cache_gb > 0 and model_identity is None:
-            raise ValueError("an SSD tier needs model_identity (model path and revision, TP rank and size): its "
-                             "blocks outlive the process, and another model must never read them")
+        lower = [name for name, on in (("an SSD", self.config.ssd_cache_gb > 0),
+                                       ("a remote", self.config.remote_backend is not None)) if on]
+        for name in lower:
+            if finalize == "ordered":
+                raise ValueError(f"{name} tier does not run with finalize='ordered' (TP ranks) yet")
+            if model_identity is None:
+                raise ValueError(f"{name} tier needs model_identity (model path and revision, TP rank and size): "
+                                 "its blocks outlive the process, and another model must never read them")
         geo = kv.geometry
         if geo.page_size != self.config.page_size:
             raise ValueError(f"the KV pool has page_size {geo.page_size}, the kvtier config {self.config.page_size}:"
@@ -254,9 +270,18 @@ class KVTier(HostTier):
         self._finished: list[int] = []  # task ids finalized since the last poll
         self._next_id = 0
         self._stats = TierStats()
+        self.holds = BlockHolds(pool)  # CPU blocks lower-tier IO still uses
         self.ssd: Optional[SsdLink] = None
+        self.remote: Optional[RemoteLink] = None
         if self.config.ssd_cache_gb > 0:
-            self.ssd = SsdLink.open(self.config, pool, self.block_tokens, model_identity)
+            self.ssd = SsdLink.open(self.config, pool, self.holds, self.block_tokens, model_identity)
+        if self.config.remote_backend is not None:
+            try:
+                self.remote = RemoteLink.open(self.config, pool, self.holds, self.block_tokens, model_identity)
+            except BaseException:
+                if self.ssd is not None:
+                    self.ssd.close()
+                raise
 
     # --- engine API ---
 
@@ -280,16 +305,28 @@ class KVTier(HostTier):
         self._stats.lookups += 1
         self._stats.hit_pages += hit
         self._stats.miss_pages += toks.size // self.page_size - hit
-        if self.ssd is None:
-            return TierHit(hit, 0, None)
-        plan = self.ssd.plan_promotion(toks, ns, m.num_pages, n)
+        plan = self.ssd.plan_promotion(toks, ns, m.num_pages, n) if self.ssd is not None else None
+        if plan is None and self.remote is not None and not self._ssd_next(toks, ns, m.num_pages, n):
+            plan = self.remote.plan_fetch(toks, ns, m.num_pages, n)
         if plan is None:
             return TierHit(hit, 0, None)
         if isinstance(plan, InFlight):
             rec = self._inflight.get(plan.task_id)
-            return TierHit(hit, plan.blocks * G if rec else 0, rec.task if rec else None)
+            if rec is None:
+                return TierHit(hit, 0, None)
+            return TierHit(hit, plan.blocks * G if rec.task.kind == "promote" else 0, rec.task)
+        if isinstance(plan, FetchPlan):
+            return TierHit(hit, 0, self._fetch(toks, ns, m, plan))
         task = self._promote(toks, ns, m, plan)
         return TierHit(hit, task.num_pages if task is not None else 0, task)
+
+    def _ssd_next(self, toks: np.ndarray, ns, held: int, n: int) -> bool:
+        """Whether the SSD holds the block after ``held`` (its promotion was refused or is in flight): the remote
+        is not asked for it."""
+        if self.ssd is None or held >= n or self.ssd.medium.num_held == 0:
+            return False
+        B = self.block_tokens
+        return self.ssd.medium.match(page_hashes(toks[:(held + 1) * B], B, ns)[held:]).size > 0
 
     @synchronized
     def flush_ssd(self) -> None:
@@ -304,6 +341,8 @@ class KVTier(HostTier):
         with (unless ``prefill_tokens_per_s`` is configured)."""
         if self.ssd is not None:
             self.ssd.note_prefill(tokens, seconds)
+        if self.remote is not None:
+            self.remote.note_prefill(tokens, seconds)
 
     @synchronized
     def store(self, tokens, ns: Optional[Namespace], slot_indices) -> TierTask:
@@ -397,7 +436,7 @@ class KVTier(HostTier):
         tid = task.id if isinstance(task, TierTask) else int(task)
         rec = self._inflight.get(tid)
         if rec is not None:
-            rec.completion.wait()
+            self._wait(rec)
             if self._auto_finalize:
                 self._finalize(rec, cancelled=False)
         return rec.task if rec is not None else task
@@ -406,7 +445,7 @@ class KVTier(HostTier):
     def wait_all(self) -> None:
         """Block until every in-flight copy has completed, and finalize them (``"ordered"``: only block)."""
         for rec in list(self._inflight.values()):
-            rec.completion.wait()
+            self._wait(rec)
             if self._auto_finalize:
                 self._finalize(rec, cancelled=False)
 
@@ -422,15 +461,15 @@ class KVTier(HostTier):
         they are discarded, as by :meth:`cancel`), the locks drop. No-op for a task already finalized."""
         rec = self._inflight.get(task.id if isinstance(task, TierTask) else int(task))
         if rec is not None:
-            rec.completion.wait()
+            self._wait(rec)
             self._finalize(rec, cancelled=not keep)
 
     @synchronized
     def wait_on_current_stream(self, task: TierTask) -> None:
         """Make the engine's current stream wait (GPU-side on CUDA) for ``task``'s copy; the host does not block."""
         rec = self._inflight.get(task.id)
-        if rec is not None and rec.task.kind == "promote":  # a disk read: nothing on a stream to wait for
-            rec.completion.wait()
+        if rec is not None and rec.task.kind in ("promote", "fetch"):  # IO: nothing on a stream to wait for
+            self._wait(rec)
         elif rec is not None:
             self.executor.wait_current(rec.completion)
 
@@ -445,7 +484,7 @@ class KVTier(HostTier):
         rec = self._inflight.get(tid)
         if rec is None:
             return False
-        rec.completion.wait()
+        self._wait(rec)
         self._finalize(rec, cancelled=True)
         return True
 
@@ -454,10 +493,13 @@ class KVTier(HostTier):
         """Wait for every in-flight copy, then drop every CPU page and task (pending poll reports included); the
         SSD tier keeps its durable blocks (they outlive processes; a new KVTier over its directories serves them)."""
         for rec in list(self._inflight.values()):
-            rec.completion.wait()
+            self._wait(rec)
             self._finalize(rec, cancelled=True)
         if self.ssd is not None:
             self.ssd.drain(wait=True)  # no write reads a CPU block any more; the SSD tier keeps its blocks
+        if self.remote is not None:
+            self.remote.drain(wait=True)
+        self.holds.reset()
         self.index.reset()
         self.pool.reset()
         self.counter.reset()
@@ -476,13 +518,15 @@ class KVTier(HostTier):
         with self._lock:
             if self.pool.destroyed:
                 return
-            if self.ssd is not None:
+            if self.ssd is not None or self.remote is not None:
                 self.wait_all()
-                if self.ssd.write_back:  # the blocks still on the CPU are written too: a restart serves them
-                    self._evict_blocks(self.pool.num_blocks)
+            if self.ssd is not None and self.ssd.write_back:  # the CPU's blocks are written too: a restart serves them
+                self._evict_blocks(self.pool.num_blocks)
             self.reset()
             if self.ssd is not None:
                 self.ssd.close()
+            if self.remote is not None:
+                self.remote.close()
             self.pool.destroy()
 
     # --- accounting ---
@@ -499,8 +543,11 @@ class KVTier(HostTier):
                    inflight_tasks=len(self._inflight),
                    inflight_store_blocks=sum(r.block_ids.size for r in self._inflight.values()
                                              if r.task.kind == "store"))
+        out["held_cpu_blocks"] = self.holds.num_deferred
         if self.ssd is not None:
             out.update(self.ssd.stats())
+        if self.remote is not None:
+            out.update(self.remote.stats())
         return out
 
     @property
@@ -539,6 +586,49 @@ class KVTier(HostTier):
                                             np.array(m.block_ids[:held], dtype=np.int64), m if held else None,
                                             int(ids.size) * self.pool.block_bytes)
         return task
+
+    def _fetch(self, toks: np.ndarray, ns, m, plan: FetchPlan) -> Optional[TierTask]:
+        """Start probing the remote for ``plan``'s blocks past the CPU-held prefix ``m`` (locked until the task
+        is finalized); the blocks are allocated when the probe returns (:meth:`_advance_fetch`)."""
+        held, B = plan.held, self.block_tokens
+        task = self._new_task("fetch", 0, num_held=held * self._pages_per_block)
+        job = self.remote.start_fetch(plan, task.id)
+        if job is None:
+            return None
+        if held:
+            self.index.lock(m)
+        self._stats.fetches += 1
+        self._inflight[task.id] = _Inflight(task, job, toks[:(held + plan.hashes.size) * B].copy(), ns,
+                                            np.empty(0, np.int64), np.array(m.block_ids[:held], dtype=np.int64),
+                                            m if held else None, 0)
+        return task
+
+    def _advance_fetch(self, rec: _Inflight) -> None:
+        """A fetch's probe has returned: allocate CPU blocks for what admission lets in and start the get."""
+        job, held = rec.completion, rec.prefix_ids.size
+        k = self.remote.admit(job, rec.tokens.size, held * self.block_tokens)
+        ids = self._alloc(k) if k else np.empty(0, np.int64)
+        if ids.size == 0:
+            self.remote.medium.end(job)
+            return
+        rec.block_ids, rec.nbytes = ids, int(ids.size) * self.pool.block_bytes
+        rec.task.num_pages = int(ids.size) * self._pages_per_block
+        self.remote.start_get(job, ids)
+
+    def _wait(self, rec: _Inflight) -> None:
+        """Block until ``rec``'s copy has completed; a fetch: each stage at most ``remote_timeout_s`` (past it,
+        it is abandoned: it brings nothing, and its CPU blocks stay held until its calls return)."""
+        if rec.task.kind != "fetch":
+            rec.completion.wait()
+            return
+        job = rec.completion
+        deadline = time.monotonic() + self.remote.medium.timeout_s
+        while not job.done():
+            if job.awaiting_blocks():
+                self._advance_fetch(rec)
+                deadline = time.monotonic() + self.remote.medium.timeout_s
+            elif not self.remote.medium.wait(job, deadline):
+                return
 
     def _launch(self, stream: str, fn):
         self.executor.begin(stream)
@@ -671,11 +761,11 @@ class KVTier(HostTier):
         return int(ids.size)
 
     def _release(self, ids: np.ndarray) -> None:
-        """Blocks evicted from the index go back to the pool (through the SSD tier's write policy, if any)."""
-        if self.ssd is None:
-            self.pool.free(ids)
-        else:
-            self.ssd.release(ids)
+        """Blocks evicted from the index go back to the pool (through the SSD tier's write policy, if any), once
+        no lower-tier IO uses them."""
+        if self.ssd is not None:
+            self.ssd.evicted(ids)
+        self.holds.release(ids)
 
     def _alloc(self, n: int) -> np.ndarray:
         """Up to ``n`` free blocks, evicting LRU unlocked pages for room; fewer when not enough can be evicted."""
@@ -691,7 +781,11 @@ class KVTier(HostTier):
             return
         if self.ssd is not None:
             self.ssd.drain()
+        if self.remote is not None:
+            self.remote.drain()
         for rec in list(self._inflight.values()):
+            if rec.task.kind == "fetch" and rec.completion.awaiting_blocks():
+                self._advance_fetch(rec)
             if rec.completion.done():
                 self._finalize(rec, cancelled=False)
 
@@ -704,8 +798,11 @@ class KVTier(HostTier):
         r = self.index.insert(toks, np.concatenate((rec.prefix_ids, ids)), rec.ns)
         owned = r.new_mask[held:]
         self.pool.free(ids[~owned])
+        positions = held + np.flatnonzero(owned)
         if self.ssd is not None:
-            self.ssd.entered(ids[owned], toks, rec.ns, held + np.flatnonzero(owned))
+            self.ssd.entered(ids[owned], toks, rec.ns, positions)
+        if self.remote is not None and rec.task.kind != "fetch":  # a fetched block is on the remote already
+            self.remote.entered(ids[owned], toks, rec.ns, positions)
         return owned
 
     def _finalize(self, rec: _Inflight, *, cancelled: bool) -> None:
@@ -735,6 +832,16 @@ class KVTier(HostTier):
                 self._stats.pages_promoted += int(owned.sum()) * self._pages_per_block
             if not cancelled:
                 self._stats.pages_promote_failed += (rec.block_ids.size - ok) * self._pages_per_block
+        elif task.kind == "fetch":
+            job = rec.completion
+            self.remote.end_fetch(job)  # a job still running (abandoned) keeps its blocks held
+            ok = 0 if cancelled or not job.finished() else job.ok
+            self.holds.release(rec.block_ids[ok:])
+            if ok:
+                owned = self._insert(rec, ok)
+                self._stats.pages_fetched += int(owned.sum()) * self._pages_per_block
+            if not cancelled:
+                self._stats.pages_fetch_failed += (rec.block_ids.size - ok) * self._pages_per_block
         else:
             self._stats.bytes_h2d += rec.nbytes
             self._stats.seconds_h2d += secs or 0.0

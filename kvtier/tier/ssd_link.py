@@ -4,8 +4,9 @@ plans and their admission.
 * Write policy (``ssd_write_policy``): ``write_through`` writes each block as it enters the CPU index
   (:meth:`SsdLink.entered`); ``write_back`` writes each block the CPU index evicts (:meth:`SsdLink.release`), for
   which it keeps every CPU block's chain hash, namespace and tokens.
-* A CPU block in a write job is held: the CPU index may evict it, but the pool gets it back only when the write is
-  durable or failed (:meth:`release` defers, :meth:`drain` frees). Nothing rewrites a block the disk still reads.
+* A CPU block in a write job is held (:class:`~kvtier.tier.block_holds.BlockHolds`): the CPU index may evict it,
+  but the pool gets it back only when the write is durable or failed (:meth:`drain`). Nothing rewrites a block
+  the disk still reads.
 * Promotion (:meth:`plan_promotion`): the leading blocks past a CPU hit that the SSD holds, if admission by cost
   (:class:`~kvtier.tier.admission.CostAdmission`) lets them in, and if they are not already being promoted.
 
@@ -26,6 +27,7 @@ from kvtier.geometry import KVGeometry
 from kvtier.index import Namespace, page_hashes
 from kvtier.storage import BlockFileError, SsdStore, fingerprint
 from kvtier.tier.admission import CostAdmission
+from kvtier.tier.block_holds import BlockHolds
 from kvtier.tier.host_pool import HostBlockPool
 from kvtier.tier.ssd_tier import MAX_PENDING_BYTES, IoJob, SsdTier
 
@@ -64,15 +66,14 @@ class PromotionPlan(NamedTuple):
 class SsdLink:
     """The CPU tier's SSD tier (see the module docstring); built by :meth:`open`."""
 
-    def __init__(self, ssd: SsdTier, pool: HostBlockPool, config: TierConfig, block_tokens: int) -> None:
-        self.medium, self.pool, self.block_tokens = ssd, pool, block_tokens  # the SSD tier this links to
+    def __init__(self, ssd: SsdTier, pool: HostBlockPool, holds: BlockHolds, config: TierConfig,
+                 block_tokens: int) -> None:
+        self.medium, self.pool, self.holds, self.block_tokens = ssd, pool, holds, block_tokens  # the SSD tier
         self.write_back = config.ssd_write_policy == "write_back"
         self.admission = CostAdmission(config.ssd_admission, read_gbps=config.ssd_read_gbps,
                                        prefill_tokens_per_s=config.prefill_tokens_per_s,
                                        measured_read_gbps=lambda: ssd.read_gbps)
         n = pool.num_blocks
-        self._refs = np.zeros(n, np.int32)  # write jobs reading each CPU block
-        self._free_later = np.zeros(n, bool)  # evicted from the CPU index while a write reads it
         self._writes: list[IoJob] = []
         self._promoting: dict[int, tuple[int, np.ndarray]] = {}  # first block's chain hash -> (task, hashes)
         self.promote_bytes_inflight = 0
@@ -83,7 +84,8 @@ class SsdLink:
         self.refused_tokens = 0
 
     @classmethod
-    def open(cls, config: TierConfig, pool: HostBlockPool, block_tokens: int, identity: Mapping) -> "SsdLink":
+    def open(cls, config: TierConfig, pool: HostBlockPool, holds: BlockHolds, block_tokens: int,
+             identity: Mapping) -> "SsdLink":
         """The SSD tier of ``config`` (directories created if missing), recovered from what is durable there.
 
         Raises:
@@ -115,7 +117,7 @@ class SsdLink:
         logger.info("kvtier: SSD tier of %d blocks over %s (%s IO, %s), %d blocks recovered", store.num_slots,
                     ";".join(store.dirs), "O_DIRECT" if store.direct else "buffered", config.ssd_write_policy,
                     ssd.stats.blocks_recovered)
-        return cls(ssd, pool, config, block_tokens)
+        return cls(ssd, pool, holds, config, block_tokens)
 
     # --- blocks entering and leaving the CPU index ---
 
@@ -133,23 +135,19 @@ class SsdLink:
         else:
             self._write(hashes, seed, rows, ids)
 
-    def release(self, ids: np.ndarray) -> None:
-        """CPU blocks ``ids`` left the index: back to the pool, once no write reads them (``write_back``: written
-        first)."""
-        if ids.size == 0:
+    def evicted(self, ids: np.ndarray) -> None:
+        """CPU blocks ``ids`` are leaving the index (``write_back``: they are written now, and held until
+        durable)."""
+        if ids.size == 0 or not self.write_back:
             return
-        if self.write_back:
-            for seed in np.unique(self._ns[ids]).tolist():
-                pick = ids[self._ns[ids] == seed]
-                self._write(self._hash[pick], seed, self._tokens[pick], pick)
-        busy = self._refs[ids] > 0
-        self._free_later[ids[busy]] = True
-        self.pool.free(ids[~busy])
+        for seed in np.unique(self._ns[ids]).tolist():
+            pick = ids[self._ns[ids] == seed]
+            self._write(self._hash[pick], seed, self._tokens[pick], pick)
 
     def _write(self, hashes: np.ndarray, seed: int, rows: np.ndarray, ids: np.ndarray) -> None:
         job = self.medium.write(hashes, seed, rows, ids)
         if job is not None:
-            np.add.at(self._refs, job.host_ids, 1)
+            self.holds.hold(job.host_ids)
             self._writes.append(job)
 
     def drain(self, wait: bool = False) -> None:
@@ -162,11 +160,7 @@ class SsdLink:
                 keep.append(job)
                 continue
             self.medium.finish(job)
-            ids = job.host_ids
-            np.add.at(self._refs, ids, -1)
-            done = ids[(self._refs[ids] == 0) & self._free_later[ids]]
-            self._free_later[done] = False
-            self.pool.free(done)
+            self.holds.drop(job.host_ids)
         self._writes = keep
 
     def used(self, tokens: np.ndarray, ns: Optional[Namespace]) -> None:
@@ -174,11 +168,6 @@ class SsdLink:
         used too (a prefix hot on the CPU is kept on the SSD, which serves it after an eviction or a restart)."""
         if tokens.size and self.medium.num_held:
             self.medium.touch(self.medium.match(page_hashes(tokens, self.block_tokens, ns)))
-
-    @property
-    def held_blocks(self) -> int:
-        """CPU blocks held by writes after the CPU index let them go."""
-        return int(self._free_later.sum())
 
     # --- promotion ---
 
@@ -239,7 +228,7 @@ class SsdLink:
         out = {f"ssd_{k}": v for k, v in self.medium.snapshot().items()}
         out.update(ssd_write_policy="write_back" if self.write_back else "write_through",
                    ssd_admitted=self.admission.admitted, ssd_refused=self.admission.refused,
-                   ssd_tokens_refused=self.refused_tokens, ssd_held_cpu_blocks=self.held_blocks,
+                   ssd_tokens_refused=self.refused_tokens,
                    ssd_prefill_1k_tokens_s=self.admission.prefill.seconds(1024))
         return out
 

@@ -1,0 +1,49 @@
+"""BlockHolds: CPU blocks that lower-tier IO (an SSD write, a remote put or fetch) still reads or writes.
+
+The CPU index may let such a block go (evict it) while the IO runs; the pool gets it back only when the last IO
+holding it has ended. Nothing rewrites a block an IO still uses. Single-owner: called under the
+:class:`~kvtier.tier.KVTier` lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.tier.host_pool import HostBlockPool
+
+__all__ = ["BlockHolds"]
+
+
+class BlockHolds:
+    """Hold counts over the blocks of ``pool``."""
+
+    def __init__(self, pool: HostBlockPool) -> None:
+        self.pool = pool
+        self.refs = np.zeros(pool.num_blocks, np.int32)  # IO jobs using each CPU block
+        self.free_later = np.zeros(pool.num_blocks, bool)  # let go of while an IO uses it
+
+    def hold(self, ids: np.ndarray) -> None:
+        """An IO job starts using blocks ``ids`` (repeats allowed)."""
+        np.add.at(self.refs, ids, 1)
+
+    def drop(self, ids: np.ndarray) -> None:
+        """An IO job that held ``ids`` has ended: those let go of and no longer held go back to the pool."""
+        np.add.at(self.refs, ids, -1)
+        done = ids[(self.refs[ids] == 0) & self.free_later[ids]]
+        self.free_later[done] = False
+        self.pool.free(np.unique(done))
+
+    def release(self, ids: np.ndarray) -> None:
+        """Blocks ``ids`` are let go of: back to the pool now, or when the last IO holding them ends."""
+        busy = self.refs[ids] > 0
+        self.free_later[ids[busy]] = True
+        self.pool.free(ids[~busy])
+
+    @property
+    def num_deferred(self) -> int:
+        """Blocks let go of that an IO still holds."""
+        return int(self.free_later.sum())
+
+    def reset(self) -> None:
+        self.refs[:] = 0
+        self.free_later[:] = False

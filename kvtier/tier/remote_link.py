@@ -1,0 +1,225 @@
+"""RemoteLink: how the CPU tier uses the remote tier behind it: write-through puts, fetch plans and their admission.
+
+* Puts (:meth:`RemoteLink.entered`): each block entering the CPU index (from a store or an SSD promotion, not from
+  a fetch) is put to the remote store, asynchronously; the CPU block is held until the put returns
+  (:class:`~kvtier.tier.block_holds.BlockHolds`). Queued puts are bounded; what does not fit is dropped, counted.
+* Fetches (:meth:`plan_fetch`): the leading blocks past the local hits, probed on the remote (``batch_is_exist``)
+  without blocking the lookup. When the probe returns, the owner asks :meth:`admit` how many to read (admission by
+  cost, :class:`~kvtier.tier.admission.CostAdmission`, against the measured fetch bandwidth), allocates CPU blocks
+  and starts the get. A fetch from the same first block in flight is shared, not repeated.
+* A fetch its owner stopped waiting for (past ``remote_timeout_s``) keeps its CPU blocks held until its calls
+  return (:meth:`end_fetch`, :meth:`drain`).
+
+Keys and fingerprints: a block's key is its chain hash under the store's key prefix and the fingerprint of the
+model identity, geometry, dtype and block size; MHA blocks are per TP rank (the identity's rank), MLA blocks are
+the same on every rank, so their fingerprint drops the rank and only rank 0 puts them.
+
+Single-owner: called under the :class:`~kvtier.tier.KVTier` lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping, NamedTuple, Optional
+
+import numpy as np
+
+from kvtier.config import TierConfig
+from kvtier.geometry import KVGeometry
+from kvtier.index import Namespace, page_hashes
+from kvtier.storage import fingerprint
+from kvtier.storage.mooncake_store import MooncakeStore, RemoteStoreError
+from kvtier.tier.admission import CostAdmission
+from kvtier.tier.block_holds import BlockHolds
+from kvtier.tier.host_pool import HostBlockPool
+from kvtier.tier.remote_tier import RemoteJob, RemoteTier
+from kvtier.tier.ssd_link import InFlight
+from kvtier.tier.ssd_tier import signed64
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RemoteLink", "FetchPlan", "remote_fingerprint", "TP_KEYS"]
+
+_DEFAULT_NS = Namespace()
+TP_KEYS = ("tp_rank", "tp_size")  # identity fields an MLA block does not depend on
+MAX_PENDING_BYTES = 4 << 30  # puts queued beyond this are dropped (they hold CPU blocks until sent)
+
+
+def remote_fingerprint(geometry: KVGeometry, block_tokens: int, identity: Mapping) -> bytes:
+    """What a remote block belongs to (as :func:`~kvtier.tier.ssd_link.ssd_fingerprint`), without the TP rank
+    and size for MLA, whose blocks every rank shares."""
+    ident = {k: v for k, v in identity.items() if not (geometry.is_mla and k in TP_KEYS)}
+    return fingerprint(kind="kvtier-remote-block", identity=ident, num_layers=geometry.num_layers,
+                       num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim, is_mla=geometry.is_mla,
+                       dtype=str(geometry.dtype), block_tokens=block_tokens, payload="page_first")
+
+
+class FetchPlan(NamedTuple):
+    """Blocks to probe on the remote past ``held`` locally held blocks."""
+
+    held: int
+    hashes: np.ndarray
+    namespace: int
+    tokens: np.ndarray  # (blocks, block_tokens)
+
+
+class RemoteLink:
+    """The CPU tier's remote tier (see the module docstring); built by :meth:`open`."""
+
+    def __init__(self, remote: RemoteTier, pool: HostBlockPool, holds: BlockHolds, config: TierConfig,
+                 block_tokens: int, *, writer: bool = True) -> None:
+        self.medium, self.pool, self.holds, self.block_tokens = remote, pool, holds, block_tokens
+        self.writer = writer  # whether this rank puts (MLA: rank 0 only)
+        self.admission = CostAdmission(config.remote_admission, read_gbps=config.remote_read_gbps,
+                                       prefill_tokens_per_s=config.prefill_tokens_per_s,
+                                       measured_read_gbps=lambda: remote.read_gbps)
+        self._puts: list[RemoteJob] = []
+        self._fetching: dict[int, tuple[int, np.ndarray]] = {}  # first block's chain hash -> (task, hashes)
+        self._abandoned: list[RemoteJob] = []
+        self.fetch_bytes_inflight = 0
+        self.refused_tokens = 0
+
+    @classmethod
+    def open(cls, config: TierConfig, pool: HostBlockPool, holds: BlockHolds, block_tokens: int,
+             identity: Mapping) -> Optional["RemoteLink"]:
+        """The remote tier of ``config``, connected, with the pool registered; None when the master cannot be
+        reached and ``remote_required`` is false (a warning says so).
+
+        Raises:
+            kvtier.storage.mooncake_store.RemoteStoreError: the store cannot be used and ``remote_required``.
+        """
+        try:
+            store = MooncakeStore(config.remote_master, protocol=config.remote_protocol, device=config.remote_device,
+                                  local_hostname=config.remote_local_hostname,
+                                  metadata_server=config.remote_metadata_server,
+                                  segment_bytes=config.remote_segment_bytes, tenant=config.remote_tenant,
+                                  timeout_s=max(config.remote_timeout_s, 5.0))
+        except RemoteStoreError as e:
+            if config.remote_required:
+                raise
+            logger.warning("%s; running without the remote tier (remote_required: false)", e)
+            return None
+        try:
+            store.register(pool.host.data_ptr(), pool.nbytes)
+            geo = pool.geometry
+            tier = RemoteTier(store, block_tokens=block_tokens, block_bytes=pool.block_bytes,
+                              fingerprint=remote_fingerprint(geo, block_tokens, identity),
+                              key_prefix=config.remote_key_prefix, block_view=pool.block_rows,
+                              timeout_s=config.remote_timeout_s,
+                              max_pending_bytes=min(MAX_PENDING_BYTES, max(pool.nbytes // 2, 64 * pool.block_bytes)))
+        except BaseException:
+            store.close()
+            raise
+        writer = not (geo.is_mla and int(identity.get("tp_rank", 0) or 0) != 0)
+        logger.info("kvtier: remote tier on Mooncake master %s (%s, %.1f GiB segment, key prefix %r%s)",
+                    config.remote_master, config.remote_protocol, config.remote_segment_bytes / (1 << 30),
+                    config.remote_key_prefix, "" if writer else ", MLA: rank 0 puts")
+        return cls(tier, pool, holds, config, block_tokens, writer=writer)
+
+    # --- blocks entering the CPU index ---
+
+    def entered(self, ids: np.ndarray, tokens: np.ndarray, ns: Optional[Namespace], positions: np.ndarray) -> None:
+        """CPU blocks ``ids`` entered the index as blocks ``positions`` (ascending) of ``tokens``'s chain."""
+        if ids.size == 0 or not self.writer:
+            return
+        B = self.block_tokens
+        end = (int(positions[-1]) + 1) * B
+        hashes = page_hashes(tokens[:end], B, ns)[positions]
+        rows = tokens[:end].reshape(-1, B)[positions]
+        job = self.medium.put(hashes, signed64((ns or _DEFAULT_NS).seed), rows, ids)
+        if job is not None:
+            self.holds.hold(job.host_ids)
+            self._puts.append(job)
+
+    def drain(self, wait: bool = False) -> None:
+        """Account finished puts and abandoned fetches (every put, each waited for at most the timeout, with
+        ``wait``) and free the CPU blocks they held."""
+        keep = []
+        for job in self._puts:
+            if wait:
+                job.wait(self.medium.timeout_s)
+            if not job.finished():
+                keep.append(job)
+                continue
+            self.medium.finish(job)
+            self.holds.drop(job.host_ids)
+        self._puts = keep
+        still = []
+        for job in self._abandoned:
+            if job.finished():
+                self.medium.finish(job)
+                self.holds.drop(job.host_ids)
+            else:
+                still.append(job)
+        self._abandoned = still
+        self.medium.tick()
+
+    # --- fetches ---
+
+    def plan_fetch(self, tokens: np.ndarray, ns: Optional[Namespace], held: int,
+                   n: int) -> Optional[InFlight | FetchPlan]:
+        """The blocks after ``held`` local ones of ``tokens``'s first ``n`` blocks to probe; the fetch in flight
+        from the same block, if any; None when there is nothing to ask (or the tier is down)."""
+        if held >= n or not self.medium.up:
+            return None
+        B = self.block_tokens
+        k = min(n - held, max(1, self.pool.num_blocks // 2))  # room for what a fetch may bring
+        hashes = page_hashes(tokens[:(held + k) * B], B, ns)[held:]
+        inflight = self._fetching.get(int(hashes[0]))
+        if inflight is not None:
+            task_id, theirs = inflight
+            m = min(theirs.size, hashes.size)
+            differ = np.flatnonzero(theirs[:m] != hashes[:m])
+            return InFlight(task_id, int(differ[0]) if differ.size else m)
+        rows = tokens[held * B:(held + k) * B].reshape(k, B)
+        return FetchPlan(held, hashes, signed64((ns or _DEFAULT_NS).seed), rows)
+
+    def start_fetch(self, plan: FetchPlan, task_id: int) -> Optional[RemoteJob]:
+        """Start ``plan``'s probe for task ``task_id``; None when the tier is down."""
+        job = self.medium.probe(plan.hashes, plan.namespace, plan.tokens)
+        if job is not None:
+            self._fetching[int(plan.hashes[0])] = (task_id, job.hashes)
+        return job
+
+    def admit(self, job: RemoteJob, tokens: int, held_tokens: int) -> int:
+        """Blocks of a probed fetch to read: those the store holds, if reading them beats recomputing them."""
+        k = max(job.found, 0)
+        if job.down or job.error is not None or k == 0:
+            return 0
+        B = self.block_tokens
+        if not self.admission.admit(k * B, tokens - held_tokens, k * self.pool.block_bytes,
+                                    self.fetch_bytes_inflight):
+            self.refused_tokens += k * B
+            return 0
+        return k
+
+    def start_get(self, job: RemoteJob, ids: np.ndarray) -> None:
+        self.medium.get(job, ids)
+        self.fetch_bytes_inflight += ids.size * self.pool.block_bytes
+
+    def end_fetch(self, job: RemoteJob) -> None:
+        """The fetch's task is being finalized: its CPU blocks are held while its calls still run."""
+        self._fetching.pop(int(job.hashes[0]), None)
+        self.fetch_bytes_inflight -= job.host_ids.size * self.pool.block_bytes
+        if not job.host_ids.size:
+            self.medium.end(job)  # no get follows the probe
+        if job.finished():
+            self.medium.finish(job)
+        else:
+            self.holds.hold(job.host_ids)
+            self._abandoned.append(job)
+
+    # --- life cycle ---
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        self.admission.note_prefill(tokens, seconds)
+
+    def stats(self) -> dict:
+        out = {f"remote_{k}": v for k, v in self.medium.snapshot().items()}
+        out.update(remote_admitted=self.admission.admitted, remote_refused=self.admission.refused,
+                   remote_tokens_refused=self.refused_tokens)
+        return out
+
+    def close(self) -> None:
+        self.drain(wait=True)
+        self.medium.close()

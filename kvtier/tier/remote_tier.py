@@ -1,0 +1,370 @@
+"""RemoteTier: the remote medium behind the CPU pool (a :class:`~kvtier.storage.mooncake_store.MooncakeStore`):
+IO jobs run off the engine's threads, every value checked, every wait bounded.
+
+The tier's owner (:class:`~kvtier.tier.remote_link.RemoteLink`) decides what to put and what to fetch; this class
+runs it:
+
+* :meth:`RemoteTier.put` stores CPU blocks (header + KV, zero-copy from the registered pool) on the put thread.
+  The caller keeps the blocks unchanged until the job is done. Blocks beyond the owner's cap of queued puts are
+  dropped and counted.
+* :meth:`RemoteTier.probe` asks the store, on the fetch thread, how many leading blocks of a prefix it holds
+  (``batch_is_exist``); :meth:`RemoteTier.get` then reads them into CPU blocks the caller owns. Every block is
+  checked before it counts (value size, header checksum, fingerprint, chain hash, namespace, tokens, payload
+  checksum); reading stops at the first that fails, which is counted as missing or corrupt.
+* The owner never blocks on the network except in :meth:`RemoteJob.wait`, bounded by ``timeout_s``. A call that
+  outlasts it, or that finds the master unreachable, marks the tier down: no probes, puts dropped (counted), until
+  a health probe (every :data:`RETRY_S`) finds the master again. Mooncake's client reconnects by itself.
+
+A job's blocks stay the job's until its calls have returned (:meth:`RemoteJob.finished`), also when the owner
+stopped waiting for it. Single-owner: every method except the workers' is called under the owner's lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import xxhash
+
+from kvtier.storage.aligned_io import aligned
+from kvtier.storage.block_format import ALIGN, BlockHeader, pack_block_header, unpack_block_header
+from kvtier.storage.mooncake_store import CODE_NOT_FOUND, MooncakeStore, block_key, unreachable
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RemoteTier", "RemoteJob", "RemoteStats", "RETRY_S", "BATCH_BYTES"]
+
+BATCH_BYTES = 64 << 20  # one put or get call per this many bytes
+MAX_BATCH_BLOCKS = 256  # and at most this many blocks (the header buffer)
+RETRY_S = 1.0  # a down tier probes the master this often
+
+ViewFn = Callable[[int], np.ndarray]  # CPU block id -> its bytes, uint8 [planes, row] (rows contiguous)
+
+
+def _ranges(rows: np.ndarray) -> list[tuple[int, int]]:
+    """(address, bytes) of a block's rows, adjacent rows merged."""
+    out: list[list[int]] = []
+    for r in rows:
+        a = r.ctypes.data
+        if out and out[-1][0] + out[-1][1] == a:
+            out[-1][1] += r.nbytes
+        else:
+            out.append([a, r.nbytes])
+    return [(a, n) for a, n in out]
+
+
+def _checksum(rows: np.ndarray) -> int:
+    h = xxhash.xxh3_64()
+    for r in rows:
+        h.update(r)
+    return h.intdigest()
+
+
+@dataclasses.dataclass
+class RemoteJob:
+    """A put, a probe-then-get fetch, or a health probe."""
+
+    kind: str  # "put" | "fetch" | "health"
+    hashes: np.ndarray  # uint64 chain hashes, one per block
+    namespace: int  # signed namespace seed
+    tokens: np.ndarray  # (blocks, tokens per block) int64
+    host_ids: np.ndarray  # put: CPU blocks read; fetch: CPU blocks filled (set by get)
+    views: list = dataclasses.field(default_factory=list, repr=False)  # the host blocks' bytes
+    ok: int = 0  # put: blocks stored; fetch: leading blocks verified
+    found: int = -1  # fetch: leading blocks the store holds (-1: not probed yet)
+    missing: int = 0  # fetch: blocks gone between probe and get
+    corrupt: int = 0  # fetch: values that failed a check
+    error: Optional[BaseException] = None
+    down: bool = False  # a call found the master unreachable
+    abandoned: bool = False  # the owner stopped waiting (the calls may still run)
+    io_seconds: float = 0.0
+    _stage: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+    _ended: bool = False  # the owner ended the fetch after its probe
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.hashes.size)
+
+    def awaiting_blocks(self) -> bool:
+        """A fetch whose probe has returned and whose owner must now start its get (or end it)."""
+        return (self.kind == "fetch" and self._stage.is_set() and not self.host_ids.size and not self._ended
+                and not self.abandoned)
+
+    def finished(self) -> bool:
+        """Whether no call of the job runs or will run (its blocks are free to reuse)."""
+        return self._stage.is_set() and (self.kind != "fetch" or self._ended or self.host_ids.size > 0)
+
+    def done(self) -> bool:
+        """Whether the owner can account the job (finished, or abandoned)."""
+        return self.finished() or self.abandoned
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the running stage; whether it has returned."""
+        return self._stage.wait(timeout)
+
+    def seconds(self) -> Optional[float]:
+        return self.io_seconds
+
+
+@dataclasses.dataclass
+class RemoteStats:
+    """Remote counters since construction."""
+
+    puts: int = 0
+    blocks_put: int = 0
+    blocks_put_dropped: int = 0  # queue full, or the tier down
+    blocks_put_failed: int = 0  # the store refused or failed the put
+    probes: int = 0
+    blocks_probed_hit: int = 0
+    fetches: int = 0
+    blocks_fetched: int = 0
+    blocks_missing: int = 0  # held at the probe, gone at the get
+    blocks_corrupt: int = 0  # wrong size, header, identity, tokens or checksum: a miss
+    fetches_abandoned: int = 0  # outlasted the timeout
+    errors: int = 0
+    times_down: int = 0
+    bytes_put: int = 0
+    bytes_fetched: int = 0
+    seconds_put: float = 0.0
+    seconds_fetch: float = 0.0
+
+
+class _Worker:
+    """A thread running one kind of call, FIFO, with its own registered header buffer."""
+
+    def __init__(self, name: str, store: MooncakeStore, batch: int) -> None:
+        self.headers = aligned(batch * ALIGN)
+        store.register(self.headers.ctypes.data, self.headers.nbytes)
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None], job: RemoteJob) -> None:
+        job._stage.clear()
+        self._q.put((fn, job))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, job = item
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except BaseException as e:  # the job ends here; its owner counts it
+                job.error = e
+            job.io_seconds += time.perf_counter() - t0
+            job._stage.set()
+
+    def close(self, timeout: float) -> None:
+        self._q.put(None)
+        self._thread.join(timeout)
+
+
+class RemoteTier:
+    """The remote medium over ``store`` for blocks of ``block_tokens`` tokens and ``block_bytes`` bytes.
+
+    Args:
+        store: the connected client.
+        fingerprint: what the blocks belong to (part of every key and header).
+        key_prefix: the first part of every key.
+        block_view: a CPU block's bytes (in registered memory).
+        timeout_s: the longest the owner waits for a call.
+        max_pending_bytes: puts queued beyond this many bytes are dropped.
+    """
+
+    def __init__(self, store: MooncakeStore, *, block_tokens: int, block_bytes: int, fingerprint: bytes,
+                 key_prefix: str, block_view: ViewFn, timeout_s: float, max_pending_bytes: int) -> None:
+        self.store, self.block_tokens, self.block_bytes = store, block_tokens, block_bytes
+        self.fingerprint, self.key_prefix, self.timeout_s = fingerprint, key_prefix, timeout_s
+        self._view = block_view
+        self.value_bytes = ALIGN + block_bytes
+        self.stats = RemoteStats()
+        self.up = True
+        self._next_retry = 0.0
+        self._health: Optional[RemoteJob] = None
+        self._max_pending = max(1, max_pending_bytes // block_bytes)
+        self._pending_blocks = 0
+        self._batch = max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // block_bytes))
+        self._putter = _Worker("kvtier-remote-put", store, self._batch)
+        self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch)
+
+    def keys(self, hashes: np.ndarray) -> list[str]:
+        return [block_key(self.key_prefix, self.fingerprint, h) for h in hashes.tolist()]
+
+    # --- owner's side (under its lock) ---
+
+    def put(self, hashes: np.ndarray, namespace: int, tokens: np.ndarray, host_ids: np.ndarray) -> Optional[RemoteJob]:
+        """Start storing CPU blocks ``host_ids`` (chain ``hashes``, ``tokens`` rows); None when nothing is put
+        (the tier is down or the queue full: the blocks are dropped, counted)."""
+        room = self._max_pending - self._pending_blocks if self.up else 0
+        k = max(0, min(hashes.size, room))  # the first blocks: a prefix's head serves most
+        self.stats.blocks_put_dropped += hashes.size - k
+        if k == 0:
+            return None
+        ids = np.asarray(host_ids[:k]).copy()
+        job = RemoteJob("put", hashes[:k].astype(np.uint64), namespace, np.ascontiguousarray(tokens[:k], np.int64),
+                        ids, [self._view(int(b)) for b in ids.tolist()])
+        self._pending_blocks += k
+        self.stats.puts += 1
+        self._putter.submit(lambda: self._run_put(job), job)
+        return job
+
+    def probe(self, hashes: np.ndarray, namespace: int, tokens: np.ndarray) -> Optional[RemoteJob]:
+        """Start asking how many leading ``hashes`` the store holds (a fetch's first stage); None when down."""
+        if not self.up:
+            return None
+        job = RemoteJob("fetch", hashes.astype(np.uint64), namespace, np.array(tokens, dtype=np.int64),
+                        np.empty(0, np.int64))
+        self.stats.probes += 1
+        self._fetcher.submit(lambda: self._run_probe(job), job)
+        return job
+
+    def get(self, job: RemoteJob, host_ids: np.ndarray) -> None:
+        """Start reading the first ``host_ids.size`` blocks of a probed fetch into CPU blocks ``host_ids`` (the
+        caller owns them until the job is finished)."""
+        job.host_ids = np.asarray(host_ids, np.int64).copy()
+        job.views = [self._view(int(b)) for b in job.host_ids.tolist()]
+        self.stats.fetches += 1
+        self._fetcher.submit(lambda: self._run_get(job), job)
+
+    def end(self, job: RemoteJob) -> None:
+        """End a probed fetch without a get (nothing held, refused, or no CPU block)."""
+        job._ended = True
+
+    def wait(self, job: RemoteJob, deadline: float) -> bool:
+        """Wait for ``job``'s running stage until ``deadline`` (``time.monotonic``); past it the job is
+        abandoned and the tier marked down. Whether the stage returned."""
+        if job.wait(max(0.0, deadline - time.monotonic())):
+            return True
+        job.abandoned = True
+        self.stats.fetches_abandoned += job.kind == "fetch"
+        self._mark_down(f"a {job.kind} call outlasted remote_timeout_s ({self.timeout_s:g} s)")
+        return False
+
+    def finish(self, job: RemoteJob) -> None:
+        """Account a finished job (puts and gets; a job abandoned earlier too, once finished)."""
+        if job.error is not None:
+            self.stats.errors += 1
+            logger.warning("kvtier: remote %s failed (%s: %s); the local tiers carry on", job.kind,
+                           type(job.error).__name__, job.error)
+        if job.down:
+            self._mark_down("the Mooncake master did not answer")
+        s = self.stats
+        if job.kind == "put":
+            self._pending_blocks -= job.num_blocks
+            s.blocks_put += job.ok
+            s.blocks_put_failed += job.num_blocks - job.ok
+            s.bytes_put += job.ok * self.block_bytes
+            s.seconds_put += job.io_seconds
+        elif job.kind == "fetch":
+            s.blocks_probed_hit += max(job.found, 0)
+            s.blocks_fetched += job.ok
+            s.blocks_missing += job.missing
+            s.blocks_corrupt += job.corrupt
+            s.bytes_fetched += job.ok * self.block_bytes
+            s.seconds_fetch += job.io_seconds if job.host_ids.size else 0.0
+
+    def _mark_down(self, why: str) -> None:
+        if self.up:
+            self.up = False
+            self.stats.times_down += 1
+            logger.warning("kvtier: remote tier down (%s); the local tiers carry on, retrying every %g s", why,
+                           RETRY_S)
+        self._next_retry = time.monotonic() + RETRY_S
+
+    def tick(self) -> None:
+        """While down, probe the master every :data:`RETRY_S`; up again once it answers."""
+        h = self._health
+        if h is not None and h.finished():
+            self._health = None
+            if not h.down and h.error is None:
+                self.up = True
+                logger.info("kvtier: remote tier up again (master %s)", self.store.master)
+            else:
+                self._next_retry = time.monotonic() + RETRY_S
+        if not self.up and self._health is None and time.monotonic() >= self._next_retry:
+            job = RemoteJob("health", np.zeros(1, np.uint64), 0, np.zeros((1, 0), np.int64), np.empty(0, np.int64))
+            self._health = job
+            self._fetcher.submit(lambda: self._run_health(job), job)
+
+    @property
+    def read_gbps(self) -> Optional[float]:
+        s = self.stats
+        return s.bytes_fetched / s.seconds_fetch / 1e9 if s.seconds_fetch > 0 and s.bytes_fetched else None
+
+    def snapshot(self) -> dict:
+        out = dataclasses.asdict(self.stats)
+        out.update(up=self.up, blocks_pending_put=self._pending_blocks, read_gbps=self.read_gbps)
+        return out
+
+    def close(self) -> None:
+        """Finish the queued calls (each bounded by the timeout), stop the threads, disconnect; idempotent."""
+        if self._putter is None:
+            return
+        self._putter.close(self.timeout_s)
+        self._fetcher.close(self.timeout_s)
+        self._putter = self._fetcher = None
+        self.store.close()
+
+    # --- worker side ---
+
+    def _headers(self, worker: _Worker, n: int) -> list[np.ndarray]:
+        return [worker.headers[i * ALIGN:(i + 1) * ALIGN] for i in range(n)]
+
+    def _run_put(self, job: RemoteJob) -> None:
+        step = self._batch
+        for a in range(0, job.num_blocks, step):
+            b = min(a + step, job.num_blocks)
+            heads = self._headers(self._putter, b - a)
+            for i in range(a, b):
+                rows = job.views[i]
+                heads[i - a][:] = np.frombuffer(pack_block_header(BlockHeader(
+                    self.fingerprint, job.namespace, int(job.hashes[i]), job.tokens[i], self.block_bytes,
+                    _checksum(rows))), np.uint8)
+            codes = self.store.put(self.keys(job.hashes[a:b]),
+                                   [[(heads[i - a].ctypes.data, ALIGN)] + _ranges(job.views[i]) for i in range(a, b)])
+            good = [c == 0 for c in codes]
+            job.down = any(unreachable(c) for c in codes)
+            job.ok += sum(good)
+            if job.down:
+                return
+
+    def _run_probe(self, job: RemoteJob) -> None:
+        codes = self.store.exists(self.keys(job.hashes))
+        job.down = any(unreachable(c) for c in codes)
+        held = [c == 1 for c in codes] + [False]
+        job.found = held.index(False)
+
+    def _run_get(self, job: RemoteJob) -> None:
+        step, n = self._batch, job.host_ids.size
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            heads = self._headers(self._fetcher, b - a)
+            codes = self.store.get(self.keys(job.hashes[a:b]),
+                                   [[(heads[i - a].ctypes.data, ALIGN)] + _ranges(job.views[i]) for i in range(a, b)])
+            for i in range(a, b):
+                code = codes[i - a]
+                if code < 0:  # gone since the probe, the master down, or a value of another size
+                    job.down = unreachable(code)
+                    job.missing += code == CODE_NOT_FOUND
+                    job.corrupt += not job.down and code != CODE_NOT_FOUND
+                    return
+                h = unpack_block_header(heads[i - a]) if code == self.value_bytes else None
+                if (h is None or h.fingerprint != self.fingerprint or h.chain_hash != int(job.hashes[i])
+                        or h.namespace != job.namespace or h.payload_len != self.block_bytes
+                        or not np.array_equal(h.tokens, job.tokens[i])
+                        or h.payload_checksum != _checksum(job.views[i])):
+                    job.corrupt += 1
+                    return
+                job.ok = i + 1
+
+    def _run_health(self, job: RemoteJob) -> None:
+        codes = self.store.exists([f"{self.key_prefix}/health"])
+        job.down = any(unreachable(c) for c in codes) or any(c < 0 for c in codes)
