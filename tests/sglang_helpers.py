@@ -39,11 +39,12 @@ class Setup:
 def build(*, mla: bool = False, page_size: int = 4, kv_size: int = 64, layers: int = 2, host_blocks_kb: float = 64,
           layerwise: bool = False, max_reqs: int = 8, max_context: int = 64, device="cpu",
           transfer_mode: Optional[str] = None, tokens_per_block: Optional[int] = None, ssd_dir: Optional[str] = None,
-          **cache_kw) -> Setup:
+          remote_master: Optional[str] = None, **cache_kw) -> Setup:
     """Real sglang pools, allocator and req-to-token pool on ``device`` ("cpu", "cuda", "cuda:1", ...) and a
     KVTierRadixCache over them (pinned host pool and CUDA streams when the device is CUDA). Host blocks of
     ``tokens_per_block`` tokens (default: one engine page; 0: the config's default for the page size). With
-    ``ssd_dir``, an SSD tier of 1 MiB there (every hit admitted)."""
+    ``ssd_dir``, an SSD tier of 1 MiB there (every hit admitted); with ``remote_master``, a remote tier on that
+    Mooncake master (a 64 MiB segment, every hit admitted)."""
     set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=page_size))
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -64,6 +65,10 @@ def build(*, mla: bool = False, page_size: int = 4, kv_size: int = 64, layers: i
     extra["tokens_per_block"] = page_size if tokens_per_block is None else tokens_per_block or None
     if ssd_dir is not None:
         extra.update(ssd_cache_gb=1 / 1024, ssd_cache_dir=ssd_dir, ssd_admission="always")
+        cache_kw.setdefault("model_identity", {"model": "sglang-helpers", "mla": mla})
+    if remote_master is not None:
+        extra.update(remote_backend="mooncake", remote_master=remote_master, remote_local_hostname="127.0.0.1",
+                     remote_segment_gb=1 / 16, remote_admission="always", remote_timeout_s=2.0)
         cache_kw.setdefault("model_identity", {"model": "sglang-helpers", "mla": mla})
     config = TierConfig(cpu_cache_gb=host_blocks_kb / (1 << 20), page_size=page_size, layerwise=layerwise, **extra)
     cache = KVTierRadixCache(params, config, **cache_kw)

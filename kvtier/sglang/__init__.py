@@ -140,6 +140,9 @@ def factory(ctx):
     if config.ssd_cache_gb > 0 and ctx.tp_size > 1:
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: the SSD tier (ssd_cache_gb > 0) does not run with "
                          f"TP ranks yet (--tp-size {ctx.tp_size}); set ssd_cache_gb: 0 or run one TP rank")
+    if config.remote_backend is not None and ctx.tp_size > 1:
+        raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: the remote tier (remote_backend) does not run with "
+                         f"TP ranks yet (--tp-size {ctx.tp_size}); set remote_backend: null or run one TP rank")
     budget = host_budget(config.cpu_cache_bytes)
     if budget is not None and config.cpu_cache_bytes > budget and not os.environ.get(ENV_VAR, "").strip():
         # no kvtier config: the default pool shrinks to this rank's share (an explicit size that does not fit
@@ -161,7 +164,7 @@ def factory(ctx):
 
 
 def model_identity(ctx) -> dict:
-    """What this rank's KV belongs to, as the SSD tier's blocks record it: the model and tokenizer, their
+    """What this rank's KV belongs to, as the SSD and remote tiers' blocks record it: the model and tokenizer, their
     revision, quantization and KV dtype, and the TP layout (another value of any of them never reads the blocks)."""
     args = ctx.server_args
     keys = ("model_path", "tokenizer_path", "revision", "quantization", "kv_cache_dtype", "dtype")

@@ -1,0 +1,277 @@
+"""The remote tier behind KVTier, against a real ``mooncake_master`` on loopback: two processes sharing a prefix,
+the master unreachable at start, killed and hung mid-run, keys gone between probe and get, forged values, and
+the key scheme. Every wait is bounded (``remote_timeout_s``) and checked against the wall clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.config import TierConfig
+from kvtier.geometry import KVGeometry
+from kvtier.index import Namespace, page_hashes
+from kvtier.storage.aligned_io import aligned
+from kvtier.storage.block_format import ALIGN, BlockHeader, pack_block_header, payload_checksum
+from kvtier.storage.mooncake_store import RemoteStoreError
+from kvtier.tier import HostBlockPool, KVTier
+from kvtier.tier.remote_link import remote_fingerprint
+from kvtier.tier.ssd_tier import signed64
+from tests.kv_helpers import make_kv
+from tests.mooncake_master import free_port, mooncake_master, require_mooncake  # noqa: F401
+from tests.tier_helpers import TINY, page_slots, slot_bytes
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+ID = {"model": "tiny-test", "tp_rank": 0, "tp_size": 1}
+P = TINY.page_size  # tokens per page = per block here
+TIMEOUT = 1.0  # remote_timeout_s of these tests
+
+
+def make_remote_tier(master: str, *, layout: str = "layer_first", num_blocks: int = 16, seed: int = 0,
+                     **cfg) -> KVTier:
+    """A tier over a tiny random KV pool (128 slots), CPU blocks of one page, a remote tier on ``master``."""
+    kv = make_kv(TINY, 128, "cpu", torch.Generator().manual_seed(seed))
+    cfg.setdefault("remote_admission", "always")
+    cfg.setdefault("remote_timeout_s", TIMEOUT)
+    config = TierConfig(page_size=P, tokens_per_block=P, host_layout=layout, cpu_cache_gb=1.0,
+                        remote_backend="mooncake", remote_master=master, remote_local_hostname="127.0.0.1",
+                        remote_segment_gb=1 / 16, **cfg)
+    pool = HostBlockPool(dataclasses.replace(TINY, page_size=P), num_blocks, layout=layout)
+    return KVTier(kv, config, pool=pool, model_identity=ID)
+
+
+def prompt(i: int, pages: int) -> np.ndarray:
+    return np.arange(pages * P) + 1000 * i
+
+
+def store_and_put(tier: KVTier, toks: np.ndarray, first_page: int = 0) -> list[torch.Tensor]:
+    """Store ``toks`` from device pages ``first_page..`` and wait for its puts; the bytes stored."""
+    slots = page_slots(first_page, toks.size // P, P)
+    tier.wait(tier.store(toks, None, slots))
+    tier.remote.drain(wait=True)
+    return slot_bytes(tier, slots)
+
+
+def fetch_and_load(tier: KVTier, toks: np.ndarray, first_page: int = 40) -> tuple[int, list[torch.Tensor]]:
+    """Fetch ``toks``'s remote pages and load the host hit into device pages ``first_page..``."""
+    hit = tier.lookup_tiers(toks, None)
+    if hit.promotion is not None:
+        tier.wait(hit.promotion)
+    dst = page_slots(first_page, toks.size // P, P)
+    task = tier.load(toks, None, dst)
+    tier.wait(task)
+    return task.num_pages, slot_bytes(tier, dst[:task.num_pages * P])
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor], pages: int) -> bool:
+    return all(torch.equal(x[:pages * P], y[:pages * P]) for x, y in zip(a, b))
+
+
+def assert_accounted(tier: KVTier) -> None:
+    """Once every task has ended, each CPU block is free, in the index, or held by lower-tier IO."""
+    tier.wait_all()
+    s = tier.stats()
+    assert tier.pool.num_free + s["pages_held"] + s["held_cpu_blocks"] == tier.pool.num_blocks, s
+    assert s["inflight_tasks"] == 0
+
+
+_INSTANCE_B = textwrap.dedent("""
+    import sys, numpy as np, torch
+    sys.path.insert(0, {root!r})
+    from tests.test_tier_remote import make_remote_tier, fetch_and_load, prompt, P
+    b = make_remote_tier({master!r}, layout="page_first", seed=1)  # other device bytes, empty CPU pool
+    toks = prompt(1, 6)
+    assert b.lookup(toks) == 0  # nothing local: the fetch runs, lookup never waits for it
+    pages, got = fetch_and_load(b, toks)
+    s = b.stats()
+    print("pages", pages, "fetched", s["pages_fetched"], "corrupt", s["remote_blocks_corrupt"])
+    torch.save(got, {out!r})
+    b.destroy()
+""")
+
+
+def test_two_processes_share_a_prefix_through_one_master(mooncake_master, tmp_path):
+    a = make_remote_tier(mooncake_master.addr)
+    toks = prompt(1, 6)
+    want = store_and_put(a, toks)
+    assert a.stats()["remote_blocks_put"] == 6
+    out = str(tmp_path / "b.pt")
+    r = subprocess.run([sys.executable, "-c", _INSTANCE_B.format(root=ROOT, master=mooncake_master.addr, out=out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pages 6 fetched 6 corrupt 0" in r.stdout, r.stdout
+    assert same(torch.load(out), want, 6)  # B's device pages hold A's bytes, through B's page_first pool
+    a.destroy()
+
+
+def test_a_master_not_reachable_at_start_is_a_clear_error_unless_not_required():
+    require_mooncake()
+    addr = f"127.0.0.1:{free_port()}"  # nobody listens
+    t0 = time.monotonic()
+    with pytest.raises(RemoteStoreError, match=f"Mooncake master at {addr} is not reachable.*remote_required"):
+        make_remote_tier(addr)
+    t = make_remote_tier(addr, remote_required=False)
+    assert time.monotonic() - t0 < 15
+    assert t.remote is None  # runs on the CPU tier alone
+    toks = prompt(2, 3)
+    t.wait(t.store(toks, None, page_slots(0, 3, P)))
+    assert t.lookup(toks) == 3
+    t.destroy()
+
+
+def test_a_killed_master_leaves_the_local_tiers_serving_and_the_tier_reconnects(mooncake_master):
+    a = make_remote_tier(mooncake_master.addr)
+    store_and_put(a, prompt(1, 3))
+    mooncake_master.kill()
+    t0 = time.monotonic()
+    toks = prompt(2, 3)
+    store_and_put(a, toks, first_page=10)  # puts fail: the tier goes down, the CPU tier keeps the pages
+    hit = a.lookup_tiers(prompt(3, 4), None)  # not local: a probe, or nothing while down
+    if hit.promotion is not None:
+        a.wait(hit.promotion)
+        assert hit.promotion.num_pages == 0
+    assert a.lookup(toks) == 3
+    assert time.monotonic() - t0 < 4 * TIMEOUT + 10  # Mooncake's put retries for ~4 s before it gives up
+    s = a.stats()
+    assert not s["remote_up"] and s["remote_times_down"] >= 1
+    assert s["remote_blocks_put_failed"] + s["remote_blocks_put_dropped"] >= 3
+    mooncake_master.start()  # same port: Mooncake's client reconnects and remounts its segment
+    deadline = time.monotonic() + 60
+    while not a.stats()["remote_up"] and time.monotonic() < deadline:
+        a.poll()
+        time.sleep(0.2)
+    assert a.stats()["remote_up"]
+    toks = prompt(4, 3)
+    want = None
+    for _ in range(50):  # the first puts after a restart may race the remount
+        want = store_and_put(a, toks, first_page=20)
+        if a.remote.medium.store.exists(a.remote.medium.keys(page_hashes(toks, P, None))) == [1, 1, 1]:
+            break
+        a.reset()
+        time.sleep(0.2)
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    pages, got = fetch_and_load(b, toks)
+    assert pages == 3 and same(got, want, 3)
+    assert_accounted(a)
+    assert_accounted(b)
+    a.destroy()
+    b.destroy()
+
+
+def test_a_hung_master_bounds_every_wait_and_keeps_the_fetch_blocks_until_its_calls_return(mooncake_master):
+    a = make_remote_tier(mooncake_master.addr)
+    toks = prompt(1, 4)
+    store_and_put(a, toks)
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    hit = b.lookup_tiers(toks, None)
+    job = b._inflight[hit.promotion.id].completion
+    assert job.wait(30) and job.found == 4  # the probe returned; the get is not started yet
+    mooncake_master.pause()  # the get's calls hang
+    t0 = time.monotonic()
+    b.wait(hit.promotion)
+    assert time.monotonic() - t0 < 2 * TIMEOUT + 1
+    assert hit.promotion.num_pages == 4 and b.lookup(toks) == 0  # abandoned: nothing entered the index
+    s = b.stats()
+    assert not s["remote_up"] and s["remote_fetches_abandoned"] == 1
+    assert s["held_cpu_blocks"] == 4  # the hung get may still write them: not reused
+    assert b.lookup_tiers(prompt(2, 3), None).promotion is None  # down: no probe
+    mooncake_master.resume()
+    deadline = time.monotonic() + 90
+    while b.stats()["held_cpu_blocks"] and time.monotonic() < deadline:
+        b.poll()
+        time.sleep(0.2)
+    assert b.stats()["held_cpu_blocks"] == 0 and b.pool.num_free == b.pool.num_blocks
+    assert_accounted(b)
+    a.destroy()
+    b.destroy()
+
+
+def test_a_key_gone_between_probe_and_get_is_a_counted_miss(mooncake_master):
+    a = make_remote_tier(mooncake_master.addr)
+    toks = prompt(1, 4)
+    store_and_put(a, toks)
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    hit = b.lookup_tiers(toks, None)
+    job = b._inflight[hit.promotion.id].completion
+    assert job.wait(30) and job.found == 4
+    store = a.remote.medium.store
+    assert store.remove(a.remote.medium.keys(page_hashes(toks, P, None)[2:3])) == [0]  # the store drops block 2
+    b.wait(hit.promotion)
+    s = b.stats()
+    assert s["pages_fetched"] == 2 and s["remote_blocks_missing"] == 1 and s["remote_blocks_corrupt"] == 0
+    assert b.lookup(toks) == 2
+    assert_accounted(b)
+    a.destroy()
+    b.destroy()
+
+
+@pytest.mark.parametrize("forgery", ["short", "checksum", "tokens", "fingerprint"])
+def test_a_forged_value_is_a_counted_miss_never_served(mooncake_master, forgery):
+    a = make_remote_tier(mooncake_master.addr)
+    toks = prompt(1, 3)
+    want = store_and_put(a, toks)
+    medium = a.remote.medium
+    hashes = page_hashes(toks, P, None)
+    key = medium.keys(hashes[1:2])
+    assert medium.store.remove(key) == [0]
+    payload = a.pool.block_rows(int(a.index.match(toks, None).block_ids[1])).reshape(-1).copy()
+    head = BlockHeader(medium.fingerprint, signed64(Namespace().seed), int(hashes[1]), toks[P:2 * P].astype(np.int64), medium.block_bytes,
+                       payload_checksum(payload))
+    if forgery == "checksum":
+        payload[0] ^= 1  # the header vouches for other bytes
+    elif forgery == "tokens":  # a hash collision or a stale key: same chain hash, other tokens
+        head = head._replace(tokens=head.tokens + 1)
+    elif forgery == "fingerprint":
+        head = head._replace(fingerprint=b"\x01" * 16)
+    value = np.concatenate([np.frombuffer(pack_block_header(head), np.uint8), payload])
+    if forgery == "short":
+        value = value[:ALIGN + medium.block_bytes // 2]
+    buf = aligned(value.size)
+    buf[:] = value
+    medium.store.register(buf.ctypes.data, buf.nbytes)
+    assert medium.store.put(key, [[(buf.ctypes.data, buf.nbytes)]]) == [0]
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    pages, got = fetch_and_load(b, toks)
+    assert pages == 1 and same(got, want, 1)  # the leading good block; the forged one is a miss
+    s = b.stats()
+    assert s["remote_blocks_corrupt"] == 1 and s["pages_fetched"] == 1
+    assert_accounted(b)
+    a.destroy()
+    b.destroy()
+
+
+def test_puts_beyond_the_queue_cap_are_dropped_and_counted(mooncake_master):
+    a = make_remote_tier(mooncake_master.addr)
+    a.remote.medium._max_pending = 2  # a tiny queue: the first 2 blocks of the store are put
+    toks = prompt(1, 5)
+    store_and_put(a, toks)
+    s = a.stats()
+    assert s["remote_blocks_put"] == 2 and s["remote_blocks_put_dropped"] == 3
+    assert a.remote.medium.store.exists(a.remote.medium.keys(page_hashes(toks, P, None))) == [1, 1, 0, 0, 0]
+    a.destroy()
+
+
+def test_blocks_are_keyed_per_tp_rank_for_mha_and_once_for_mla():
+    mha = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=4)
+    mla = dataclasses.replace(mha, num_kv_heads=1, is_mla=True)
+    r0, r1 = dict(ID, tp_rank=0, tp_size=2), dict(ID, tp_rank=1, tp_size=2)
+    assert remote_fingerprint(mha, 4, r0) != remote_fingerprint(mha, 4, r1)
+    assert remote_fingerprint(mla, 4, r0) == remote_fingerprint(mla, 4, r1)
+    assert remote_fingerprint(mla, 4, r0) != remote_fingerprint(mla, 4, dict(r0, model="other"))
+    assert remote_fingerprint(mha, 4, r0) != remote_fingerprint(mha, 8, r0)
+
+
+def test_a_remote_tier_needs_a_model_identity_and_auto_finalize(mooncake_master):
+    kv = make_kv(TINY, 16, "cpu", torch.Generator().manual_seed(0))
+    cfg = TierConfig(page_size=P, tokens_per_block=P, cpu_cache_gb=1 / 1024, remote_backend="mooncake",
+                     remote_master=mooncake_master.addr)
+    with pytest.raises(ValueError, match="remote tier needs model_identity"):
+        KVTier(kv, cfg)
+    with pytest.raises(ValueError, match="remote tier does not run with finalize='ordered'"):
+        KVTier(kv, cfg, finalize="ordered", model_identity=ID)
