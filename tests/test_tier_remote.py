@@ -8,6 +8,7 @@ import dataclasses
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -181,11 +182,13 @@ def test_a_hung_master_bounds_every_wait_and_keeps_the_fetch_blocks_until_its_ca
     assert not s["remote_up"] and s["remote_fetches_abandoned"] == 1
     assert s["held_cpu_blocks"] == 4  # the hung get may still write them: not reused
     assert b.lookup_tiers(prompt(2, 3), None).promotion is None  # down: no probe
+    resetting = threading.Thread(target=b.reset)  # must not hand the blocks back while the get may write them
+    resetting.start()
+    resetting.join(2 * TIMEOUT)
+    assert resetting.is_alive() and b.holds.num_deferred == 4
     mooncake_master.resume()
-    deadline = time.monotonic() + 90
-    while b.stats()["held_cpu_blocks"] and time.monotonic() < deadline:
-        b.poll()
-        time.sleep(0.2)
+    resetting.join(90)
+    assert not resetting.is_alive()
     assert b.stats()["held_cpu_blocks"] == 0 and b.pool.num_free == b.pool.num_blocks
     assert_accounted(b)
     a.destroy()

@@ -132,12 +132,13 @@ class RemoteLink:
             self._puts.append(job)
 
     def drain(self, wait: bool = False) -> None:
-        """Account finished puts and abandoned fetches (every put, each waited for at most the timeout, with
-        ``wait``) and free the CPU blocks they held."""
+        """Account finished puts and abandoned fetches and free the CPU blocks they held; with ``wait``, every
+        one first (a call that hangs returns by Mooncake's own RPC timeout; queued calls are skipped while the
+        tier is down), so that no remote call still uses a CPU block."""
         keep = []
+        for job in self._puts + self._abandoned if wait else ():
+            job.wait()
         for job in self._puts:
-            if wait:
-                job.wait(self.medium.timeout_s)
             if not job.finished():
                 keep.append(job)
                 continue

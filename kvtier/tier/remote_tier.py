@@ -162,9 +162,11 @@ class _Worker:
             job.io_seconds += time.perf_counter() - t0
             job._stage.set()
 
-    def close(self, timeout: float) -> None:
+    def close(self, timeout: float) -> bool:
+        """Stop after the queued calls; whether the thread has ended within ``timeout``."""
         self._q.put(None)
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 class RemoteTier:
@@ -305,13 +307,16 @@ class RemoteTier:
         return out
 
     def close(self) -> None:
-        """Finish the queued calls (each bounded by the timeout), stop the threads, disconnect; idempotent."""
+        """Finish the queued calls, stop the threads, disconnect; idempotent. A client whose call still hangs
+        past the timeout is left to the process's exit rather than torn down under that call."""
         if self._putter is None:
             return
-        self._putter.close(self.timeout_s)
-        self._fetcher.close(self.timeout_s)
+        stopped = self._putter.close(self.timeout_s) & self._fetcher.close(self.timeout_s)
         self._putter = self._fetcher = None
-        self.store.close()
+        if stopped:
+            self.store.close()
+        else:
+            logger.warning("kvtier: a remote call still runs at shutdown; the Mooncake client is not closed")
 
     # --- worker side ---
 
@@ -319,6 +324,8 @@ class RemoteTier:
         return [worker.headers[i * ALIGN:(i + 1) * ALIGN] for i in range(n)]
 
     def _run_put(self, job: RemoteJob) -> None:
+        if not self.up:  # marked down after this job was queued: not sent (counted as failed)
+            return
         step = self._batch
         for a in range(0, job.num_blocks, step):
             b = min(a + step, job.num_blocks)
@@ -337,12 +344,17 @@ class RemoteTier:
                 return
 
     def _run_probe(self, job: RemoteJob) -> None:
+        if not self.up:
+            job.found = 0
+            return
         codes = self.store.exists(self.keys(job.hashes))
         job.down = any(unreachable(c) for c in codes)
         held = [c == 1 for c in codes] + [False]
         job.found = held.index(False)
 
     def _run_get(self, job: RemoteJob) -> None:
+        if not self.up:
+            return
         step, n = self._batch, job.host_ids.size
         for a in range(0, n, step):
             b = min(a + step, n)
