@@ -68,6 +68,16 @@ def test_unknown_key_names_it_and_the_allowed_keys():
     ("ssd_admission", "never", r"ssd_admission must be one of \['cost', 'always'\]"),
     ("ssd_read_gbps", 0, r"ssd_read_gbps must be a number > 0 or null"),
     ("prefill_tokens_per_s", "1e4", r"prefill_tokens_per_s must be a number > 0 or null, got the string"),
+    ("remote_backend", "redis", r"remote_backend must be null or one of \['mooncake'\], got 'redis'"),
+    ("remote_backend", "mooncake", r"remote_backend needs remote_master"),
+    ("remote_master", "localhost", r"remote_master must be host:port, got 'localhost'"),
+    ("remote_protocol", "udp", r"remote_protocol must be one of \['tcp', 'rdma'\], got 'udp'"),
+    ("remote_local_hostname", "", r"remote_local_hostname must be a non-empty string"),
+    ("remote_segment_gb", -1, r"remote_segment_gb must be a number >= 0"),
+    ("remote_timeout_s", 0, r"remote_timeout_s must be a number > 0"),
+    ("remote_required", "no", r"remote_required must be true or false"),
+    ("remote_admission", "never", r"remote_admission must be one of \['cost', 'always'\]"),
+    ("remote_read_gbps", -2, r"remote_read_gbps must be a number > 0 or null"),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(key, value, message):
     with pytest.raises(ValueError, match="kvtier config: " + message):
@@ -144,3 +154,16 @@ def test_the_ssd_tier_from_yaml_and_the_environment(tmp_path, monkeypatch):
     assert (c.ssd_write_policy, c.ssd_admission, c.ssd_io_threads, c.ssd_read_gbps) == ("write_back", "always", 8, 6.5)
     d = TierConfig()
     assert (d.ssd_cache_gb, d.ssd_write_policy, d.ssd_admission, d.ssd_direct_io) == (0.0, "write_through", "cost", True)
+
+
+def test_the_remote_tier_from_yaml(tmp_path):
+    y = tmp_path / "tier.yaml"
+    y.write_text("remote_backend: mooncake\nremote_master: 10.0.0.5:50051\nremote_protocol: rdma\n"
+                 "remote_device: mlx5_0\nremote_segment_gb: 8\nremote_timeout_s: 2.5\nremote_required: false\n")
+    c = TierConfig.from_file(y)
+    assert (c.remote_backend, c.remote_master, c.remote_protocol, c.remote_device) == (
+        "mooncake", "10.0.0.5:50051", "rdma", "mlx5_0")
+    assert c.remote_segment_bytes == 8 << 30 and c.remote_timeout_s == 2.5 and c.remote_required is False
+    d = TierConfig()
+    assert (d.remote_backend, d.remote_protocol, d.remote_metadata_server, d.remote_required) == (
+        None, "tcp", "P2PHANDSHAKE", True)
