@@ -419,8 +419,40 @@ def e2e_table() -> str:
     ])
 
 
+def remote_table() -> str:
+    cpu, ttft = _load("remote_cpu.json"), _load("remote_ttft_h200.json")
+    if cpu is None and ttft is None:
+        return "_no results yet_"
+    rows = ["| remote tier on Mooncake Store (targets: put and get over raw >= 0.8) | value |", "|---|---|"]
+    if cpu is not None:
+        s = cpu["summary"]
+        for lay in ("layer_first", "page_first"):
+            rows.append(f"| CPU machine, loopback TCP, `{lay}` pool: kvtier put / raw `batch_put_from` GB/s (ratio); "
+                        f"fetch / raw `batch_get_into` (ratio) | {s[f'{lay}/kvtier_put_gbps']:.2f} / "
+                        f"{s[f'{lay}/raw_put_gbps']:.2f} ({s[f'{lay}/put_over_raw']:.3f}); "
+                        f"{s[f'{lay}/kvtier_fetch_gbps']:.2f} / {s[f'{lay}/raw_get_gbps']:.2f} "
+                        f"({s[f'{lay}/get_over_raw']:.3f}) |")
+        rows.append(f"| CPU machine: worst put over raw (`{s['remote_put_worst_cell']}`); worst get over raw "
+                    f"(`{s['remote_get_worst_cell']}`) | {s['remote_put_over_raw']:.3f}; "
+                    f"{s['remote_get_over_raw']:.3f} |")
+        rows.append(f"| CPU machine: instance B's hit on an 8k-token prefix, lookup to fetched; raw get of its bytes | "
+                    f"{s['hit_8k_ms']:.0f} ms; {s['hit_8k_raw_get_ms']:.0f} ms |")
+    if ttft is not None:
+        cells = {(r["admission"], r["prefix"]): r["ratio"] for r in ttft["rows"]}
+        prefixes = sorted({k[1] for k in cells})
+        for adm, what in (("cost", "admission by cost"), ("always", "no admission")):
+            rows.append(f"| H200, instance B's TTFT from A's remote blocks over recompute, {what}, at "
+                        + " / ".join(f"{p // 1024}k" for p in prefixes) + " | "
+                        + " / ".join(f"{cells[(adm, p)]:.3f}" for p in prefixes) + " |")
+        t = ttft["summary"]
+        rows.append(f"| H200 fetch GB/s measured (loopback TCP, no admission) | "
+                    f"{t['remote_read_gbps_no_admission']:.2f} |")
+    return "\n".join(rows)
+
+
 TABLES = {"headline": headline_table, "transfer": transfer_table, "index": index_table, "layerwise": layerwise_table,
-          "fragmentation": fragmentation_table, "ssd": ssd_table, "ssd_tier": ssd_tier_table, "e2e": e2e_table}
+          "fragmentation": fragmentation_table, "ssd": ssd_table, "ssd_tier": ssd_tier_table, "remote": remote_table,
+          "e2e": e2e_table}
 
 
 def render(readme: str) -> str:

@@ -2,7 +2,9 @@
 
 A value is one block: its 4 KiB header (:mod:`kvtier.storage.block_format`: fingerprint, namespace, chain hash,
 tokens, payload length and checksum) followed by the block's KV bytes, put from and got into registered memory
-(zero-copy: the header from the caller's header buffer, the payload from its CPU block's byte ranges). A key names
+(the header from the caller's header buffer, the payload from its CPU block's byte ranges, or both from one staging
+buffer: Mooncake's TCP transport moves each range as a transfer of its own, so the tier stages blocks that are not
+one range). A key names
 a block by the store's key prefix, the fingerprint and the chain hash, so a stale key, a hash collision or a
 corrupted value is caught by the header checks of the reader, never served.
 

@@ -616,17 +616,17 @@ class KVTier(HostTier):
         self.remote.start_get(job, ids)
 
     def _wait(self, rec: _Inflight) -> None:
-        """Block until ``rec``'s copy has completed; a fetch: each stage at most ``remote_timeout_s`` (past it,
-        it is abandoned: it brings nothing, and its CPU blocks stay held until its calls return)."""
+        """Block until ``rec``'s copy has completed; a fetch: each stage at most ``remote_timeout_s`` per call it
+        makes (past it, it is abandoned: it brings nothing, and its CPU blocks stay held until its calls return)."""
         if rec.task.kind != "fetch":
             rec.completion.wait()
             return
-        job = rec.completion
-        deadline = time.monotonic() + self.remote.medium.timeout_s
+        job, medium = rec.completion, self.remote.medium
+        deadline = time.monotonic() + medium.stage_timeout(job)
         while not job.done():
             if job.awaiting_blocks():
                 self._advance_fetch(rec)
-                deadline = time.monotonic() + self.remote.medium.timeout_s
+                deadline = time.monotonic() + medium.stage_timeout(job)
             elif not self.remote.medium.wait(job, deadline):
                 return
 

@@ -7,11 +7,17 @@ runs it:
 * :meth:`RemoteTier.put` stores CPU blocks (header + KV, zero-copy from the registered pool) on the put thread.
   The caller keeps the blocks unchanged until the job is done. Blocks beyond the owner's cap of queued puts are
   dropped and counted.
+* A block whose bytes are not one range (``layer_first``: one row per layer and K/V) is staged instead: copied
+  into the worker's registered buffer behind its header, so that each value is one range (and read back the same
+  way, copied into the block once verified). Mooncake's TCP transport moves every range as a transfer of its own:
+  57 ranges of 32 KiB per value run at a third of one range's bandwidth, and a batch of them overflows its
+  per-peer transfer queue (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, 1024 by default), failing values
+  (``TRANSFER_FAIL``); the copy costs a fraction of a millisecond per block (``bench/bench_remote.py``).
 * :meth:`RemoteTier.probe` asks the store, on the fetch thread, how many leading blocks of a prefix it holds
   (``batch_is_exist``); :meth:`RemoteTier.get` then reads them into CPU blocks the caller owns. Every block is
   checked before it counts (value size, header checksum, fingerprint, chain hash, namespace, tokens, payload
   checksum); reading stops at the first that fails, which is counted as missing or corrupt.
-* The owner never blocks on the network except in :meth:`RemoteJob.wait`, bounded by ``timeout_s``. A call that
+* The owner never blocks on the network except in :meth:`RemoteTier.wait`, bounded by ``timeout_s`` per call. A call that
   outlasts it, or that finds the master unreachable, marks the tier down: no probes, puts dropped (counted), until
   a health probe (every :data:`RETRY_S`) finds the master again. Mooncake's client reconnects by itself.
 
@@ -41,24 +47,36 @@ __all__ = ["RemoteTier", "RemoteJob", "RemoteStats", "RETRY_S", "BATCH_BYTES"]
 
 BATCH_BYTES = 64 << 20  # one put or get call per this many bytes
 MAX_BATCH_BLOCKS = 256  # and at most this many blocks (the header buffer)
+STAGE_RANGES = 1  # a block in more ranges than this is staged: copied, header first, into one range per value
 RETRY_S = 1.0  # a down tier probes the master this often
 
 ViewFn = Callable[[int], np.ndarray]  # CPU block id -> its bytes, uint8 [planes, row] (rows contiguous)
 
 
 def _ranges(rows: np.ndarray) -> list[tuple[int, int]]:
-    """(address, bytes) of a block's rows, adjacent rows merged."""
-    out: list[list[int]] = []
-    for r in rows:
-        a = r.ctypes.data
-        if out and out[-1][0] + out[-1][1] == a:
-            out[-1][1] += r.nbytes
-        else:
-            out.append([a, r.nbytes])
-    return [(a, n) for a, n in out]
+    """(address, bytes) of a block's rows (``[planes, row]``, each row contiguous, one stride apart), adjacent
+    rows merged: one range when the block is contiguous. From the strides: a loop over the rows' ``ctypes``
+    costs about 0.1 ms a block (56 rows), a tenth of the block's time on the wire over loopback TCP."""
+    a = rows.__array_interface__["data"][0]
+    if rows.flags.c_contiguous:
+        return [(a, rows.nbytes)]
+    row, stride = rows.shape[1] * rows.itemsize, rows.strides[0]
+    if rows.strides[1] != rows.itemsize or stride < row:  # not rows one stride apart: walk them
+        out: list[list[int]] = []
+        for r in rows:
+            p = r.__array_interface__["data"][0]
+            if out and out[-1][0] + out[-1][1] == p:
+                out[-1][1] += r.nbytes
+            else:
+                out.append([p, r.nbytes])
+        return [(p, n) for p, n in out]
+    return [(a + i * stride, row) for i in range(rows.shape[0])]
 
 
 def _checksum(rows: np.ndarray) -> int:
+    """xxh3-64 of a block's bytes in row order (equal to that of the rows copied back to back)."""
+    if rows.flags.c_contiguous:
+        return xxhash.xxh3_64_intdigest(rows)
     h = xxhash.xxh3_64()
     for r in rows:
         h.update(r)
@@ -135,10 +153,12 @@ class RemoteStats:
 
 
 class _Worker:
-    """A thread running one kind of call, FIFO, with its own registered header buffer."""
+    """A thread running one kind of call, FIFO, with its own registered buffer: a slot of ``slot_bytes`` per
+    block of a batch (a header, followed by the block's bytes when blocks are staged)."""
 
-    def __init__(self, name: str, store: MooncakeStore, batch: int) -> None:
-        self.headers = aligned(batch * ALIGN)
+    def __init__(self, name: str, store: MooncakeStore, batch: int, slot_bytes: int = ALIGN) -> None:
+        self.slot_bytes = slot_bytes
+        self.headers = aligned(batch * slot_bytes)
         store.register(self.headers.ctypes.data, self.headers.nbytes)
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -194,8 +214,10 @@ class RemoteTier:
         self._max_pending = max(1, max_pending_bytes // block_bytes)
         self._pending_blocks = 0
         self._batch = max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // block_bytes))
-        self._putter = _Worker("kvtier-remote-put", store, self._batch)
-        self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch)
+        self.staged = len(_ranges(block_view(0))) > STAGE_RANGES  # see the module docstring
+        slot = self.value_bytes if self.staged else ALIGN
+        self._putter = _Worker("kvtier-remote-put", store, self._batch, slot)
+        self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch, slot)
 
     def keys(self, hashes: np.ndarray) -> list[str]:
         return [block_key(self.key_prefix, self.fingerprint, h) for h in hashes.tolist()]
@@ -239,6 +261,11 @@ class RemoteTier:
     def end(self, job: RemoteJob) -> None:
         """End a probed fetch without a get (nothing held, refused, or no CPU block)."""
         job._ended = True
+
+    def stage_timeout(self, job: RemoteJob) -> float:
+        """How long the owner waits for ``job``'s running stage: ``timeout_s`` per call it makes (a get of many
+        blocks is several batched calls)."""
+        return self.timeout_s * max(1, -(-job.host_ids.size // self._batch))
 
     def wait(self, job: RemoteJob, deadline: float) -> bool:
         """Wait for ``job``'s running stage until ``deadline`` (``time.monotonic``); past it the job is
@@ -321,7 +348,19 @@ class RemoteTier:
     # --- worker side ---
 
     def _headers(self, worker: _Worker, n: int) -> list[np.ndarray]:
-        return [worker.headers[i * ALIGN:(i + 1) * ALIGN] for i in range(n)]
+        S = worker.slot_bytes
+        return [worker.headers[i * S:i * S + ALIGN] for i in range(n)]
+
+    def _staging(self, worker: _Worker, i: int, rows: np.ndarray) -> np.ndarray:
+        """Slot ``i``'s block bytes (staged blocks), shaped as ``rows``."""
+        S = worker.slot_bytes
+        return worker.headers[i * S + ALIGN:(i + 1) * S].reshape(rows.shape)
+
+    def _value(self, heads: list[np.ndarray], i: int, rows: np.ndarray) -> list[tuple[int, int]]:
+        """The ranges of block ``rows``'s value in slot ``i``: the slot (staged), or its header and the rows."""
+        if self.staged:
+            return [(heads[i].ctypes.data, self.value_bytes)]
+        return [(heads[i].ctypes.data, ALIGN)] + _ranges(rows)
 
     def _run_put(self, job: RemoteJob) -> None:
         if not self.up:  # marked down after this job was queued: not sent (counted as failed)
@@ -332,11 +371,14 @@ class RemoteTier:
             heads = self._headers(self._putter, b - a)
             for i in range(a, b):
                 rows = job.views[i]
+                if self.staged:
+                    rows = self._staging(self._putter, i - a, rows)
+                    rows[...] = job.views[i]
                 heads[i - a][:] = np.frombuffer(pack_block_header(BlockHeader(
                     self.fingerprint, job.namespace, int(job.hashes[i]), job.tokens[i], self.block_bytes,
                     _checksum(rows))), np.uint8)
             codes = self.store.put(self.keys(job.hashes[a:b]),
-                                   [[(heads[i - a].ctypes.data, ALIGN)] + _ranges(job.views[i]) for i in range(a, b)])
+                                   [self._value(heads, i - a, job.views[i]) for i in range(a, b)])
             good = [c == 0 for c in codes]
             job.down = any(unreachable(c) for c in codes)
             job.ok += sum(good)
@@ -360,7 +402,7 @@ class RemoteTier:
             b = min(a + step, n)
             heads = self._headers(self._fetcher, b - a)
             codes = self.store.get(self.keys(job.hashes[a:b]),
-                                   [[(heads[i - a].ctypes.data, ALIGN)] + _ranges(job.views[i]) for i in range(a, b)])
+                                   [self._value(heads, i - a, job.views[i]) for i in range(a, b)])
             for i in range(a, b):
                 code = codes[i - a]
                 if code < 0:  # gone since the probe, the master down, or a value of another size
@@ -369,12 +411,15 @@ class RemoteTier:
                     job.corrupt += not job.down and code != CODE_NOT_FOUND
                     return
                 h = unpack_block_header(heads[i - a]) if code == self.value_bytes else None
+                rows = self._staging(self._fetcher, i - a, job.views[i]) if self.staged else job.views[i]
                 if (h is None or h.fingerprint != self.fingerprint or h.chain_hash != int(job.hashes[i])
                         or h.namespace != job.namespace or h.payload_len != self.block_bytes
                         or not np.array_equal(h.tokens, job.tokens[i])
-                        or h.payload_checksum != _checksum(job.views[i])):
+                        or h.payload_checksum != _checksum(rows)):
                     job.corrupt += 1
                     return
+                if self.staged:
+                    job.views[i][...] = rows  # verified: into the CPU block
                 job.ok = i + 1
 
     def _run_health(self, job: RemoteJob) -> None:

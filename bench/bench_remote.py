@@ -1,0 +1,605 @@
+"""The remote tier (Mooncake Store over loopback TCP) against Mooncake's own batch calls, in one run.
+
+One ``mooncake_master`` (started here, killed by its pid at the end, also on error) and one segment-holder process
+that mounts the store's only segment; every client below mounts none, so every value crosses loopback TCP to the
+holder, the same way for kvtier and for the raw client. For each cell (``--cells``: a host layout, or
+``LAYOUT:zero_copy``, the tier without staging, every block handed to Mooncake in its own ranges, as before it):
+
+* kvtier put: instance A (:class:`kvtier.tier.KVTier` with the remote tier) stores ``--blocks`` fresh blocks
+  (fresh tokens, so fresh keys) and its remote put job runs; timed from ``store`` to ``remote.drain(wait=True)``
+  returning (the put job is submitted when the store is finalized; its batches run on the put thread), and the
+  job's own seconds (``remote_seconds_put``). The store's D2H copy is skipped (:class:`SkipStoreCopy`): on CPU it
+  runs the Triton interpreter (~0.3 s a block) and is not the remote tier's; the pool's blocks hold random bytes;
+  everything else on the path (index, allocation, finalize, ``RemoteLink.entered``, ``RemoteTier.put``) runs.
+* kvtier fetch: instance B (empty CPU pool) ``lookup_tiers`` the prefix and ``wait``s the fetch task (probe,
+  admission, allocation, get with every header and payload checksum verified, index insert); all pages must come.
+  The bytes B fetched are compared with A's blocks (untimed).
+* raw: a separate ``MooncakeDistributedStore`` client puts (``batch_put_from``) and gets (``batch_get_into``) the
+  same number of values of the same size (4 KiB header + block) from / into registered numpy buffers, one range
+  per value, in batches of the tier's size (``BATCH_BYTES`` / ``MAX_BATCH_BLOCKS`` of ``remote_tier.py``);
+  ``raw_ranges``: the same with each value cut into the ranges kvtier hands Mooncake in that cell
+  (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``): 1 when staged (``layer_first``), header +
+  block (``page_first``), header + one range per (layer, K/V) plane (``layer_first:zero_copy``, 57).
+* hit latency: B's ``lookup_tiers`` -> ``wait(fetch)`` for a ``--hit-tokens`` prefix (512 blocks of 16 tokens at
+  8k), next to the raw get of the same values.
+* worker CPU: microseconds per block of the remote workers' own work (checksum, header, ranges, staging copy).
+
+Fresh keys every repetition (removed afterwards); one warm-up repetition, then medians of ``--reps``; kvtier and raw
+alternate within a repetition. GB/s count value bytes (header + block) on every side.
+Summary: ``remote_put_over_raw``, ``remote_get_over_raw`` (median kvtier GB/s over median raw GB/s, the worst of
+the tier's cells; ``:zero_copy`` cells apart), the GB/s, ``hit_8k_ms``; per cell the same and the failures.
+
+Run: ``python bench/bench_remote.py --out bench/results/remote_cpu.json`` (about 3 minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake's INFO lines off; its warnings (queue-full, failures) stay
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from kvtier.config import TierConfig  # noqa: E402
+from kvtier.geometry import KVGeometry  # noqa: E402
+from kvtier.index import page_hashes  # noqa: E402
+from kvtier.storage.block_format import ALIGN  # noqa: E402
+from kvtier.tier import HostBlockPool, KVTier  # noqa: E402
+from kvtier.tier.executor import ImmediateExecutor  # noqa: E402
+from kvtier.tier import remote_tier  # noqa: E402
+from kvtier.storage.block_format import BlockHeader, pack_block_header  # noqa: E402
+from kvtier.tier.remote_tier import BATCH_BYTES, MAX_BATCH_BLOCKS, _checksum, _ranges  # noqa: E402
+from tests.kv_helpers import make_kv  # noqa: E402
+from tests.mooncake_master import Master  # noqa: E402
+
+MiB = 1 << 20
+IDENTITY = {"model": "bench-remote", "revision": "0", "tp_rank": 0, "tp_size": 1}
+MC_ENV = ("MC_TCP_LANES_PER_PEER", "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER",
+          "MC_TCP_ADMISSION_TIMEOUT_MS", "MC_TCP_SLICE_SIZE", "GLOG_minloglevel")
+
+HOLDER = """
+import sys
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+rc = s.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[1])
+print("ready" if rc == 0 else f"failed {rc}", flush=True)
+sys.stdin.read()  # until the bench closes the pipe or kills this process
+"""
+
+
+class SkipStoreCopy(ImmediateExecutor):
+    """CPU executor whose store copies (D2H) are skipped: the host blocks keep the bytes they hold; loads run."""
+
+    def run(self, name, fn, own_stream=False):
+        if name != "store":
+            super().run(name, fn, own_stream)
+
+
+@dataclasses.dataclass
+class Stores:
+    """The processes and clients of one run; :meth:`close` stops them (the processes by pid)."""
+
+    master: Master
+    holder: subprocess.Popen
+    raw: object  # MooncakeDistributedStore
+
+    @classmethod
+    def start(cls, log_dir: str, segment_bytes: int) -> "Stores":
+        master = Master(log_dir)
+        holder = None
+        try:
+            log = open(os.path.join(log_dir, "holder.log"), "ab")
+            holder = subprocess.Popen([sys.executable, "-c", HOLDER, master.addr, str(segment_bytes)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+            log.close()
+            line = holder.stdout.readline().decode().strip()
+            if line != "ready":
+                raise RuntimeError(f"the segment holder did not start ({line!r}, log in {log_dir})")
+            from mooncake.store import MooncakeDistributedStore
+            raw = MooncakeDistributedStore()
+            rc = raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master.addr)
+            if rc != 0:
+                raise RuntimeError(f"raw client set-up failed ({rc})")
+            return cls(master, holder, raw)
+        except BaseException:
+            if holder is not None:
+                _kill(holder)
+            master.kill()
+            raise
+
+    def close(self) -> None:
+        try:
+            self.raw.close()
+        finally:
+            _kill(self.holder)
+            self.master.kill()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def med(xs):
+    return statistics.median(xs) if xs else None
+
+
+def q(xs, f):
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(f * len(s)))] if s else None
+
+
+class Bench:
+    """One cell: a host layout (and ``zero_copy``: the remote tier hands Mooncake the block's own ranges, as before
+    staging, whatever the layout), instances A (puts) and B (fetches), the raw client's buffers."""
+
+    def __init__(self, args, stores: Stores, geo: KVGeometry, layout: str, max_blocks: int,
+                 zero_copy: bool = False) -> None:
+        self.args, self.stores, self.geo, self.layout = args, stores, geo, layout
+        self.name = layout + (":zero_copy" if zero_copy else "")
+        self.V = ALIGN + geo.block_bytes  # value bytes: header + block
+        self.batch = max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // geo.block_bytes))
+        self.n_max = max_blocks
+        # Pools of 2x the largest prefix: a put queue holds up to half the pool, a fetch takes up to half of it.
+        saved = remote_tier.STAGE_RANGES
+        if zero_copy:
+            remote_tier.STAGE_RANGES = 1 << 30  # no block is staged
+        try:
+            self.a = self._tier(2 * max_blocks + 2, skip_store_copy=True, seed=1)
+            self.b = self._tier(2 * max_blocks + 2, skip_store_copy=False, seed=2)
+        finally:
+            remote_tier.STAGE_RANGES = saved
+        self.staged = self.a.remote.medium.staged
+        t = time.perf_counter()
+        rng = np.random.default_rng(7)
+        flat = self.a.pool.host.view(-1).view(torch.uint8).numpy()
+        step = 256 * MiB
+        for off in range(0, flat.size, step):
+            flat[off:off + step] = rng.integers(0, 256, min(step, flat.size - off), np.uint8)
+        # raw buffers: values back to back, registered with the raw client
+        self.src = rng.integers(0, 256, max_blocks * self.V, np.uint8)
+        self.dst = np.zeros(max_blocks * self.V, np.uint8)
+        for buf in (self.src, self.dst):
+            rc = stores.raw.register_buffer(buf.ctypes.data, buf.nbytes)
+            if rc != 0:
+                raise RuntimeError(f"register_buffer failed ({rc})")
+        self.fill_s = time.perf_counter() - t
+        # the ranges kvtier hands Mooncake for a block of this cell, as sizes in value order
+        rows = self.a.pool.block_rows(0)
+        self.range_sizes = [self.V] if self.staged else [ALIGN] + [n for _, n in _ranges(rows)]
+        self.ranges_per_value = len(self.range_sizes)
+        self._tag = 0
+
+    def _tier(self, num_blocks: int, *, skip_store_copy: bool, seed: int) -> KVTier:
+        geo, a = self.geo, self.args
+        kv = make_kv(geo, 2 * geo.page_size, "cpu", torch.Generator().manual_seed(seed))
+        cfg = TierConfig(page_size=geo.page_size, tokens_per_block=geo.page_size, cpu_cache_gb=1.0,
+                         host_layout=self.layout, remote_backend="mooncake", remote_master=self.stores.master.addr,
+                         remote_local_hostname="127.0.0.1", remote_segment_gb=0.0,
+                         remote_timeout_s=a.remote_timeout_s, remote_admission="always",
+                         remote_key_prefix=f"bench-{self.name.replace(':', '-')}")
+        pool = HostBlockPool(geo, num_blocks, layout=self.layout)
+        return KVTier(kv, cfg, pool=pool, executor=SkipStoreCopy() if skip_store_copy else None,
+                      model_identity=IDENTITY)
+
+    def close(self) -> None:
+        for buf in (self.src, self.dst):
+            self.stores.raw.unregister_buffer(buf.ctypes.data)
+        self.a.destroy()
+        self.b.destroy()
+
+    # --- one repetition's parts ---
+
+    def fresh_tokens(self, n: int) -> np.ndarray:
+        self._tag += 1
+        return np.arange(n * self.geo.page_size, dtype=np.int64) + self._tag * 1_000_000  # keys: per layout prefix
+
+    def kvtier_put(self, toks: np.ndarray) -> dict:
+        a, n = self.a, toks.size // self.geo.page_size
+        a.reset()  # empty A: the store takes the first n blocks (random bytes)
+        s0 = a.stats()
+        slots = torch.arange(toks.size, dtype=torch.int64) % a.kv.buffers[0].shape[0]  # no copy reads them
+        t0 = time.perf_counter()
+        task = a.store(toks, None, slots)
+        a.wait(task)  # finalized: the blocks enter the index and the remote put job is submitted
+        t1 = time.perf_counter()
+        while a.stats()["remote_blocks_pending_put"]:  # each wait is bounded by remote_timeout_s
+            a.remote.drain(wait=True)
+        t2 = time.perf_counter()
+        s1 = a.stats()
+        put = s1["remote_blocks_put"] - s0["remote_blocks_put"]
+        job_s = s1["remote_seconds_put"] - s0["remote_seconds_put"]
+        return {"blocks": n, "blocks_put": put,
+                "blocks_failed": s1["remote_blocks_put_failed"] - s0["remote_blocks_put_failed"],
+                "blocks_dropped": s1["remote_blocks_put_dropped"] - s0["remote_blocks_put_dropped"],
+                "store_to_submit_s": t1 - t0, "wall_s": t2 - t0, "job_s": job_s,
+                "gbps": put * self.V / (t2 - t0) / 1e9, "job_gbps": put * self.V / job_s / 1e9 if job_s else None,
+                "block_ids": a.index.match(toks, None, touch=False).block_ids}
+
+    def kvtier_fetch(self, toks: np.ndarray, src_ids) -> dict:
+        b, n = self.b, toks.size // self.geo.page_size
+        b.reset()  # empty B
+        s0 = b.stats()
+        t0 = time.perf_counter()
+        hit = b.lookup_tiers(toks, None)
+        t1 = time.perf_counter()
+        task = hit.promotion
+        if task is not None:
+            b.wait(task)
+        t2 = time.perf_counter()
+        s1 = b.stats()
+        got = s1["pages_fetched"] - s0["pages_fetched"]
+        job_s = s1["remote_seconds_fetch"] - s0["remote_seconds_fetch"]
+        m = b.index.match(toks, None, touch=False)
+        k = min(len(m.block_ids), len(src_ids))  # the blocks fetched (a failed get stops at its first miss)
+        equal = all(np.array_equal(b.pool.block_rows(int(x)), self.a.pool.block_rows(int(y)))
+                    for x, y in zip(m.block_ids[:k], src_ids[:k]))
+        return {"blocks": n, "blocks_fetched": got, "status": None if task is None else task.status,
+                "blocks_corrupt": s1["remote_blocks_corrupt"] - s0["remote_blocks_corrupt"],
+                "blocks_missing": s1["remote_blocks_missing"] - s0["remote_blocks_missing"],
+                "lookup_s": t1 - t0, "wall_s": t2 - t0, "get_job_s": job_s,
+                "gbps": got * self.V / (t2 - t0) / 1e9, "get_job_gbps": got * self.V / job_s / 1e9 if job_s else None,
+                "bytes_equal": bool(equal)}
+
+    def _calls(self, fn, keys, value_args):
+        codes = []
+        t0 = time.perf_counter()
+        for a in range(0, len(keys), self.batch):
+            b = min(a + self.batch, len(keys))
+            codes += fn(keys[a:b], *(v[a:b] for v in value_args))
+        return time.perf_counter() - t0, codes
+
+    def raw(self, n: int, *, ranges: bool) -> dict:
+        """Raw put then get of ``n`` fresh values (one range each, or kvtier's ranges for this layout)."""
+        st, V = self.stores.raw, self.V
+        self._tag += 1
+        keys = [f"raw/{self.name}/{self._tag}/{i}" for i in range(n)]
+        if not ranges:
+            ptr_s = [self.src.ctypes.data + i * V for i in range(n)]
+            ptr_d = [self.dst.ctypes.data + i * V for i in range(n)]
+            put_s, pc = self._calls(st.batch_put_from, keys, ([ptr_s, [V] * n]))
+            self.dst[:n * V] = 0
+            get_s, gc = self._calls(st.batch_get_into, keys, ([ptr_d, [V] * n]))
+        else:
+            offs = np.concatenate(([0], np.cumsum(self.range_sizes)[:-1])).tolist()
+            sizes = [self.range_sizes] * n
+            ptr_s = [[self.src.ctypes.data + i * V + o for o in offs] for i in range(n)]
+            ptr_d = [[self.dst.ctypes.data + i * V + o for o in offs] for i in range(n)]
+            put_s, pc = self._calls(st.batch_put_from_multi_buffers, keys, ([ptr_s, sizes]))
+            self.dst[:n * V] = 0
+            get_s, gc = self._calls(st.batch_get_into_multi_buffers, keys, ([ptr_d, sizes]))
+        put_ok = sum(c == 0 for c in pc)
+        get_ok = sum(c == V for c in gc)
+        good = [i for i in range(n) if pc[i] == 0 and gc[i] == V]
+        equal = all(np.array_equal(self.src[i * V:(i + 1) * V], self.dst[i * V:(i + 1) * V]) for i in good)
+        st.batch_remove(keys, True)
+        return {"values": n, "put_ok": put_ok, "get_ok": get_ok, "put_s": put_s, "get_s": get_s,
+                "put_gbps": put_ok * V / put_s / 1e9, "get_gbps": get_ok * V / get_s / 1e9,
+                "put_codes": sorted(set(map(int, pc))), "get_codes": sorted(set(map(int, gc))),
+                "bytes_equal": bool(equal)}
+
+    def raw_probe(self, n: int) -> float:
+        """Seconds of ``batch_is_exist`` over ``n`` keys held (kvtier's probe, raw)."""
+        st, V = self.stores.raw, self.V
+        self._tag += 1
+        keys = [f"rawp/{self.name}/{self._tag}/{i}" for i in range(n)]
+        self._calls(st.batch_put_from, keys, ([[self.src.ctypes.data + i * V for i in range(n)], [V] * n]))
+        t0 = time.perf_counter()
+        st.batch_is_exist(keys)
+        s = time.perf_counter() - t0
+        st.batch_remove(keys, True)
+        return s
+
+    def worker_cpu(self, reps: int = 50) -> dict:
+        """Median microseconds per block of what the remote workers do besides the Mooncake call (on their
+        thread, holding the GIL): the payload checksum, the header, the ranges, the key, the staging copy."""
+        a, V = self.a, self.V
+        rows = a.pool.block_rows(1)
+        slot = np.empty(self.geo.block_bytes, np.uint8).reshape(rows.shape)
+        toks = np.arange(self.geo.page_size, dtype=np.int64)
+        medium = a.remote.medium
+        fns = {"checksum_block": lambda: _checksum(rows), "checksum_staged": lambda: _checksum(slot),
+               "header_pack": lambda: pack_block_header(BlockHeader(medium.fingerprint, 0, 12345, toks,
+                                                                    self.geo.block_bytes, 678)),
+               "ranges": lambda: _ranges(rows), "key": lambda: medium.keys(np.array([12345], np.uint64)),
+               "staging_copy": lambda: np.copyto(slot, rows)}
+        out = {}
+        for name, fn in fns.items():
+            fn()
+            ts = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t)
+            out[name] = med(ts) * 1e6
+        per_block = out["checksum_block"] + out["header_pack"] + out["key"] + (
+            out["staging_copy"] if self.staged else out["ranges"])
+        out["put_path_us_per_block"] = per_block  # the get path: the same with the header unpacked instead
+        return out
+
+    def remove_kvtier(self, toks: np.ndarray) -> None:
+        keys = self.a.remote.medium.keys(page_hashes(toks, self.geo.page_size, None))
+        self.stores.raw.batch_remove(keys, True)
+
+    # --- the measurements ---
+
+    def throughput(self, n: int, reps: int) -> dict:
+        rows = []
+        for rep in range(reps + 1):  # the first is the warm-up
+            toks = self.fresh_tokens(n)
+            put = self.kvtier_put(toks)
+            raw = self.raw(n, ranges=False)
+            raw_r = self.raw(n, ranges=True)
+            fetch = self.kvtier_fetch(toks, put.pop("block_ids"))
+            self.remove_kvtier(toks)
+            rows.append({"warmup": rep == 0, "kvtier_put": put, "kvtier_fetch": fetch, "raw": raw,
+                         "raw_ranges": raw_r})
+            print(f"  {self.name} rep {rep}{' (warm-up)' if rep == 0 else ''}: put kvtier {put['gbps']:.3f} "
+                  f"(job {put['job_gbps'] or 0:.3f}) raw {raw['put_gbps']:.3f} raw_ranges {raw_r['put_gbps']:.3f}"
+                  f" | get kvtier {fetch['gbps']:.3f} raw {raw['get_gbps']:.3f} raw_ranges {raw_r['get_gbps']:.3f}"
+                  f" GB/s | kvtier put {put['blocks_put']}/{n} fetched {fetch['blocks_fetched']}/{n}", flush=True)
+        timed = [r for r in rows if not r["warmup"]]
+        col = lambda part, key: [r[part][key] for r in timed if r[part][key] is not None]  # noqa: E731
+        out = {"blocks": n, "bytes_per_rep": n * self.V, "ranges_per_value": self.ranges_per_value,
+               "staged": self.staged,
+               "kvtier_put_gbps": med(col("kvtier_put", "gbps")),
+               "kvtier_put_job_gbps": med(col("kvtier_put", "job_gbps")),
+               "kvtier_fetch_gbps": med(col("kvtier_fetch", "gbps")),
+               "kvtier_fetch_get_job_gbps": med(col("kvtier_fetch", "get_job_gbps")),
+               "raw_put_gbps": med(col("raw", "put_gbps")), "raw_get_gbps": med(col("raw", "get_gbps")),
+               "raw_ranges_put_gbps": med(col("raw_ranges", "put_gbps")),
+               "raw_ranges_get_gbps": med(col("raw_ranges", "get_gbps")),
+               "kvtier_blocks_put_failed": sum(col("kvtier_put", "blocks_failed")),
+               "kvtier_blocks_not_fetched": sum(r["kvtier_fetch"]["blocks"] - r["kvtier_fetch"]["blocks_fetched"]
+                                                for r in timed),
+               "raw_ranges_failed": sum(2 * n - r["raw_ranges"]["put_ok"] - r["raw_ranges"]["get_ok"]
+                                        for r in timed),
+               "raw_failed": sum(2 * n - r["raw"]["put_ok"] - r["raw"]["get_ok"] for r in timed),
+               "bytes_equal": all(r["kvtier_fetch"]["bytes_equal"] and r["raw"]["bytes_equal"]
+                                  and r["raw_ranges"]["bytes_equal"] for r in rows),
+               "all_fetched": all(r["kvtier_fetch"]["blocks_fetched"] == n for r in rows),
+               "reps": rows}
+        out["put_over_raw"] = out["kvtier_put_gbps"] / out["raw_put_gbps"]
+        out["put_job_over_raw"] = (out["kvtier_put_job_gbps"] / out["raw_put_gbps"]
+                                   if out["kvtier_put_job_gbps"] else None)
+        out["get_over_raw"] = out["kvtier_fetch_gbps"] / out["raw_get_gbps"]
+        # the same from each repetition's own pair (the machine's speed drifts between repetitions)
+        out["put_over_raw_paired"] = med([r["kvtier_put"]["gbps"] / r["raw"]["put_gbps"] for r in timed])
+        out["get_over_raw_paired"] = med([r["kvtier_fetch"]["gbps"] / r["raw"]["get_gbps"] for r in timed])
+        return out
+
+    def hit(self, n: int, reps: int) -> dict:
+        rows = []
+        for rep in range(reps + 1):
+            toks = self.fresh_tokens(n)
+            put = self.kvtier_put(toks)  # untimed here: the prefix instance A put
+            fetch = self.kvtier_fetch(toks, put.pop("block_ids"))
+            raw = self.raw(n, ranges=False)
+            self.remove_kvtier(toks)
+            rows.append({"warmup": rep == 0, "kvtier_put": put, "kvtier_fetch": fetch,
+                         "raw_get_s": raw["get_s"], "raw_get_ok": raw["get_ok"], "raw_put_ok": raw["put_ok"]})
+            print(f"  {self.name} hit {n * self.geo.page_size} tokens rep {rep}"
+                  f"{' (warm-up)' if rep == 0 else ''}: kvtier {fetch['wall_s'] * 1e3:.1f} ms "
+                  f"({fetch['blocks_fetched']}/{n} blocks) raw get {raw['get_s'] * 1e3:.1f} ms", flush=True)
+        timed = [r for r in rows if not r["warmup"]]
+        ms = [r["kvtier_fetch"]["wall_s"] * 1e3 for r in timed]
+        raw_ms = [r["raw_get_s"] * 1e3 for r in timed]
+        probe_ms = [self.raw_probe(n) * 1e3 for _ in range(3)]
+        return {"tokens": n * self.geo.page_size, "blocks": n, "bytes": n * self.V,
+                "kvtier_ms": med(ms), "kvtier_ms_p20": q(ms, 0.2), "kvtier_ms_p80": q(ms, 0.8),
+                "kvtier_lookup_ms": med([r["kvtier_fetch"]["lookup_s"] * 1e3 for r in timed]),
+                "kvtier_fetch_job_ms": med([r["kvtier_fetch"]["get_job_s"] * 1e3 for r in timed]),  # probe + get
+                "raw_get_ms": med(raw_ms), "raw_probe_ms": med(probe_ms),
+                "kvtier_over_raw_time": med(ms) / med(raw_ms),
+                "all_fetched": all(r["kvtier_fetch"]["blocks_fetched"] == n for r in timed),
+                "bytes_equal": all(r["kvtier_fetch"]["bytes_equal"] for r in rows), "reps": rows}
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cells = list(res["cells"])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4), gridspec_kw={"width_ratios": [2.2, 1]})
+    ax = axes[0]
+    label = lambda c: c.replace(":zero_copy", "\n(zero-copy, before)")  # noqa: E731
+    groups = [(f"put\n{label(c)}", res["cells"][c]["throughput"], "put") for c in cells] + \
+             [(f"get\n{label(c)}", res["cells"][c]["throughput"], "get") for c in cells]
+    bars = [("kvtier", lambda t, op: t["kvtier_put_gbps"] if op == "put" else t["kvtier_fetch_gbps"]),
+            ("raw batch_put_from / batch_get_into", lambda t, op: t[f"raw_{op}_gbps"]),
+            ("raw, in kvtier's ranges per value", lambda t, op: t[f"raw_ranges_{op}_gbps"])]
+    w = 0.8 / len(bars)
+    x = np.arange(len(groups))
+    for i, (name, fn) in enumerate(bars):
+        vals = [fn(t, op) or 0.0 for _, t, op in groups]
+        ax.bar(x + i * w, vals, w, label=name)
+        for xi, v in zip(x + i * w, vals):
+            ax.text(xi, v, f"{v:.2f}", ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(x + w * (len(bars) - 1) / 2, [g[0] for g in groups], fontsize=7)
+    ax.set_ylabel("GB/s (value bytes, median)")
+    g = res["geometry"]
+    ax.set_title(f"remote tier vs raw Mooncake, loopback TCP, {res['machine']['cpus']} CPUs: "
+                 f"{res['cells'][cells[0]]['throughput']['blocks']} values of {g['value_bytes'] / MiB:.2f} MiB "
+                 f"per rep", fontsize=9)
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    hits = [(c, res["cells"][c]["hit"]) for c in cells if res["cells"][c].get("hit")]
+    for i, (c, h) in enumerate(hits):
+        ax.bar(i - 0.2, h["kvtier_ms"], 0.4, color="C0", label="kvtier lookup_tiers -> wait(fetch)" if i == 0 else None)
+        ax.bar(i + 0.2, h["raw_get_ms"], 0.4, color="C1", label="raw batch_get_into" if i == 0 else None)
+        ax.text(i - 0.2, h["kvtier_ms"], f"{h['kvtier_ms']:.0f}", ha="center", va="bottom", fontsize=7)
+        ax.text(i + 0.2, h["raw_get_ms"], f"{h['raw_get_ms']:.0f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(hits)), [label(c) for c, _ in hits], fontsize=8)
+    ax.set_ylabel("ms (median)")
+    if hits:
+        ax.set_title(f"instance B's hit of a {hits[0][1]['tokens']}-token prefix ({hits[0][1]['bytes'] / MiB:.0f} MiB)",
+                     fontsize=9)
+        ax.set_ylim(0, 1.25 * max(max(h["kvtier_ms"], h["raw_get_ms"]) for _, h in hits))
+    ax.legend(fontsize=7, loc="upper center", ncol=1)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print("wrote", path)
+
+
+def summarize(res: dict) -> dict:
+    """The worst of the tier's cells (zero-copy cells are the tier before staging: reported apart), every cell's
+    figures, the hit latency of the default host layout."""
+    per = {c: e["throughput"] for c, e in res["cells"].items()}
+    shipped = [c for c in per if not c.endswith(":zero_copy")] or list(per)
+    worst_put = min(shipped, key=lambda c: per[c]["put_over_raw"])
+    worst_get = min(shipped, key=lambda c: per[c]["get_over_raw"])
+    s = {"remote_put_over_raw": per[worst_put]["put_over_raw"], "remote_put_worst_cell": worst_put,
+         "remote_get_over_raw": per[worst_get]["get_over_raw"], "remote_get_worst_cell": worst_get,
+         "kvtier_put_gbps": per[worst_put]["kvtier_put_gbps"], "raw_put_gbps": per[worst_put]["raw_put_gbps"],
+         "kvtier_fetch_gbps": per[worst_get]["kvtier_fetch_gbps"], "raw_get_gbps": per[worst_get]["raw_get_gbps"]}
+    hits = {c: e["hit"] for c, e in res["cells"].items() if "hit" in e}
+    default = "layer_first" if "layer_first" in hits else next(iter(hits), None)
+    if default is not None:
+        h = hits[default]
+        s.update(hit_8k_ms=h["kvtier_ms"], hit_8k_raw_get_ms=h["raw_get_ms"], hit_8k_over_raw=h["kvtier_over_raw_time"],
+                 hit_tokens=h["tokens"], hit_cell=default, hit_all_fetched=h["all_fetched"])
+    for c, t in per.items():
+        s.update({f"{c}/put_over_raw": t["put_over_raw"], f"{c}/put_job_over_raw": t["put_job_over_raw"],
+                  f"{c}/get_over_raw": t["get_over_raw"], f"{c}/put_over_raw_paired": t["put_over_raw_paired"],
+                  f"{c}/get_over_raw_paired": t["get_over_raw_paired"],
+                  f"{c}/kvtier_put_gbps": t["kvtier_put_gbps"], f"{c}/kvtier_fetch_gbps": t["kvtier_fetch_gbps"],
+                  f"{c}/raw_put_gbps": t["raw_put_gbps"], f"{c}/raw_get_gbps": t["raw_get_gbps"],
+                  f"{c}/raw_ranges_put_gbps": t["raw_ranges_put_gbps"],
+                  f"{c}/raw_ranges_get_gbps": t["raw_ranges_get_gbps"],
+                  f"{c}/ranges_per_value": t["ranges_per_value"], f"{c}/staged": t["staged"],
+                  f"{c}/kvtier_blocks_put_failed": t["kvtier_blocks_put_failed"],
+                  f"{c}/kvtier_blocks_not_fetched": t["kvtier_blocks_not_fetched"],
+                  f"{c}/raw_ranges_values_failed": t["raw_ranges_failed"]})
+    for c, h in hits.items():
+        s.update({f"{c}/hit_ms": h["kvtier_ms"], f"{c}/hit_raw_get_ms": h["raw_get_ms"],
+                  f"{c}/hit_all_fetched": h["all_fetched"]})
+    s["bytes_equal"] = all(t["bytes_equal"] for t in per.values()) and all(h["bytes_equal"] for h in hits.values())
+    return s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cells", default="layer_first,page_first,layer_first:zero_copy",
+                    help="host layouts, comma-separated; LAYOUT:zero_copy: the tier without staging (as before it)")
+    ap.add_argument("--hit-cells", default="layer_first,page_first", help="cells of the hit latency")
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-tokens", type=int, default=16)
+    ap.add_argument("--blocks", type=int, default=256, help="blocks per throughput repetition")
+    ap.add_argument("--hit-tokens", type=int, default=8192, help="prefix of the hit latency (0: skip it)")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--hit-reps", type=int, default=5)
+    ap.add_argument("--segment-gb", type=float, default=4.0, help="the holder's segment (the store's capacity)")
+    ap.add_argument("--remote-timeout-s", type=float, default=30.0,
+                    help="remote_timeout_s of the instances (a stage is one whole get: 5 s, the default, is short "
+                         "for 900 MiB at the zero-copy layer_first rate)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "remote_cpu.json"))
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON (next to it)")
+    args = ap.parse_args(argv)
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), os.path.splitext(args.plot)[0] + ".png")
+        return 0
+    cells = [c for c in args.cells.split(",") if c]
+    hit_cells = [c for c in args.hit_cells.split(",") if c] if args.hit_tokens else []
+    geo = KVGeometry(args.layers, args.kv_heads, args.head_dim, torch.float16, page_size=args.block_tokens)
+    hit_blocks = args.hit_tokens // args.block_tokens
+    t_start = time.perf_counter()
+    res = {"summary": {}, "method": {
+        "topology": "one mooncake_master and one segment-holder process (the store's only segment) on 127.0.0.1; "
+                    "kvtier instances A, B and the raw client mount no segment: every value crosses loopback TCP",
+        "kvtier_put": "A.store of fresh blocks (D2H skipped: SkipStoreCopy; the pool holds random bytes) -> "
+                      "A.wait (finalize: index insert, RemoteLink.entered submits the put job) -> "
+                      "A.remote.drain(wait=True) until no put is pending; gbps = blocks put x value bytes / that "
+                      "wall time (the summary's figure: it counts everything the tier adds). job_gbps: the put "
+                      "job's own seconds on its thread (remote_seconds_put), without the owner's side",
+        "kvtier_fetch": "B (empty pool, admission 'always') lookup_tiers -> wait(fetch task): probe "
+                        "(batch_is_exist), allocation, get (batch_get_into_multi_buffers into B's pool, or its "
+                        "staging buffer), header and payload checks, index insert; gbps = blocks fetched x value "
+                        "bytes / that wall time",
+        "raw": "one MooncakeDistributedStore client: batch_put_from / batch_get_into of the same number of values "
+               "of the same bytes, one registered range per value, in batches of the tier's (BATCH_BYTES, "
+               "MAX_BATCH_BLOCKS); wall time over the batches",
+        "raw_ranges": "the same with each value in the ranges kvtier hands Mooncake in that cell (multi-buffer "
+                      "calls): 1 when staged, header + block rows otherwise",
+        "hit": "B's lookup_tiers -> wait(fetch) for a fresh prefix of hit_tokens; raw: batch_get_into of the same "
+               "values; raw_probe_ms: batch_is_exist over its keys",
+        "reps": "fresh keys every repetition (removed after it), one warm-up then medians; kvtier and raw alternate "
+                "within a repetition; *_over_raw: median kvtier GB/s over median raw GB/s (the summary's), "
+                "*_over_raw_paired: the median of each repetition's own ratio",
+        "bytes": "GB/s = 1e9 bytes/s of value bytes (4 KiB header + block) on every side",
+        "zero_copy": "a ':zero_copy' cell builds the tier with remote_tier.STAGE_RANGES out of reach: every block "
+                     "is handed to Mooncake in its own ranges (the tier before staging)"},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
+        "geometry": {"num_layers": geo.num_layers, "num_kv_heads": geo.num_kv_heads, "head_dim": geo.head_dim,
+                     "dtype": "float16", "block_tokens": geo.page_size, "block_bytes": geo.block_bytes,
+                     "value_bytes": ALIGN + geo.block_bytes,
+                     "batch_blocks": max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // geo.block_bytes))},
+        "mooncake_env": {k: os.environ.get(k) for k in MC_ENV},
+        "args": vars(args),
+        "command": " ".join([Path(sys.executable).as_posix()] + [shlex.quote(a) for a in sys.argv]),
+        "cells": {}}
+    try:
+        from importlib.metadata import version
+        res["versions"] = {"mooncake": version("mooncake-transfer-engine-non-cuda"), "torch": torch.__version__,
+                           "xxhash": version("xxhash"), "numpy": np.__version__}
+    except Exception as e:  # the JSON is the result either way
+        res["versions"] = {"error": str(e)}
+    log_dir = tempfile.mkdtemp(prefix="kvtier-bench-remote-")
+    print(f"block {geo.block_bytes} B, value {ALIGN + geo.block_bytes} B, {args.blocks} blocks per rep, "
+          f"hit {args.hit_tokens} tokens; logs in {log_dir}", flush=True)
+    stores = Stores.start(log_dir, int(args.segment_gb * (1 << 30)))
+    try:
+        for cell in cells:
+            layout, _, variant = cell.partition(":")
+            t = time.perf_counter()
+            b = Bench(args, stores, geo, layout, max(args.blocks, hit_blocks if cell in hit_cells else 0),
+                      zero_copy=variant == "zero_copy")
+            try:
+                print(f"{cell}: set up in {time.perf_counter() - t:.1f} s ({b.ranges_per_value} ranges per value, "
+                      f"{'staged' if b.staged else 'zero-copy'})", flush=True)
+                entry = {"ranges_per_value": b.ranges_per_value, "staged": b.staged, "worker_cpu_us": b.worker_cpu(),
+                         "throughput": b.throughput(args.blocks, args.reps)}
+                if cell in hit_cells and hit_blocks:
+                    entry["hit"] = b.hit(hit_blocks, args.hit_reps)
+                entry["seconds"] = time.perf_counter() - t
+                res["cells"][cell] = entry
+            finally:
+                b.close()
+    finally:
+        stores.close()
+    res["seconds"] = time.perf_counter() - t_start
+    res["summary"] = summarize(res)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res["summary"], indent=1))
+    print(f"wrote {args.out} ({res['seconds']:.0f} s)")
+    if not args.no_plot:
+        try:
+            plot(res, os.path.splitext(args.out)[0] + ".png")
+        except Exception as e:  # matplotlib missing: the JSON is the result
+            print("plot skipped:", e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
