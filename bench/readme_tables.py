@@ -420,22 +420,24 @@ def e2e_table() -> str:
 
 
 def remote_table() -> str:
-    cpu, ttft = _load("remote_cpu.json"), _load("remote_ttft_h200.json")
+    cpu, h200, ttft = _load("remote_cpu.json"), _load("remote_h200.json"), _load("remote_ttft_h200.json")
     if cpu is None and ttft is None:
         return "_no results yet_"
     rows = ["| remote tier on Mooncake Store (targets: put and get over raw >= 0.8) | value |", "|---|---|"]
-    if cpu is not None:
-        s = cpu["summary"]
+    for res, machine in ((cpu, "CPU machine"), (h200, "H200 machine")):
+        if res is None:
+            continue
+        s = res["summary"]
         for lay in ("layer_first", "page_first"):
-            rows.append(f"| CPU machine, loopback TCP, `{lay}` pool: kvtier put / raw `batch_put_from` GB/s (ratio); "
+            rows.append(f"| {machine}, loopback TCP, `{lay}` pool: kvtier put / raw `batch_put_from` GB/s (ratio); "
                         f"fetch / raw `batch_get_into` (ratio) | {s[f'{lay}/kvtier_put_gbps']:.2f} / "
                         f"{s[f'{lay}/raw_put_gbps']:.2f} ({s[f'{lay}/put_over_raw']:.3f}); "
                         f"{s[f'{lay}/kvtier_fetch_gbps']:.2f} / {s[f'{lay}/raw_get_gbps']:.2f} "
                         f"({s[f'{lay}/get_over_raw']:.3f}) |")
-        rows.append(f"| CPU machine: worst put over raw (`{s['remote_put_worst_cell']}`); worst get over raw "
+        rows.append(f"| {machine}: worst put over raw (`{s['remote_put_worst_cell']}`); worst get over raw "
                     f"(`{s['remote_get_worst_cell']}`) | {s['remote_put_over_raw']:.3f}; "
                     f"{s['remote_get_over_raw']:.3f} |")
-        rows.append(f"| CPU machine: instance B's hit on an 8k-token prefix, lookup to fetched; raw get of its bytes | "
+        rows.append(f"| {machine}: instance B's hit on an 8k-token prefix, lookup to fetched; raw get of its bytes | "
                     f"{s['hit_8k_ms']:.0f} ms; {s['hit_8k_raw_get_ms']:.0f} ms |")
     if ttft is not None:
         cells = {(r["admission"], r["prefix"]): r["ratio"] for r in ttft["rows"]}

@@ -278,3 +278,30 @@ def test_a_remote_tier_needs_a_model_identity_and_auto_finalize(mooncake_master)
         KVTier(kv, cfg)
     with pytest.raises(ValueError, match="remote tier does not run with finalize='ordered'"):
         KVTier(kv, cfg, finalize="ordered", model_identity=ID)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])  # staged values, zero-copy values
+def test_puts_and_gets_in_many_batches_round_trip_and_stop_at_a_missing_block(mooncake_master, layout):
+    a = make_remote_tier(mooncake_master.addr, layout=layout)
+    b = make_remote_tier(mooncake_master.addr, layout=layout, seed=1)
+    for t in (a, b):
+        t.remote.medium._batch = 2  # 7 blocks: 4 calls, each prepared or checked while another runs
+    assert a.remote.medium.staged == (layout == "layer_first")
+    toks = prompt(1, 7)
+    want = store_and_put(a, toks)
+    assert a.stats()["remote_blocks_put"] == 7
+    pages, got = fetch_and_load(b, toks)
+    assert pages == 7 and same(got, want, 7)
+    toks = prompt(2, 7)
+    want = store_and_put(a, toks, first_page=10)
+    hit = b.lookup_tiers(toks, None)
+    job = b._inflight[hit.promotion.id].completion
+    assert job.wait(30) and job.found == 7
+    assert a.remote.medium.store.remove(a.remote.medium.keys(page_hashes(toks, P, None)[4:5])) == [0]
+    b.wait(hit.promotion)  # batch [4, 6) misses its first block: 4 verified, the call after it waited for
+    assert hit.promotion.num_pages == 7 and b.stats()["pages_fetched"] == 7 + 4
+    pages, got = fetch_and_load(b, toks)
+    assert pages == 4 and same(got, want, 4)
+    assert_accounted(b)
+    a.destroy()
+    b.destroy()

@@ -27,6 +27,7 @@ stopped waiting for it. Single-owner: every method except the workers' is called
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -153,13 +154,16 @@ class RemoteStats:
 
 
 class _Worker:
-    """A thread running one kind of call, FIFO, with its own registered buffer: a slot of ``slot_bytes`` per
-    block of a batch (a header, followed by the block's bytes when blocks are staged)."""
+    """A thread running one kind of job, FIFO, and a sender thread for its store calls, with two registered
+    buffers of a slot of ``slot_bytes`` per block of a batch (a header, followed by the block's bytes when blocks
+    are staged): one batch is prepared or checked in one buffer while the other's call runs."""
 
     def __init__(self, name: str, store: MooncakeStore, batch: int, slot_bytes: int = ALIGN) -> None:
         self.slot_bytes = slot_bytes
-        self.headers = aligned(batch * slot_bytes)
-        store.register(self.headers.ctypes.data, self.headers.nbytes)
+        self.buffers = [aligned(batch * slot_bytes) for _ in range(2)]
+        for buf in self.buffers:
+            store.register(buf.ctypes.data, buf.nbytes)
+        self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-call")
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -186,7 +190,10 @@ class _Worker:
         """Stop after the queued calls; whether the thread has ended within ``timeout``."""
         self._q.put(None)
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        self.sender.shutdown(wait=True)
+        return True
 
 
 class RemoteTier:
@@ -215,7 +222,7 @@ class RemoteTier:
         self._pending_blocks = 0
         self._batch = max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // block_bytes))
         self.staged = len(_ranges(block_view(0))) > STAGE_RANGES  # see the module docstring
-        slot = self.value_bytes if self.staged else ALIGN
+        slot = self._slot_bytes = self.value_bytes if self.staged else ALIGN
         self._putter = _Worker("kvtier-remote-put", store, self._batch, slot)
         self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch, slot)
 
@@ -347,43 +354,67 @@ class RemoteTier:
 
     # --- worker side ---
 
-    def _headers(self, worker: _Worker, n: int) -> list[np.ndarray]:
-        S = worker.slot_bytes
-        return [worker.headers[i * S:i * S + ALIGN] for i in range(n)]
+    def _slot(self, buf: np.ndarray, i: int) -> np.ndarray:
+        """Slot ``i`` of a worker buffer: the header, then (staged) the block's bytes."""
+        S = self._slot_bytes
+        return buf[i * S:(i + 1) * S]
 
-    def _staging(self, worker: _Worker, i: int, rows: np.ndarray) -> np.ndarray:
+    def _staging(self, buf: np.ndarray, i: int, rows: np.ndarray) -> np.ndarray:
         """Slot ``i``'s block bytes (staged blocks), shaped as ``rows``."""
-        S = worker.slot_bytes
-        return worker.headers[i * S + ALIGN:(i + 1) * S].reshape(rows.shape)
+        return self._slot(buf, i)[ALIGN:].reshape(rows.shape)
 
-    def _value(self, heads: list[np.ndarray], i: int, rows: np.ndarray) -> list[tuple[int, int]]:
+    def _value(self, buf: np.ndarray, i: int, rows: np.ndarray) -> list[tuple[int, int]]:
         """The ranges of block ``rows``'s value in slot ``i``: the slot (staged), or its header and the rows."""
+        head = self._slot(buf, i)
         if self.staged:
-            return [(heads[i].ctypes.data, self.value_bytes)]
-        return [(heads[i].ctypes.data, ALIGN)] + _ranges(rows)
+            return [(head.ctypes.data, self.value_bytes)]
+        return [(head.ctypes.data, ALIGN)] + _ranges(rows)
+
+    def _pipeline(self, worker: _Worker, n: int, prepare, call, check) -> None:
+        """Blocks ``0..n`` in batches: ``prepare(a, b, buf)`` fills batch ``[a, b)``'s buffer while the previous
+        batch's ``call`` runs on the sender; ``check(a, b, buf, result)`` (False: stop) runs while the next
+        batch's call does. Returns only once no call runs (none still writes a buffer or a CPU block)."""
+        spans = [(a, min(a + self._batch, n)) for a in range(0, n, self._batch)]
+        last = None  # (a, b, buf, future) of the call in flight
+        try:
+            for k, (a, b) in enumerate(spans):
+                buf = worker.buffers[k % 2]
+                prepare(a, b, buf)
+                result = last[3].result() if last is not None else None
+                fut = worker.sender.submit(call, a, b, buf)
+                prev, last = last, (a, b, buf, fut)
+                if prev is not None and not check(prev[0], prev[1], prev[2], result):
+                    return
+            if last is not None:
+                check(last[0], last[1], last[2], last[3].result())
+        finally:
+            if last is not None:
+                concurrent.futures.wait([last[3]])
 
     def _run_put(self, job: RemoteJob) -> None:
         if not self.up:  # marked down after this job was queued: not sent (counted as failed)
             return
-        step = self._batch
-        for a in range(0, job.num_blocks, step):
-            b = min(a + step, job.num_blocks)
-            heads = self._headers(self._putter, b - a)
+
+        def prepare(a: int, b: int, buf: np.ndarray) -> None:
             for i in range(a, b):
                 rows = job.views[i]
                 if self.staged:
-                    rows = self._staging(self._putter, i - a, rows)
+                    rows = self._staging(buf, i - a, rows)
                     rows[...] = job.views[i]
-                heads[i - a][:] = np.frombuffer(pack_block_header(BlockHeader(
+                self._slot(buf, i - a)[:ALIGN] = np.frombuffer(pack_block_header(BlockHeader(
                     self.fingerprint, job.namespace, int(job.hashes[i]), job.tokens[i], self.block_bytes,
                     _checksum(rows))), np.uint8)
-            codes = self.store.put(self.keys(job.hashes[a:b]),
-                                   [self._value(heads, i - a, job.views[i]) for i in range(a, b)])
-            good = [c == 0 for c in codes]
-            job.down = any(unreachable(c) for c in codes)
-            job.ok += sum(good)
-            if job.down:
-                return
+
+        def call(a: int, b: int, buf: np.ndarray) -> list[int]:
+            return self.store.put(self.keys(job.hashes[a:b]),
+                                  [self._value(buf, i - a, job.views[i]) for i in range(a, b)])
+
+        def check(a: int, b: int, buf: np.ndarray, codes: list[int]) -> bool:
+            job.down = job.down or any(unreachable(c) for c in codes)
+            job.ok += sum(c == 0 for c in codes)
+            return not job.down
+
+        self._pipeline(self._putter, job.num_blocks, prepare, call, check)
 
     def _run_probe(self, job: RemoteJob) -> None:
         if not self.up:
@@ -397,30 +428,33 @@ class RemoteTier:
     def _run_get(self, job: RemoteJob) -> None:
         if not self.up:
             return
-        step, n = self._batch, job.host_ids.size
-        for a in range(0, n, step):
-            b = min(a + step, n)
-            heads = self._headers(self._fetcher, b - a)
-            codes = self.store.get(self.keys(job.hashes[a:b]),
-                                   [self._value(heads, i - a, job.views[i]) for i in range(a, b)])
+
+        def call(a: int, b: int, buf: np.ndarray) -> list[int]:
+            return self.store.get(self.keys(job.hashes[a:b]),
+                                  [self._value(buf, i - a, job.views[i]) for i in range(a, b)])
+
+        def check(a: int, b: int, buf: np.ndarray, codes: list[int]) -> bool:
             for i in range(a, b):
                 code = codes[i - a]
                 if code < 0:  # gone since the probe, the master down, or a value of another size
                     job.down = unreachable(code)
                     job.missing += code == CODE_NOT_FOUND
                     job.corrupt += not job.down and code != CODE_NOT_FOUND
-                    return
-                h = unpack_block_header(heads[i - a]) if code == self.value_bytes else None
-                rows = self._staging(self._fetcher, i - a, job.views[i]) if self.staged else job.views[i]
+                    return False
+                h = unpack_block_header(self._slot(buf, i - a)) if code == self.value_bytes else None
+                rows = self._staging(buf, i - a, job.views[i]) if self.staged else job.views[i]
                 if (h is None or h.fingerprint != self.fingerprint or h.chain_hash != int(job.hashes[i])
                         or h.namespace != job.namespace or h.payload_len != self.block_bytes
                         or not np.array_equal(h.tokens, job.tokens[i])
                         or h.payload_checksum != _checksum(rows)):
                     job.corrupt += 1
-                    return
+                    return False
                 if self.staged:
                     job.views[i][...] = rows  # verified: into the CPU block
                 job.ok = i + 1
+            return True
+
+        self._pipeline(self._fetcher, job.host_ids.size, lambda a, b, buf: None, call, check)
 
     def _run_health(self, job: RemoteJob) -> None:
         codes = self.store.exists([f"{self.key_prefix}/health"])
