@@ -13,7 +13,7 @@ runs it:
   57 ranges of 32 KiB per value run at a third of one range's bandwidth, and a batch of them overflows its
   per-peer transfer queue (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, 1024 by default), failing values
   (``TRANSFER_FAIL``); the copy costs a fraction of a millisecond per block (``bench/bench_remote.py``).
-* :meth:`RemoteTier.probe` asks the store, on the fetch thread, how many leading blocks of a prefix it holds
+* :meth:`RemoteTier.probe` asks the store, on the probe thread, how many leading blocks of a prefix it holds
   (``batch_is_exist``); :meth:`RemoteTier.get` then reads them into CPU blocks the caller owns. Every block is
   checked before it counts (value size, header checksum, fingerprint, chain hash, namespace, tokens, payload
   checksum); reading stops at the first that fails, which is counted as missing or corrupt.
@@ -160,7 +160,7 @@ class _Worker:
 
     def __init__(self, name: str, store: MooncakeStore, batch: int, slot_bytes: int = ALIGN) -> None:
         self.slot_bytes = slot_bytes
-        self.buffers = [aligned(batch * slot_bytes) for _ in range(2)]
+        self.buffers = [aligned(batch * slot_bytes) for _ in range(2 if slot_bytes else 0)]
         for buf in self.buffers:
             store.register(buf.ctypes.data, buf.nbytes)
         self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-call")
@@ -225,6 +225,7 @@ class RemoteTier:
         slot = self._slot_bytes = self.value_bytes if self.staged else ALIGN
         self._putter = _Worker("kvtier-remote-put", store, self._batch, slot)
         self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch, slot)
+        self._prober = _Worker("kvtier-remote-probe", store, 0, 0)  # probes never queue behind gets
 
     def keys(self, hashes: np.ndarray) -> list[str]:
         return [block_key(self.key_prefix, self.fingerprint, h) for h in hashes.tolist()]
@@ -254,7 +255,7 @@ class RemoteTier:
         job = RemoteJob("fetch", hashes.astype(np.uint64), namespace, np.array(tokens, dtype=np.int64),
                         np.empty(0, np.int64))
         self.stats.probes += 1
-        self._fetcher.submit(lambda: self._run_probe(job), job)
+        self._prober.submit(lambda: self._run_probe(job), job)
         return job
 
     def get(self, job: RemoteJob, host_ids: np.ndarray) -> None:
@@ -328,7 +329,7 @@ class RemoteTier:
         if not self.up and self._health is None and time.monotonic() >= self._next_retry:
             job = RemoteJob("health", np.zeros(1, np.uint64), 0, np.zeros((1, 0), np.int64), np.empty(0, np.int64))
             self._health = job
-            self._fetcher.submit(lambda: self._run_health(job), job)
+            self._prober.submit(lambda: self._run_health(job), job)
 
     @property
     def read_gbps(self) -> Optional[float]:
@@ -345,8 +346,8 @@ class RemoteTier:
         past the timeout is left to the process's exit rather than torn down under that call."""
         if self._putter is None:
             return
-        stopped = self._putter.close(self.timeout_s) & self._fetcher.close(self.timeout_s)
-        self._putter = self._fetcher = None
+        stopped = all([w.close(self.timeout_s) for w in (self._putter, self._fetcher, self._prober)])
+        self._putter = self._fetcher = self._prober = None
         if stopped:
             self.store.close()
         else:
