@@ -2,6 +2,8 @@
 
 * ``kvtier demo``: a model serves a prompt cold, from a warm device cache, then from kvtier (``--kernels``: a
   store/load round trip of the transfer kernels instead).
+* ``kvtier config check FILE``: validate a kvtier config (YAML or JSON) as the server would, and print what it
+  resolves to (every key, and the values derived from them); a bad file prints one line and exits with 1.
 * ``kvtier --version``.
 """
 
@@ -29,6 +31,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="host block layout (default: layer_first; page_first for --kernels)")
     demo.add_argument("--whole", action="store_true", help="load the prefix whole, not layer by layer")
     demo.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default 512 CPU, 8192 GPU)")
+    config = sub.add_parser("config", help="kvtier config files")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate a config file and print what it resolves to",
+                                  description="Validate a kvtier config (YAML or JSON) with the checks the server "
+                                              "runs, and print every key as it resolves (defaults filled in) and "
+                                              "the values derived from them. Exits 1 on a bad file.")
+    check.add_argument("file", help="the config file (.yaml, .yml or .json), as given in $KVTIER_CONFIG")
     return parser
 
 
@@ -40,7 +49,32 @@ def main(argv: Optional[list] = None) -> int:
         return 0
     if args.command == "demo":
         return _demo(parser, args)
+    if args.command == "config":
+        return _config_check(args.file)
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _config_check(path: str) -> int:
+    from kvtier.config import TierConfig
+
+    try:
+        config = TierConfig.from_file(path)
+    except ValueError as e:
+        print(" ".join(str(e).split()), file=sys.stderr)  # one line
+        return 1
+    print(f"# {path}: valid; every key as it resolves")
+    for key, value in config.to_dict().items():
+        print(f"{key}: {'null' if value is None else value}")
+    print("# derived")
+    print(f"tokens per host block in force: {config.block_tokens}")
+    print(f"host pool per rank: {config.cpu_cache_bytes} bytes")
+    if config.ssd_cache_gb > 0:
+        print(f"SSD tier per rank: {config.ssd_cache_bytes} bytes over {len(config.ssd_dirs)} directories: "
+              + ", ".join(config.ssd_dirs))
+    if config.remote_backend is not None:
+        print(f"remote tier: {config.remote_backend} at {config.remote_master} over {config.remote_protocol}, "
+              f"{config.remote_segment_bytes} bytes mounted")
+    return 0
 
 
 def _demo(parser: argparse.ArgumentParser, args) -> int:

@@ -95,3 +95,30 @@ def test_demo_in_a_fresh_process_without_triton_interpret():
                          text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "32 of 32 cacheable tokens" in out.stdout
+
+
+@pytest.mark.parametrize("text,message", [
+    ("cpu_cache_gb: 4\ncpu_cach_gb: 8\n", "unknown key 'cpu_cach_gb' (allowed: cpu_cache_gb,"),  # a wrong key
+    ("page_size: sixteen\n", "page_size must be an int >= 1, got 'sixteen'"),  # a wrong type
+    ("remote_backend: mooncake\nremote_master: 10.0.0.5:50051\nremote_protocol: udp\n",
+     "remote_protocol must be one of ['tcp', 'rdma'], got 'udp'"),  # a bad value
+])
+def test_config_check_of_a_bad_file_prints_one_line_and_fails(tmp_path, text, message):
+    f = tmp_path / "kvtier.yaml"
+    f.write_text(text)
+    r = subprocess.run([sys.executable, "-m", "kvtier", "config", "check", str(f)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and str(f) in lines[0], r.stderr
+
+
+def test_config_check_prints_what_a_file_resolves_to(tmp_path, capsys):
+    f = tmp_path / "kvtier.json"
+    f.write_text('{"cpu_cache_gb": 2, "page_size": 4, "remote_backend": "mooncake", "remote_master": "h:1"}')
+    assert cli.main(["config", "check", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "cpu_cache_gb: 2.0" in out and "ssd_cache_gb: 0.0" in out and "tokens_per_block: null" in out
+    assert "tokens per host block in force: 16" in out and f"host pool per rank: {2 << 30} bytes" in out
+    assert "remote tier: mooncake at h:1 over tcp" in out
+    assert cli.main(["config", "check", str(tmp_path / "missing.yaml")]) == 1
