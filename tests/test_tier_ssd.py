@@ -20,7 +20,7 @@ from kvtier.storage import BlockFileError
 from kvtier.storage.ssd_store import FILE_NAME
 from kvtier.tier import HostBlockPool, KVTier
 from tests.kv_helpers import make_kv
-from tests.tier_helpers import TINY, page_slots, slot_bytes
+from tests.tier_helpers import TINY, lower_hit_and_load as promote_and_load, page_slots, prompt, same, slot_bytes
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 ID = {"model": "tiny-test", "tp_rank": 0, "tp_size": 1}
@@ -39,31 +39,12 @@ def make_ssd_tier(ssd_dir, *, layout: str = "layer_first", num_blocks: int = 8, 
     return KVTier(kv, config, pool=pool, model_identity=identity)
 
 
-def prompt(i: int, pages: int) -> np.ndarray:
-    return np.arange(pages * P) + 1000 * i
-
-
 def store_all(tier: KVTier, toks: np.ndarray, first_page: int = 0) -> list[torch.Tensor]:
     """Store ``toks`` from device pages ``first_page..``, wait until the SSD has it; the bytes stored."""
     slots = page_slots(first_page, toks.size // P, P)
     tier.wait(tier.store(toks, None, slots))
     tier.flush_ssd()
     return slot_bytes(tier, slots)
-
-
-def promote_and_load(tier: KVTier, toks: np.ndarray, first_page: int = 40) -> tuple[int, list[torch.Tensor]]:
-    """Promote ``toks``'s SSD pages, load the host hit into device pages ``first_page..``; (pages, their bytes)."""
-    hit = tier.lookup_tiers(toks, None)
-    if hit.promotion is not None:
-        tier.wait(hit.promotion)
-    dst = page_slots(first_page, toks.size // P, P)
-    task = tier.load(toks, None, dst)
-    tier.wait(task)
-    return task.num_pages, slot_bytes(tier, dst[:task.num_pages * P])
-
-
-def same(a: list[torch.Tensor], b: list[torch.Tensor], pages: int) -> bool:
-    return all(torch.equal(x[:pages * P], y[:pages * P]) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("src,dst", [("layer_first", "page_first"), ("page_first", "layer_first"),
@@ -290,7 +271,7 @@ def test_a_block_whose_tokens_differ_from_the_querys_is_a_miss(tmp_path):
     store_all(t, toks)
     t.evict(100)
     link = t.ssd
-    plan = link.plan_promotion(toks, None, 0, 3)
+    plan = link.plan_promotion(toks, None, 0, page_hashes(toks[:3 * P], P, None))
     forged = plan._replace(tokens=plan.tokens.copy())
     forged.tokens[1, 0] += 1  # as if another prefix's block had the same chain hash
     ids = t.pool.alloc(3)

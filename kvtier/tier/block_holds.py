@@ -7,6 +7,8 @@ holding it has ended. Nothing rewrites a block an IO still uses. Single-owner: c
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from kvtier.tier.host_pool import HostBlockPool
@@ -38,6 +40,18 @@ class BlockHolds:
         busy = self.refs[ids] > 0
         self.free_later[ids[busy]] = True
         self.pool.free(ids[~busy])
+
+    def settle(self, jobs: list, ended: Callable[[object], bool], account: Callable[[object], None]) -> list:
+        """Of IO ``jobs`` holding blocks (``job.host_ids``), account each that has ``ended`` and drop its
+        holds; the jobs still running."""
+        running = []
+        for job in jobs:
+            if ended(job):
+                account(job)
+                self.drop(job.host_ids)
+            else:
+                running.append(job)
+        return running
 
     @property
     def num_deferred(self) -> int:

@@ -305,9 +305,16 @@ class KVTier(HostTier):
         self._stats.lookups += 1
         self._stats.hit_pages += hit
         self._stats.miss_pages += toks.size // self.page_size - hit
-        plan = self.ssd.plan_promotion(toks, ns, m.num_pages, n) if self.ssd is not None else None
-        if plan is None and self.remote is not None and not self._ssd_next(toks, ns, m.num_pages, n):
-            plan = self.remote.plan_fetch(toks, ns, m.num_pages, n)
+        held, plan = m.num_pages, None
+        if held < n and (self.ssd is not None or self.remote is not None):
+            chain = page_hashes(toks[:n * B], B, ns)  # once, for every lower tier
+            if self.ssd is not None:
+                plan = self.ssd.plan_promotion(toks, ns, held, chain)
+            # the remote is asked only when the SSD does not hold the next block (its promotion may be refused
+            # or in flight)
+            if plan is None and self.remote is not None and (
+                    self.ssd is None or self.ssd.medium.match(chain[held:held + 1]).size == 0):
+                plan = self.remote.plan_fetch(toks, ns, held, chain)
         if plan is None:
             return TierHit(hit, 0, None)
         if isinstance(plan, InFlight):
@@ -319,14 +326,6 @@ class KVTier(HostTier):
             return TierHit(hit, 0, self._fetch(toks, ns, m, plan))
         task = self._promote(toks, ns, m, plan)
         return TierHit(hit, task.num_pages if task is not None else 0, task)
-
-    def _ssd_next(self, toks: np.ndarray, ns, held: int, n: int) -> bool:
-        """Whether the SSD holds the block after ``held`` (its promotion was refused or is in flight): the remote
-        is not asked for it."""
-        if self.ssd is None or held >= n or self.ssd.medium.num_held == 0:
-            return False
-        B = self.block_tokens
-        return self.ssd.medium.match(page_hashes(toks[:(held + 1) * B], B, ns)[held:]).size > 0
 
     @synchronized
     def flush_ssd(self) -> None:
@@ -805,6 +804,26 @@ class KVTier(HostTier):
             self.remote.entered(ids[owned], toks, rec.ns, positions)
         return owned
 
+    def _finalize_read(self, rec: _Inflight, cancelled: bool) -> None:
+        """A promotion's or a fetch's verified leading blocks enter the index; the others go back to the pool,
+        once no call uses them (an abandoned fetch's still may: its link holds them)."""
+        job, G = rec.completion, self._pages_per_block
+        if rec.task.kind == "promote":
+            self.ssd.end_promotion(job)
+            ok = 0 if cancelled else job.ok
+        else:
+            self.remote.end_fetch(job)
+            ok = 0 if cancelled or not job.finished() else job.ok
+        self.holds.release(rec.block_ids[ok:])
+        inserted = int(self._insert(rec, ok).sum()) * G if ok else 0
+        failed = 0 if cancelled else (rec.block_ids.size - ok) * G
+        if rec.task.kind == "promote":
+            self._stats.pages_promoted += inserted
+            self._stats.pages_promote_failed += failed
+        else:
+            self._stats.pages_fetched += inserted
+            self._stats.pages_fetch_failed += failed
+
     def _finalize(self, rec: _Inflight, *, cancelled: bool) -> None:
         """The copy of ``rec`` has completed: insert / free / unlock, and account (a failed copy is discarded
         and stays failed)."""
@@ -822,26 +841,8 @@ class KVTier(HostTier):
                 owned = self._insert(rec, rec.block_ids.size)
                 self._stats.pages_stored += int(owned.sum()) * self._pages_per_block
                 self._stats.pages_store_duplicate += int((~owned).sum()) * self._pages_per_block
-        elif task.kind == "promote":
-            job = rec.completion
-            self.ssd.end_promotion(job)
-            ok = 0 if cancelled else job.ok
-            self.pool.free(rec.block_ids[ok:])
-            if ok:
-                owned = self._insert(rec, ok)
-                self._stats.pages_promoted += int(owned.sum()) * self._pages_per_block
-            if not cancelled:
-                self._stats.pages_promote_failed += (rec.block_ids.size - ok) * self._pages_per_block
-        elif task.kind == "fetch":
-            job = rec.completion
-            self.remote.end_fetch(job)  # a job still running (abandoned) keeps its blocks held
-            ok = 0 if cancelled or not job.finished() else job.ok
-            self.holds.release(rec.block_ids[ok:])
-            if ok:
-                owned = self._insert(rec, ok)
-                self._stats.pages_fetched += int(owned.sum()) * self._pages_per_block
-            if not cancelled:
-                self._stats.pages_fetch_failed += (rec.block_ids.size - ok) * self._pages_per_block
+        elif task.kind in ("promote", "fetch"):
+            self._finalize_read(rec, cancelled)
         else:
             self._stats.bytes_h2d += rec.nbytes
             self._stats.seconds_h2d += secs or 0.0

@@ -33,7 +33,7 @@ from kvtier.tier.admission import CostAdmission
 from kvtier.tier.block_holds import BlockHolds
 from kvtier.tier.host_pool import HostBlockPool
 from kvtier.tier.remote_tier import RemoteJob, RemoteTier
-from kvtier.tier.ssd_link import InFlight
+from kvtier.tier.ssd_link import InFlight, in_flight
 from kvtier.tier.ssd_tier import signed64
 
 logger = logging.getLogger(__name__)
@@ -135,43 +135,28 @@ class RemoteLink:
         """Account finished puts and abandoned fetches and free the CPU blocks they held; with ``wait``, every
         one first (a call that hangs returns by Mooncake's own RPC timeout; queued calls are skipped while the
         tier is down), so that no remote call still uses a CPU block."""
-        keep = []
         for job in self._puts + self._abandoned if wait else ():
             job.wait()
-        for job in self._puts:
-            if not job.finished():
-                keep.append(job)
-                continue
-            self.medium.finish(job)
-            self.holds.drop(job.host_ids)
-        self._puts = keep
-        still = []
-        for job in self._abandoned:
-            if job.finished():
-                self.medium.finish(job)
-                self.holds.drop(job.host_ids)
-            else:
-                still.append(job)
-        self._abandoned = still
+        self._puts = self.holds.settle(self._puts, RemoteJob.finished, self.medium.finish)
+        self._abandoned = self.holds.settle(self._abandoned, RemoteJob.finished, self.medium.finish)
         self.medium.tick()
 
     # --- fetches ---
 
     def plan_fetch(self, tokens: np.ndarray, ns: Optional[Namespace], held: int,
-                   n: int) -> Optional[InFlight | FetchPlan]:
-        """The blocks after ``held`` local ones of ``tokens``'s first ``n`` blocks to probe; the fetch in flight
-        from the same block, if any; None when there is nothing to ask (or the tier is down)."""
+                   chain: np.ndarray) -> Optional[InFlight | FetchPlan]:
+        """The blocks after ``held`` local ones of ``tokens``'s first blocks (``chain``: their chain hashes) to
+        probe; the fetch in flight from the same block, if any; None when there is nothing to ask (or the tier
+        is down)."""
+        n = chain.size
         if held >= n or not self.medium.up:
             return None
         B = self.block_tokens
         k = min(n - held, max(1, self.pool.num_blocks // 2))  # room for what a fetch may bring
-        hashes = page_hashes(tokens[:(held + k) * B], B, ns)[held:]
+        hashes = chain[held:held + k]
         inflight = self._fetching.get(int(hashes[0]))
         if inflight is not None:
-            task_id, theirs = inflight
-            m = min(theirs.size, hashes.size)
-            differ = np.flatnonzero(theirs[:m] != hashes[:m])
-            return InFlight(task_id, int(differ[0]) if differ.size else m)
+            return in_flight(inflight, hashes)
         rows = tokens[held * B:(held + k) * B].reshape(k, B)
         return FetchPlan(held, hashes, signed64((ns or _DEFAULT_NS).seed), rows)
 

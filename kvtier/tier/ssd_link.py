@@ -53,6 +53,15 @@ class InFlight(NamedTuple):
     blocks: int
 
 
+def in_flight(entry: tuple[int, np.ndarray], hashes: np.ndarray) -> InFlight:
+    """The task of an in-flight read ``entry`` (task id, its chain hashes) and how many leading ``hashes`` it
+    shares."""
+    task_id, theirs = entry
+    m = min(theirs.size, hashes.size)
+    differ = np.flatnonzero(theirs[:m] != hashes[:m])
+    return InFlight(task_id, int(differ[0]) if differ.size else m)
+
+
 class PromotionPlan(NamedTuple):
     """SSD blocks to read past a CPU hit of ``held`` blocks."""
 
@@ -152,16 +161,9 @@ class SsdLink:
 
     def drain(self, wait: bool = False) -> None:
         """Account finished writes (all of them, waiting, with ``wait``) and free the CPU blocks they held."""
-        keep = []
-        for job in self._writes:
-            if wait:
-                job.wait()
-            if not job.done():
-                keep.append(job)
-                continue
-            self.medium.finish(job)
-            self.holds.drop(job.host_ids)
-        self._writes = keep
+        for job in self._writes if wait else ():
+            job.wait()
+        self._writes = self.holds.settle(self._writes, IoJob.done, self.medium.finish)
 
     def used(self, tokens: np.ndarray, ns: Optional[Namespace]) -> None:
         """``tokens``' blocks were loaded from the CPU tier: the SSD's copies of them become the most recently
@@ -172,22 +174,20 @@ class SsdLink:
     # --- promotion ---
 
     def plan_promotion(self, tokens: np.ndarray, ns: Optional[Namespace], held: int,
-                       n: int) -> Optional[InFlight | PromotionPlan]:
-        """The SSD blocks after ``held`` CPU-held blocks of ``tokens``'s first ``n`` blocks, if admitted; the
-        promotion in flight from the same block, if any; None when nothing is to be read."""
-        if held >= n or self.medium.num_held == 0:
+                       chain: np.ndarray) -> Optional[InFlight | PromotionPlan]:
+        """The SSD blocks after ``held`` CPU-held blocks of ``tokens``'s first blocks (``chain``: their chain
+        hashes), if admitted; the promotion in flight from the same block, if any; None when nothing is to be
+        read."""
+        if held >= chain.size or self.medium.num_held == 0:
             return None
         B = self.block_tokens
-        hashes = page_hashes(tokens[:n * B], B, ns)[held:]
+        hashes = chain[held:]
         slots = self.medium.match(hashes)
         if slots.size == 0:
             return None
         inflight = self._promoting.get(int(hashes[0]))
         if inflight is not None:
-            task_id, theirs = inflight
-            m = min(theirs.size, hashes.size)
-            differ = np.flatnonzero(theirs[:m] != hashes[:m])
-            return InFlight(task_id, int(differ[0]) if differ.size else m)
+            return in_flight(inflight, hashes)
         k = int(slots.size)
         if not self.admission.admit(k * B, tokens.size - held * B, k * self.pool.block_bytes,
                                     self.promote_bytes_inflight):
