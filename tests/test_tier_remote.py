@@ -26,7 +26,7 @@ from kvtier.tier.remote_link import remote_fingerprint
 from kvtier.tier.ssd_tier import signed64
 from tests.kv_helpers import make_kv
 from tests.mooncake_master import free_port, mooncake_master, require_mooncake  # noqa: F401
-from tests.tier_helpers import TINY, page_slots, slot_bytes
+from tests.tier_helpers import TINY, lower_hit_and_load as fetch_and_load, page_slots, prompt, same, slot_bytes
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 ID = {"model": "tiny-test", "tp_rank": 0, "tp_size": 1}
@@ -47,10 +47,6 @@ def make_remote_tier(master: str, *, layout: str = "layer_first", num_blocks: in
     return KVTier(kv, config, pool=pool, model_identity=ID)
 
 
-def prompt(i: int, pages: int) -> np.ndarray:
-    return np.arange(pages * P) + 1000 * i
-
-
 def store_and_put(tier: KVTier, toks: np.ndarray, first_page: int = 0) -> list[torch.Tensor]:
     """Store ``toks`` from device pages ``first_page..`` and wait for its puts; the bytes stored."""
     slots = page_slots(first_page, toks.size // P, P)
@@ -59,19 +55,13 @@ def store_and_put(tier: KVTier, toks: np.ndarray, first_page: int = 0) -> list[t
     return slot_bytes(tier, slots)
 
 
-def fetch_and_load(tier: KVTier, toks: np.ndarray, first_page: int = 40) -> tuple[int, list[torch.Tensor]]:
-    """Fetch ``toks``'s remote pages and load the host hit into device pages ``first_page..``."""
-    hit = tier.lookup_tiers(toks, None)
-    if hit.promotion is not None:
-        tier.wait(hit.promotion)
-    dst = page_slots(first_page, toks.size // P, P)
-    task = tier.load(toks, None, dst)
-    tier.wait(task)
-    return task.num_pages, slot_bytes(tier, dst[:task.num_pages * P])
-
-
-def same(a: list[torch.Tensor], b: list[torch.Tensor], pages: int) -> bool:
-    return all(torch.equal(x[:pages * P], y[:pages * P]) for x, y in zip(a, b))
+def probed_fetch(tier: KVTier, toks: np.ndarray, found: int):
+    """Start a fetch of ``toks`` and wait for its probe only, which must find ``found`` blocks (the get is
+    started by the next drain or wait); the task."""
+    task = tier.lookup_tiers(toks, None).promotion
+    job = tier._inflight[task.id].completion
+    assert job.wait(30) and job.found == found
+    return task
 
 
 def assert_accounted(tier: KVTier) -> None:
@@ -133,10 +123,10 @@ def test_a_killed_master_leaves_the_local_tiers_serving_and_the_tier_reconnects(
     t0 = time.monotonic()
     toks = prompt(2, 3)
     store_and_put(a, toks, first_page=10)  # puts fail: the tier goes down, the CPU tier keeps the pages
-    hit = a.lookup_tiers(prompt(3, 4), None)  # not local: a probe, or nothing while down
-    if hit.promotion is not None:
-        a.wait(hit.promotion)
-        assert hit.promotion.num_pages == 0
+    task = a.lookup_tiers(prompt(3, 4), None).promotion  # not local: a probe, or nothing while down
+    if task is not None:
+        a.wait(task)
+        assert task.num_pages == 0
     assert a.lookup(toks) == 3
     assert time.monotonic() - t0 < 4 * TIMEOUT + 10  # Mooncake's put retries for ~4 s before it gives up
     s = a.stats()
@@ -170,14 +160,12 @@ def test_a_hung_master_bounds_every_wait_and_keeps_the_fetch_blocks_until_its_ca
     toks = prompt(1, 4)
     store_and_put(a, toks)
     b = make_remote_tier(mooncake_master.addr, seed=1)
-    hit = b.lookup_tiers(toks, None)
-    job = b._inflight[hit.promotion.id].completion
-    assert job.wait(30) and job.found == 4  # the probe returned; the get is not started yet
+    task = probed_fetch(b, toks, 4)  # the probe returned; the get is not started yet
     mooncake_master.pause()  # the get's calls hang
     t0 = time.monotonic()
-    b.wait(hit.promotion)
+    b.wait(task)
     assert time.monotonic() - t0 < 2 * TIMEOUT + 1
-    assert hit.promotion.num_pages == 4 and b.lookup(toks) == 0  # abandoned: nothing entered the index
+    assert task.num_pages == 4 and b.lookup(toks) == 0  # abandoned: nothing entered the index
     s = b.stats()
     assert not s["remote_up"] and s["remote_fetches_abandoned"] == 1
     assert s["held_cpu_blocks"] == 4  # the hung get may still write them: not reused
@@ -200,12 +188,10 @@ def test_a_key_gone_between_probe_and_get_is_a_counted_miss(mooncake_master):
     toks = prompt(1, 4)
     store_and_put(a, toks)
     b = make_remote_tier(mooncake_master.addr, seed=1)
-    hit = b.lookup_tiers(toks, None)
-    job = b._inflight[hit.promotion.id].completion
-    assert job.wait(30) and job.found == 4
+    task = probed_fetch(b, toks, 4)
     store = a.remote.medium.store
     assert store.remove(a.remote.medium.keys(page_hashes(toks, P, None)[2:3])) == [0]  # the store drops block 2
-    b.wait(hit.promotion)
+    b.wait(task)
     s = b.stats()
     assert s["pages_fetched"] == 2 and s["remote_blocks_missing"] == 1 and s["remote_blocks_corrupt"] == 0
     assert b.lookup(toks) == 2
@@ -294,12 +280,10 @@ def test_puts_and_gets_in_many_batches_round_trip_and_stop_at_a_missing_block(mo
     assert pages == 7 and same(got, want, 7)
     toks = prompt(2, 7)
     want = store_and_put(a, toks, first_page=10)
-    hit = b.lookup_tiers(toks, None)
-    job = b._inflight[hit.promotion.id].completion
-    assert job.wait(30) and job.found == 7
+    task = probed_fetch(b, toks, 7)
     assert a.remote.medium.store.remove(a.remote.medium.keys(page_hashes(toks, P, None)[4:5])) == [0]
-    b.wait(hit.promotion)  # batch [4, 6) misses its first block: 4 verified, the call after it waited for
-    assert hit.promotion.num_pages == 7 and b.stats()["pages_fetched"] == 7 + 4
+    b.wait(task)  # batch [4, 6) misses its first block: 4 verified, the call after it waited for
+    assert task.num_pages == 7 and b.stats()["pages_fetched"] == 7 + 4
     pages, got = fetch_and_load(b, toks)
     assert pages == 4 and same(got, want, 4)
     assert_accounted(b)

@@ -56,3 +56,27 @@ def accounted_blocks(tier: KVTier) -> tuple[int, int, int]:
     s = tier.stats()
     return tier.pool.num_free, s["pages_held"], s["inflight_store_blocks"]
 
+
+
+def prompt(i: int, pages: int, page_size: int = TINY.page_size) -> np.ndarray:
+    """Tokens of ``pages`` pages, distinct for each ``i``."""
+    return np.arange(pages * page_size) + 1000 * i
+
+
+def lower_hit_and_load(tier: KVTier, toks: np.ndarray, first_page: int = 40) -> tuple[int, list[torch.Tensor]]:
+    """Wait for what :meth:`KVTier.lookup_tiers` starts bringing from a lower tier (an SSD promotion or a remote
+    fetch), then load the host hit into device pages ``first_page..``; (pages, their bytes)."""
+    P = tier.page_size
+    hit = tier.lookup_tiers(toks, None)
+    if hit.promotion is not None:
+        tier.wait(hit.promotion)
+    dst = page_slots(first_page, toks.size // P, P)
+    task = tier.load(toks, None, dst)
+    tier.wait(task)
+    return task.num_pages, slot_bytes(tier, dst[:task.num_pages * P])
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor], pages: int, page_size: int = TINY.page_size) -> bool:
+    """Whether the first ``pages`` pages of two :func:`slot_bytes` results are equal."""
+    n = pages * page_size
+    return all(torch.equal(x[:n], y[:n]) for x, y in zip(a, b))
