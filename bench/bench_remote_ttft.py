@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.bench_ssd_ttft import kv_bytes_per_token, model_for  # noqa: E402
+from bench.bench_ssd_ttft import kv_bytes_per_token, model_for, parse_ttft_args  # noqa: E402
 from bench.common import env_info, write_json  # noqa: E402
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.e2e.engine import TierEngine  # noqa: E402
@@ -88,18 +88,7 @@ def run(model, cfg, master: str, admission: str, args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prefix", type=int, nargs="+", default=[2048, 8192, 28672])
-    ap.add_argument("--suffix", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=36)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--smoke", action="store_true", help="toy model and sizes (a CPU, seconds)")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.prefix, args.reps = [64, 128], 1
+    args = parse_ttft_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), argv)
     cfg, model = model_for(args)
     master = Master(tempfile.mkdtemp(prefix="kvtier-mooncake-"))
     try:

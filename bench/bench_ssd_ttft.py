@@ -97,10 +97,9 @@ def run_dir(model, cfg, directory: str, admission: str, args) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", required=True, help="an SSD cache directory on the disk to measure")
-    ap.add_argument("--ram-dir", default="", help="an SSD cache directory on a RAM-backed file system")
+def parse_ttft_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """The TTFT benches' common arguments (prefix lengths, suffix, model, repetitions, --smoke, --out) added to
+    ``ap``, parsed; ``--smoke`` shrinks the sizes."""
     ap.add_argument("--prefix", type=int, nargs="+", default=[2048, 8192, 28672])
     ap.add_argument("--suffix", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=2)
@@ -112,6 +111,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.prefix, args.reps = [64, 128], 1
+    return args
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", required=True, help="an SSD cache directory on the disk to measure")
+    ap.add_argument("--ram-dir", default="", help="an SSD cache directory on a RAM-backed file system")
+    args = parse_ttft_args(ap, argv)
     cfg, model = model_for(args)
     dirs = [("disk", args.dir)] + ([("ram", args.ram_dir)] if args.ram_dir else [])
     rows = [r for _, d in dirs for adm in ("cost", "always") for r in run_dir(model, cfg, d, adm, args)]
