@@ -74,6 +74,11 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
   part of every key, and Mooncake's tenant id (``tenant_id``).
 * ``remote_admission`` (``"cost"`` | ``"always"``, default ``"cost"``) and ``remote_read_gbps`` (float > 0 or
   null): as ``ssd_admission`` and ``ssd_read_gbps``, for fetches from the remote tier.
+* ``metrics_port`` (int 0..65535 or null, default null): kvtier's own Prometheus endpoint,
+  ``http://0.0.0.0:PORT/metrics`` (TP rank r serves on PORT + r); null: none. Under SGLang with
+  ``--enable-metrics`` kvtier's metrics are on SGLang's ``/metrics`` as well (:mod:`kvtier.observe.metrics`).
+* ``log_transfers`` (bool, default true): one INFO line per completed transfer on the ``kvtier.transfers`` logger
+  (:mod:`kvtier.observe.transfer_log`).
 """
 
 from __future__ import annotations
@@ -185,6 +190,8 @@ class TierConfig:
     remote_tenant: str = "default"
     remote_admission: str = "cost"
     remote_read_gbps: Optional[float] = None
+    metrics_port: Optional[int] = None
+    log_transfers: bool = True
 
     def __post_init__(self) -> None:
         if not _is_number(self.cpu_cache_gb) or self.cpu_cache_gb <= 0:
@@ -228,6 +235,10 @@ class TierConfig:
             if v is not None and (not _is_number(v) or v <= 0):
                 raise _error(f"{key} must be a number > 0 or null, got {_got(v)}")
         self._check_remote()
+        if self.metrics_port is not None and (not _is_int(self.metrics_port) or not 0 <= self.metrics_port <= 65535):
+            raise _error(f"metrics_port must be an int in 0..65535 or null, got {_got(self.metrics_port)}")
+        if not isinstance(self.log_transfers, bool):
+            raise _error(f"log_transfers must be true or false, got {self.log_transfers!r}")
         object.__setattr__(self, "cpu_cache_gb", float(self.cpu_cache_gb))
         object.__setattr__(self, "ssd_cache_gb", float(self.ssd_cache_gb))
 

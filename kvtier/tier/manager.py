@@ -61,6 +61,7 @@ from kvtier.tier.abstract import HostTier
 from kvtier.tier.block_holds import BlockHolds
 from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
 from kvtier.tier.host_pool import HostBlockPool, synchronized
+from kvtier.tier.observers import TierObserver, Transfer
 from kvtier.tier.signal import LayerDoneCounter
 from kvtier.tier.remote_link import FetchPlan, RemoteLink
 from kvtier.tier.ssd_link import InFlight, PromotionPlan, SsdLink
@@ -271,6 +272,7 @@ class KVTier(HostTier):
         self._next_id = 0
         self._stats = TierStats()
         self.holds = BlockHolds(pool)  # CPU blocks lower-tier IO still uses
+        self._observers: list[TierObserver] = []
         self.ssd: Optional[SsdLink] = None
         self.remote: Optional[RemoteLink] = None
         if self.config.ssd_cache_gb > 0:
@@ -282,6 +284,32 @@ class KVTier(HostTier):
                 if self.ssd is not None:
                     self.ssd.close()
                 raise
+        for name, link in (("ssd", self.ssd), ("remote", self.remote)):
+            if link is not None:
+                link.medium.on_written = functools.partial(self._written, name)
+        logger.info("kvtier: %s", self.describe())
+
+    def describe(self) -> str:
+        """The configuration in force, in one line (the start-up log line)."""
+        c, geo, pool = self.config, self.geometry, self.pool
+        parts = [f"host pool {pool.num_blocks * pool.block_bytes / (1 << 30):.2f} GiB ({pool.num_blocks} blocks of "
+                 f"{self.block_tokens} tokens, {pool.block_bytes / (1 << 20):.2f} MiB each, {self.layout})",
+                 f"{geo.num_layers} layers on {self.kv.device}",
+                 f"page {self.page_size} tokens", f"transfer {c.transfer_mode}",
+                 "layerwise loads" if c.layerwise else "whole loads",
+                 f"finalize {'auto' if self._auto_finalize else 'ordered'}"]
+        if self.ssd is not None:
+            parts.append(f"SSD tier {c.ssd_cache_gb:g} GiB on {';'.join(c.ssd_dirs)} ({c.ssd_write_policy}, "
+                         f"admission {c.ssd_admission})")
+        if self.remote is not None:
+            parts.append(f"remote tier {c.remote_backend} at {c.remote_master} over {c.remote_protocol} "
+                         f"(admission {c.remote_admission})")
+        return ", ".join(parts)
+
+    def add_observer(self, observer: TierObserver) -> None:
+        """Report transfers and CPU index changes to ``observer`` from now on (:mod:`kvtier.tier.observers`)."""
+        with self._lock:
+            self._observers.append(observer)
 
     # --- engine API ---
 
@@ -500,6 +528,8 @@ class KVTier(HostTier):
             self.remote.drain(wait=True)
         self.holds.reset()
         self.index.reset()
+        if self._observers:
+            self._notify("cleared")
         self.pool.reset()
         self.counter.reset()
         self._finished = []
@@ -536,7 +566,7 @@ class KVTier(HostTier):
         out = dataclasses.asdict(s)
         out.update(gbps_d2h=s.gbps_d2h, gbps_h2d=s.gbps_h2d, occupancy=self.pool.occupancy,
                    blocks_used=self.pool.num_used, blocks_total=self.pool.num_blocks,
-                   tokens_per_block=self.block_tokens,
+                   tokens_per_block=self.block_tokens, page_size=self.page_size, block_bytes=self.pool.block_bytes,
                    pages_held=self.index.total_pages * self._pages_per_block,
                    pages_locked=self.index.protected_pages * self._pages_per_block,
                    inflight_tasks=len(self._inflight),
@@ -554,6 +584,19 @@ class KVTier(HostTier):
         return list(self._inflight)
 
     # --- internals ---
+
+    def _notify(self, hook: str, *args) -> None:
+        for observer in list(self._observers):
+            try:
+                getattr(observer, hook)(*args)
+            except Exception:
+                logger.exception("kvtier: observer %r failed in %s; it is dropped", observer, hook)
+                self._observers.remove(observer)
+
+    def _written(self, tier: str, blocks: int, nbytes: int, seconds: float) -> None:
+        """A lower tier finished writing ``blocks`` CPU blocks."""
+        if self._observers:
+            self._notify("transfer_done", Transfer(tier, "store", blocks * self._pages_per_block, nbytes, seconds))
 
     def _new_task(self, kind: str, num_pages: int, num_held: int = 0) -> TierTask:
         task = TierTask(self._next_id, kind, num_pages, num_held)
@@ -755,6 +798,8 @@ class KVTier(HostTier):
     def _evict_blocks(self, n: int) -> int:
         """Evict up to ``n`` LRU unlocked blocks and free them; returns how many."""
         ids = self.index.evict(n)
+        if self._observers and ids.size:
+            self._notify("blocks_evicted", ids)
         self._release(ids)
         self._stats.pages_evicted += ids.size * self._pages_per_block
         return int(ids.size)
@@ -798,6 +843,8 @@ class KVTier(HostTier):
         owned = r.new_mask[held:]
         self.pool.free(ids[~owned])
         positions = held + np.flatnonzero(owned)
+        if self._observers and positions.size:
+            self._notify("blocks_entered", ids[owned], toks, rec.ns, positions)
         if self.ssd is not None:
             self.ssd.entered(ids[owned], toks, rec.ns, positions)
         if self.remote is not None and rec.task.kind != "fetch":  # a fetched block is on the remote already
@@ -823,6 +870,9 @@ class KVTier(HostTier):
         else:
             self._stats.pages_fetched += inserted
             self._stats.pages_fetch_failed += failed
+        if self._observers and ok:
+            self._notify("transfer_done", Transfer("ssd" if rec.task.kind == "promote" else "remote", "load",
+                                                   ok * G, ok * self.pool.block_bytes, job.seconds()))
 
     def _finalize(self, rec: _Inflight, *, cancelled: bool) -> None:
         """The copy of ``rec`` has completed: insert / free / unlock, and account (a failed copy is discarded
@@ -852,5 +902,8 @@ class KVTier(HostTier):
             self.index.unlock(rec.handle)
         if cancelled and not failed:
             self._stats.cancelled += 1
+        if self._observers and not cancelled and task.kind not in ("promote", "fetch") and task.num_pages:
+            self._notify("transfer_done", Transfer("cpu", "store" if task.kind == "store" else "load",
+                                                   task.num_pages, rec.nbytes, secs))
         task.status = "failed" if failed else "cancelled" if cancelled else "done"
         self._finished.append(task.id)

@@ -215,6 +215,8 @@ class RemoteTier:
         self._view = block_view
         self.value_bytes = ALIGN + block_bytes
         self.stats = RemoteStats()
+        # called with (blocks, bytes, seconds) of every finished put (the tier's observers)
+        self.on_written: Optional[Callable[[int, int, float], None]] = None
         self.up = True
         self._next_retry = 0.0
         self._health: Optional[RemoteJob] = None
@@ -300,6 +302,8 @@ class RemoteTier:
             s.blocks_put_failed += job.num_blocks - job.ok
             s.bytes_put += job.ok * self.block_bytes
             s.seconds_put += job.io_seconds
+            if self.on_written is not None and job.ok:
+                self.on_written(job.ok, job.ok * self.block_bytes, job.io_seconds)
         elif job.kind == "fetch":
             s.blocks_probed_hit += max(job.found, 0)
             s.blocks_fetched += job.ok

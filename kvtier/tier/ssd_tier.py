@@ -154,6 +154,8 @@ class SsdTier:
         self._copy_out, self._copy_in = copy_out, copy_in
         self.index = SlotIndex(store.num_slots)
         self.stats = SsdStats()
+        # called with (blocks, bytes, seconds) of every finished write (the tier's observers)
+        self.on_written: Optional[Callable[[int, int, float], None]] = None
         self._max_pending = max(1, max_pending_bytes // self.block_bytes)
         self._pending_blocks = 0
         self._writing: set[int] = set()  # chain hashes of blocks in write jobs
@@ -243,6 +245,8 @@ class SsdTier:
             self.stats.blocks_write_failed += n - ok
             self.stats.bytes_written += ok * self.block_bytes
             self.stats.seconds_write += job.io_seconds
+            if self.on_written is not None and ok:
+                self.on_written(ok, ok * self.block_bytes, job.io_seconds)
             if job.error is not None:
                 logger.warning("kvtier: SSD write of %d blocks failed after %d (%s: %s); the CPU tier carries on",
                                n, ok, type(job.error).__name__, job.error)

@@ -1,0 +1,59 @@
+"""attach: give a KVTier the observers its config asks for (transfer log, metrics and their HTTP endpoint)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Optional
+
+from kvtier.observe.transfer_log import TransferLog
+
+__all__ = ["attach", "Observability"]
+
+logger = logging.getLogger(__name__)
+
+
+class Observability:
+    """What :func:`attach` added to a tier: :attr:`metrics` (or None), :attr:`server` (kvtier's own HTTP
+    endpoint, or None), :attr:`port` (the port it serves on)."""
+
+    def __init__(self) -> None:
+        self.metrics = None
+        self.server = None
+        self.port: Optional[int] = None
+
+    def close(self) -> None:
+        """Stop the endpoint and the metrics' sync thread (the tier keeps running unobserved by them)."""
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def attach(tier, config=None, *, labels: Optional[Mapping[str, str]] = None, multiprocess: bool = False,
+           port_offset: int = 0) -> Observability:
+    """Add to ``tier`` a :class:`TransferLog` (``log_transfers``) and :class:`~kvtier.observe.metrics.TierMetrics`
+    when ``multiprocess`` (SGLang's ``--enable-metrics``) or ``metrics_port`` asks for them; ``metrics_port`` plus
+    ``port_offset`` (the TP rank) is served over HTTP. ``config``: the keys to follow (default ``tier.config``)."""
+    config = config if config is not None else tier.config
+    out = Observability()
+    if config.log_transfers:
+        tier.add_observer(TransferLog())
+    port = None if config.metrics_port is None else config.metrics_port + port_offset
+    if not multiprocess and port is None:
+        return out
+    from kvtier.observe.metrics import TierMetrics, serve
+
+    out.metrics = TierMetrics(tier.stats, labels=labels, multiprocess=multiprocess)
+    tier.add_observer(out.metrics)
+    if port is not None:
+        try:
+            out.server, _ = serve(out.metrics, port)
+        except OSError as e:
+            out.close()
+            raise ValueError(f"kvtier config: metrics_port {config.metrics_port} (+{port_offset} for this rank): "
+                             f"cannot serve on port {port}: {e}") from None
+        out.port = out.server.server_port
+        logger.info("kvtier: metrics on http://0.0.0.0:%d/metrics", out.port)
+    return out

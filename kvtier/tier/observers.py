@@ -1,0 +1,59 @@
+"""What a :class:`~kvtier.tier.KVTier` reports as it runs, for metrics, logs and KV events.
+
+A :class:`TierObserver` (added with ``KVTier.add_observer``) is told of every completed transfer and of every block
+that enters or leaves the CPU index. Hooks run on the caller's thread, under the tier's lock: they must be quick
+and must not call back into the tier. An observer that raises is logged and dropped; the tier carries on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["Transfer", "TierObserver", "TIERS", "OPS"]
+
+TIERS: tuple[str, ...] = ("cpu", "ssd", "remote")
+OPS: tuple[str, ...] = ("store", "load")  # into the tier, out of it (towards the GPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One completed transfer.
+
+    Attributes:
+        tier: ``"cpu"`` (GPU <-> pinned CPU blocks), ``"ssd"`` or ``"remote"`` (CPU blocks <-> that tier).
+        op: ``"store"`` (into ``tier``: a D2H copy, an SSD write, a remote put) or ``"load"`` (out of it: an H2D
+            copy, an SSD read promoting blocks to the CPU, a remote fetch).
+        pages: engine pages moved (for SSD and remote: the blocks' pages that arrived intact).
+        nbytes: bytes moved.
+        seconds: its duration (CUDA events on the GPU, wall time of the IO otherwise); None when unknown.
+    """
+
+    tier: str
+    op: str
+    pages: int
+    nbytes: int
+    seconds: Optional[float]
+
+    @property
+    def gbps(self) -> Optional[float]:
+        return self.nbytes / self.seconds / 1e9 if self.seconds and self.nbytes else None
+
+
+class TierObserver:
+    """Every hook is a no-op here; an observer overrides those it watches."""
+
+    def transfer_done(self, transfer: Transfer) -> None:
+        """A transfer completed (failed and cancelled ones are not reported: the stats count them)."""
+
+    def blocks_entered(self, block_ids: np.ndarray, tokens: np.ndarray, ns, positions: np.ndarray) -> None:
+        """CPU blocks ``block_ids`` entered the index; block ``i`` holds ``tokens``' block ``positions[i]``
+        (``tokens`` runs from the prefix's first token, in the namespace ``ns``)."""
+
+    def blocks_evicted(self, block_ids: np.ndarray) -> None:
+        """CPU blocks ``block_ids`` left the index (LRU eviction)."""
+
+    def cleared(self) -> None:
+        """Every CPU block left the index (``KVTier.reset``)."""
