@@ -39,7 +39,7 @@ class Setup:
 def build(*, mla: bool = False, page_size: int = 4, kv_size: int = 64, layers: int = 2, host_blocks_kb: float = 64,
           layerwise: bool = False, max_reqs: int = 8, max_context: int = 64, device="cpu",
           transfer_mode: Optional[str] = None, tokens_per_block: Optional[int] = None, ssd_dir: Optional[str] = None,
-          remote_master: Optional[str] = None, **cache_kw) -> Setup:
+          remote_master: Optional[str] = None, kv_events: bool = False, **cache_kw) -> Setup:
     """Real sglang pools, allocator and req-to-token pool on ``device`` ("cpu", "cuda", "cuda:1", ...) and a
     KVTierRadixCache over them (pinned host pool and CUDA streams when the device is CUDA). Host blocks of
     ``tokens_per_block`` tokens (default: one engine page; 0: the config's default for the page size). With
@@ -60,7 +60,7 @@ def build(*, mla: bool = False, page_size: int = 4, kv_size: int = 64, layers: i
                                             kvcache=kv_pool, need_sort=False)
     r2t = ReqToTokenPool(size=max_reqs, max_context_len=max_context, device=str(dev), enable_memory_saver=False)
     params = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=allocator,
-                             page_size=page_size)
+                             page_size=page_size, enable_kv_cache_events=kv_events)
     extra = {} if transfer_mode is None else {"transfer_mode": transfer_mode}
     extra["tokens_per_block"] = page_size if tokens_per_block is None else tokens_per_block or None
     if ssd_dir is not None:

@@ -25,7 +25,7 @@ BACKEND_NAME = "kvtier"
 logger = logging.getLogger(__name__)
 
 __all__ = ["SUPPORTED_SGLANG_VERSION", "BACKEND_NAME", "installed_sglang_version", "check_sglang_version",
-           "register", "factory", "unsupported_reasons", "model_identity"]
+           "register", "factory", "unsupported_reasons", "model_identity", "metrics_labels"]
 
 
 def installed_sglang_version() -> str | None:
@@ -160,7 +160,15 @@ def factory(ctx):
     except AttributeError:
         pass
     return KVTierRadixCache(params, config, tp_group=tp_group if ctx.tp_size > 1 else None,
-                            forward_stream=forward_stream, host_budget_bytes=budget, model_identity=model_identity(ctx))
+                            forward_stream=forward_stream, host_budget_bytes=budget, model_identity=model_identity(ctx),
+                            metrics_labels=metrics_labels(ctx))
+
+
+def metrics_labels(ctx) -> dict:
+    """kvtier's metric labels, as SGLang labels its own: the served model name and the TP rank."""
+    args = ctx.server_args
+    name = getattr(args, "served_model_name", None) or getattr(args, "model_path", None) or ""
+    return {"model_name": str(name), "tp_rank": str(ctx.tp_rank)}
 
 
 def model_identity(ctx) -> dict:

@@ -40,6 +40,7 @@ from kvtier import sglang as _kvtier_sglang
 from kvtier.config import TierConfig
 from kvtier.index import Namespace
 from kvtier.kernels import PagedKV
+from kvtier.observe.attach import Observability, attach
 from kvtier.tier import CudaExecutor, KVTier, TierTask
 
 _kvtier_sglang.check_sglang_version()
@@ -53,6 +54,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode  # noqa: E402
+
+from kvtier.sglang.kv_events import HostKvEvents  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +107,15 @@ class KVTierRadixCache(RadixCache):
             is available, less SGLang's reserve, split between the ranks of the host); the pinned pool must fit.
         model_identity: what the KV belongs to, for the SSD tier's blocks (the factory's
             :func:`kvtier.sglang.model_identity`).
+        metrics_labels: constant labels of kvtier's metrics (the factory's: ``model_name``, ``tp_rank``). The
+            metrics are on with ``params.enable_metrics`` (SGLang's ``--enable-metrics``: its multiprocess
+            collection) or the config's ``metrics_port``; KV events with ``params.enable_kv_cache_events``.
     """
 
     def __init__(self, params: CacheInitParams, config: Optional[TierConfig] = None, *, tp_group=None,
                  forward_stream=None, executor=None, counter_backend: str = "auto", pool=None,
-                 host_budget_bytes: Optional[int] = None, model_identity: Optional[dict] = None) -> None:
+                 host_budget_bytes: Optional[int] = None, model_identity: Optional[dict] = None,
+                 metrics_labels: Optional[dict] = None) -> None:
         super().__init__(params)
         self.tier_config = config if config is not None else TierConfig.from_env()
         self.tp_group = tp_group
@@ -126,6 +133,7 @@ class KVTierRadixCache(RadixCache):
         # TP: every store and load in issue order, released only as far as every rank has completed (_sync)
         self._order: collections.deque[TierTask] = collections.deque()
         self.tier: Optional[KVTier] = None
+        self.observability = Observability()
         self.layerwise = False
         if self.disable:
             return
@@ -140,6 +148,11 @@ class KVTierRadixCache(RadixCache):
         self.tier = KVTier(kv, self.tier_config, executor=executor, counter_backend=counter_backend, pool=pool,
                            host_budget_bytes=host_budget_bytes, finalize="auto" if tp_group is None else "ordered",
                            model_identity=model_identity)
+        rank = torch.distributed.get_rank(tp_group) if tp_group is not None else 0
+        self.observability = attach(self.tier, labels=metrics_labels, multiprocess=bool(params.enable_metrics),
+                                    port_offset=rank)
+        if self.kv_events.enabled:  # --kv-events-config: the CPU tier's blocks are published too
+            self.tier.add_observer(HostKvEvents(self.kv_events, self.page_size, self.tier.block_tokens))
         self.set_layerwise(self.tier_config.layerwise)
 
     @classmethod
@@ -407,6 +420,7 @@ class KVTierRadixCache(RadixCache):
     def release_host_resources(self) -> None:
         """SGLang's graceful shutdown: wait for kvtier's copies, then unpin and free the host pool (idempotent)."""
         super().release_host_resources()
+        self.observability.close()
         if self.tier is not None:
             self.tier.destroy()
 

@@ -1,0 +1,99 @@
+"""The SGLang backend's observability: kvtier's CPU-tier stores and evictions in SGLang's KV event stream (a real ZMQ
+socket, SGLang's own publisher and message format), with SGLang's block hashes; metrics on with --enable-metrics."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sglang")
+pytest.importorskip("zmq")
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher  # noqa: E402
+
+from tests.sglang_helpers import build, flush_device, serve  # noqa: E402
+
+PAGE = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _publish_and_receive(events: list) -> list:
+    """Publish ``events`` through SGLang's ZmqEventPublisher on loopback; what a subscriber decodes (bounded:
+    at most 50 publish attempts, 10 s)."""
+    port = _free_port()
+    pub = ZmqEventPublisher(attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{port}", bind=True)
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    try:
+        deadline = time.monotonic() + 10
+        for _ in range(50):  # a PUB drops what it sends before the subscription arrives: resend until one lands
+            pub.publish(KVEventBatch(ts=time.time(), events=events))
+            if sub.poll(200):
+                _topic, _seq, payload = sub.recv_multipart()
+                return decoder.decode(payload).events
+            assert time.monotonic() < deadline, "no KV event batch arrived"
+        raise AssertionError("no KV event batch arrived")
+    finally:
+        sub.close(linger=0)
+        pub.shutdown()
+
+
+def _hashes(events, kind: str, medium: str) -> list:
+    return [h for e in events if type(e).__name__ == kind and e.medium == medium for h in e.block_hashes]
+
+
+def test_host_stores_and_evictions_reach_the_kv_event_stream_with_sglangs_hashes():
+    # 8 host blocks of one page: a second 8-page prompt evicts the first's pages from the host
+    s = build(page_size=PAGE, kv_size=64, host_blocks_kb=4, kv_events=True)  # 8 blocks of 512 bytes
+    assert s.cache.tier.pool.num_blocks == 8
+    a = np.arange(1, 8 * PAGE + 1)
+    serve(s, a)
+    s.cache.wait_all()  # the host store completes: its pages enter the CPU index
+    events = _publish_and_receive(s.cache.take_events())
+    gpu = _hashes(events, "BlockStored", "GPU")
+    cpu = _hashes(events, "BlockStored", "CPU_PINNED")
+    assert len(gpu) == 8 and cpu == gpu  # the same pages, the same (SGLang's) hashes
+    stored = [e for e in events if type(e).__name__ == "BlockStored" and e.medium == "CPU_PINNED"]
+    assert [t for e in stored for t in e.token_ids] == a.tolist()
+    assert stored[0].parent_block_hash is None
+
+    flush_device(s)  # the device drops them; the host keeps them
+    b = np.arange(1000, 1000 + 8 * PAGE)
+    serve(s, b)
+    s.cache.wait_all()
+    events = _publish_and_receive(s.cache.take_events())
+    assert sorted(_hashes(events, "BlockRemoved", "GPU")) == sorted(gpu)
+    assert sorted(_hashes(events, "BlockRemoved", "CPU_PINNED")) == sorted(gpu)  # b's store evicted all of a
+    assert len(_hashes(events, "BlockStored", "CPU_PINNED")) == 8
+
+
+def test_namespaced_host_events_match_the_device_events():
+    s = build(page_size=PAGE, kv_size=64, kv_events=True)
+    serve(s, np.arange(1, 4 * PAGE + 1), cache_salt="tenant-a", extra_key="lora-x")
+    s.cache.wait_all()
+    events = s.cache.take_events()
+    gpu = _hashes(events, "BlockStored", "GPU")
+    assert len(gpu) == 4 and _hashes(events, "BlockStored", "CPU_PINNED") == gpu
+    salts = {e.cache_salt for e in events if type(e).__name__ == "BlockStored"}
+    assert salts == {"tenant-a"}
+
+
+def test_no_host_events_without_kv_events():
+    s = build(page_size=PAGE, kv_size=64)
+    serve(s, np.arange(1, 4 * PAGE + 1))
+    s.cache.wait_all()
+    assert s.cache.take_events() == []
+    assert len(s.cache.tier._observers) == 1  # the transfer log only
