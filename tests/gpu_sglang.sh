@@ -37,7 +37,7 @@ if [ "${1:-run}" = "build" ]; then
     P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_34_x86_64
        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
     # shellcheck disable=SC2086
-    "$PY" -m pip download -q $P -d "$WHEELS" sglang==0.5.23 apache-tvm-ffi==0.1.15.post2 orjson==3.13.0 \
+    "$PY" -m pip download -q $P -d "$WHEELS" sglang==0.5.23 apache-tvm-ffi==0.1.15.post2 orjson==3.13.0 prometheus-client==0.26.0 \
         pybase64==1.5.1 msgspec==0.23.0 pyzmq==27.3.0 dill==0.4.1 traitlets==5.16.1 pydantic==2.14.4 \
         pydantic-core==2.50.5 typing-inspection==0.4.5 annotated-types==0.8.0 typing-extensions==4.16.0 \
         starlette==1.10.0 transformers==5.24.0 huggingface-hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 \
