@@ -16,6 +16,7 @@ Run on the GPU machine: ``python bench/bench_observe.py --out $OUT/observe_h200.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import logging
 import os
@@ -75,7 +76,7 @@ def run(args) -> dict:
     log.addHandler(logging.StreamHandler(sink))
     log.setLevel(logging.INFO)
     log.propagate = False
-    obs = attach(observed, TierConfig(cpu_cache_gb=gb, page_size=P, metrics_port=0), labels={"tp_rank": "0"})
+    obs = attach(observed, dataclasses.replace(config, metrics_port=0), labels={"tp_rank": "0"})
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 150_000, n * P).astype(np.int64) for _ in range(args.pool_requests * 2)]
     runs = {"bare": [], "observed": []}

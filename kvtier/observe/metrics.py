@@ -17,12 +17,15 @@ Two ways out:
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable, Mapping, NamedTuple, Optional
 
 from kvtier.tier.observers import TierObserver, Transfer
 
 __all__ = ["TierMetrics", "METRICS", "serve", "DURATION_BUCKETS"]
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "kvtier_"
 DURATION_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -192,9 +195,7 @@ class TierMetrics(TierObserver):
         try:
             self.sync()
         except Exception:  # a tier torn down under the thread: the metrics stop, serving does not
-            import logging
-
-            logging.getLogger(__name__).exception("kvtier: syncing the metrics failed; they stop here")
+            logger.exception("kvtier: syncing the metrics failed; they stop here")
             self._stop.set()
 
     def close(self) -> None:

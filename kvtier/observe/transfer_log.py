@@ -28,8 +28,6 @@ class TransferLog(TierObserver):
         if not self.logger.isEnabledFor(logging.INFO):
             return
         what = _WHAT.get((t.tier, t.op), f"{t.tier} {t.op}")
-        if t.seconds:
-            timing = f" in {t.seconds * 1e3:.2f} ms ({t.nbytes / t.seconds / 1e9:.1f} GB/s)"
-        else:
-            timing = ""
+        gbps = t.gbps
+        timing = f" in {t.seconds * 1e3:.2f} ms ({gbps:.1f} GB/s)" if gbps is not None else ""
         self.logger.info("kvtier: %s: %d pages, %.2f MiB%s", what, t.pages, t.nbytes / (1 << 20), timing)

@@ -842,13 +842,13 @@ class KVTier(HostTier):
         r = self.index.insert(toks, np.concatenate((rec.prefix_ids, ids)), rec.ns)
         owned = r.new_mask[held:]
         self.pool.free(ids[~owned])
-        positions = held + np.flatnonzero(owned)
+        entered, positions = ids[owned], held + np.flatnonzero(owned)
         if self._observers and positions.size:
-            self._notify("blocks_entered", ids[owned], toks, rec.ns, positions)
+            self._notify("blocks_entered", entered, toks, rec.ns, positions)
         if self.ssd is not None:
-            self.ssd.entered(ids[owned], toks, rec.ns, positions)
+            self.ssd.entered(entered, toks, rec.ns, positions)
         if self.remote is not None and rec.task.kind != "fetch":  # a fetched block is on the remote already
-            self.remote.entered(ids[owned], toks, rec.ns, positions)
+            self.remote.entered(entered, toks, rec.ns, positions)
         return owned
 
     def _finalize_read(self, rec: _Inflight, cancelled: bool) -> None:
