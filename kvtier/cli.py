@@ -4,6 +4,9 @@
   store/load round trip of the transfer kernels instead).
 * ``kvtier config check FILE``: validate a kvtier config (YAML or JSON) as the server would, and print what it
   resolves to (every key, and the values derived from them); a bad file prints one line and exits with 1.
+* ``kvtier inspect DIR``: a read-only look at an SSD cache directory (or a ``;``-separated list): per block file the
+  fingerprint, slot geometry, blocks held, bytes, namespaces and journal health; ``--verify`` checks every held
+  block's header and payload; ``--json`` for scripts.
 * ``kvtier --version``.
 """
 
@@ -38,6 +41,14 @@ def _parser() -> argparse.ArgumentParser:
                                               "runs, and print every key as it resolves (defaults filled in) and "
                                               "the values derived from them. Exits 1 on a bad file.")
     check.add_argument("file", help="the config file (.yaml, .yml or .json), as given in $KVTIER_CONFIG")
+    inspect = sub.add_parser("inspect", help="what an SSD cache directory holds, and whether it is sound",
+                             description="Read-only: per block file, the fingerprint, slot geometry, blocks held, "
+                                         "bytes, namespaces and the journal's health; --verify reads every held "
+                                         "block back and checks it. Exits 1 when a directory is not an SSD cache, "
+                                         "2 when --verify finds bad blocks.")
+    inspect.add_argument("dir", help="the SSD cache directory, or several separated by ';' (as ssd_cache_dir)")
+    inspect.add_argument("--verify", action="store_true", help="check every held block's header and payload")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return parser
 
 
@@ -51,6 +62,10 @@ def main(argv: Optional[list] = None) -> int:
         return _demo(parser, args)
     if args.command == "config":
         return _config_check(args.file)
+    if args.command == "inspect":
+        from kvtier.commands import inspect_cache
+
+        return inspect_cache.run(args.dir, verify=args.verify, as_json=args.json)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

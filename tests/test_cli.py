@@ -122,3 +122,118 @@ def test_config_check_prints_what_a_file_resolves_to(tmp_path, capsys):
     assert "tokens per host block in force: 16" in out and f"host pool per rank: {2 << 30} bytes" in out
     assert "remote tier: mooncake at h:1 over tcp" in out
     assert cli.main(["config", "check", str(tmp_path / "missing.yaml")]) == 1
+
+
+# --- kvtier inspect: a real cache written by SsdStore, read through python -m kvtier ---
+
+INSPECT_BLOCK = 3000  # payload bytes: one 4 KiB page padded
+
+
+def _write_cache(dirs: list, journal: bool = True) -> dict:
+    """Blocks in two namespaces put through SsdStore over ``dirs``; what was written, per namespace."""
+    import numpy as np
+
+    from kvtier.index import DEFAULT_NAMESPACE_SEED
+    from kvtier.storage import Block, SsdStore, fingerprint
+    from kvtier.storage.block_format import ALIGN
+
+    default = DEFAULT_NAMESPACE_SEED - (1 << 64) if DEFAULT_NAMESPACE_SEED >= 1 << 63 else DEFAULT_NAMESPACE_SEED
+    spaces = [default] * 5 + [-7] * 2  # slots 0..6, striped round robin over the directories
+    with SsdStore(";".join(map(str, dirs)), capacity_bytes=len(dirs) * 8 * 2 * ALIGN, block_bytes=INSPECT_BLOCK,
+                  fingerprint=fingerprint(model="inspect-test"), tokens_per_block=16 if journal else None) as s:
+        s.put(list(range(7)), [Block(ns, 100 + i, np.arange(16) + i, np.full(INSPECT_BLOCK, i, np.uint8))
+                               for i, ns in enumerate(spaces)])
+        s.free([6])  # the last block leaves: 6 held
+    return {"blocks": 6, "default": 5, "other": 1, "slots": 8 * len(dirs)}
+
+
+def _inspect(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtier", "inspect", *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def _digests(root) -> dict:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() + f":{p.stat().st_mtime_ns}"
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("journal", [True, False], ids=["journal", "headers"])
+def test_inspect_counts_what_the_store_wrote(tmp_path, journal):
+    import json
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    wrote = _write_cache(dirs, journal)
+    r = _inspect(";".join(map(str, dirs)), "--json", "--verify")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    total, files = out["total"], out["files"]
+    assert total["blocks"] == wrote["blocks"] and total["slots"] == wrote["slots"] and total["bad_blocks"] == 0
+    assert total["verified_blocks"] == wrote["blocks"] and total["payload_bytes"] == wrote["blocks"] * INSPECT_BLOCK
+    assert [f["blocks"] for f in files] == [3, 3]  # slots 0, 2, 4 and 1, 3, 5
+    ns = {}
+    for f in files:
+        assert f["slot_payload_bytes"] == INSPECT_BLOCK and f["num_slots"] == 8 and not f["truncated"]
+        assert f["source"] == ("journal" if journal else "headers")
+        assert f["journal"]["state"] == ("ok" if journal else "missing")
+        for k, v in f["namespaces"].items():
+            ns[k] = ns.get(k, 0) + v
+    assert ns == {total["default_namespace"]: wrote["default"], f"{(1 << 64) - 7:016x}": wrote["other"]}
+    assert len({f["fingerprint"] for f in files}) == 1 and total["namespaces"] == 2
+    r = _inspect(";".join(map(str, dirs)))  # the tables
+    health = "sound" if journal else "journal missing: blocks listed from the slot headers"
+    assert r.returncode == 0 and health in r.stdout and "default 3" in r.stdout, r.stdout + r.stderr
+
+
+def test_inspect_verify_finds_a_flipped_payload_byte(tmp_path):
+    import json
+
+    _write_cache([tmp_path])
+    r = _inspect(tmp_path, "--json")
+    f = json.loads(r.stdout)["files"][0]
+    path = tmp_path / "kvtier_blocks.bin"
+    data = bytearray(path.read_bytes())
+    data[4096 + 2 * f["slot_bytes"] + 4096 + 17] ^= 0xFF  # slot 2's payload
+    path.write_bytes(bytes(data))
+    assert json.loads(_inspect(tmp_path, "--json").stdout)["total"]["blocks"] == 6  # without --verify: unseen
+    r = _inspect(tmp_path, "--json", "--verify")
+    assert r.returncode == 2
+    v = json.loads(r.stdout)["files"][0]["verification"]
+    assert v["checked"] == 6 and v["bad"] == 1 and v["reasons"]["payload"] == 1 and v["bad_slots"] == [2]
+    r = _inspect(tmp_path, "--verify")
+    assert r.returncode == 2 and "1 of 6 blocks fail their checks" in r.stdout
+
+
+def test_inspect_changes_no_byte_of_the_cache(tmp_path):
+    """Also where a starting tier would repair: a damaged journal (rebuilt at open) and a truncated file (its
+    length restored); inspect reports both and leaves every file as it was."""
+    _write_cache([tmp_path])
+    journal = tmp_path / "kvtier_blocks.bin.journal"
+    journal.write_bytes(b"\0" * 8 + journal.read_bytes()[8:])  # a damaged head
+    blocks = tmp_path / "kvtier_blocks.bin"
+    with open(blocks, "r+b") as fh:
+        fh.truncate(4096 + 5 * 8192)  # slots 5.. are gone
+    before = _digests(tmp_path)
+    for args in ((), ("--verify",), ("--json", "--verify")):
+        r = _inspect(tmp_path, *args)
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert "journal invalid" in _inspect(tmp_path).stdout and "truncated" in _inspect(tmp_path).stdout
+    assert _digests(tmp_path) == before
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "not_a_block_file"])
+def test_inspect_of_a_directory_that_is_no_cache_is_one_line(tmp_path, case):
+    target = tmp_path / "cache"
+    if case != "missing":
+        target.mkdir()
+    if case == "not_a_block_file":
+        (target / "kvtier_blocks.bin").write_bytes(b"not a block file" * 512)
+    r = _inspect(target)
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(target) in lines[0], r.stderr
+    assert {"missing": "no such directory", "empty": "holds no kvtier SSD cache",
+            "not_a_block_file": "is not a kvtier block file"}[case] in lines[0]

@@ -25,7 +25,7 @@ import xxhash
 from kvtier.storage.aligned_io import aligned as _aligned, read_all, write_all as _write_all
 from kvtier.storage.block_format import ALIGN
 
-__all__ = ["Journal", "Record", "Replay", "BLOCK", "FREE"]
+__all__ = ["Journal", "Record", "Replay", "BLOCK", "FREE", "head_tokens"]
 
 BLOCK, FREE = 1, 2
 _VERSION = 2  # 2: a checksum per page (1: one per record; such a journal is invalid here and rebuilt)
@@ -73,16 +73,16 @@ class Journal:
     """The journal at ``path`` for blocks of ``fingerprint`` with ``tokens`` tokens each.
 
     ``valid`` is False when the file is missing, damaged or another's: the caller rebuilds it from the headers
-    (:meth:`rewrite`)."""
+    (:meth:`rewrite`). ``read_only``: opened for reading (replays and :meth:`page_health`) and never written."""
 
-    def __init__(self, path: str, *, fingerprint: bytes, tokens: int, direct: bool) -> None:
+    def __init__(self, path: str, *, fingerprint: bytes, tokens: int, direct: bool, read_only: bool = False) -> None:
         self.path, self.fingerprint, self.tokens = path, fingerprint, tokens
         self.record_bytes = _FIXED.size + 8 * tokens
         self.per_page = _BODY // self.record_bytes
         if self.per_page < 1:
             raise ValueError(f"a journal record of {tokens} tokens does not fit a {ALIGN}-byte page")
         self._dtype = np.dtype(_FIELDS + [("toks", "<i8", (tokens,))])  # a record, as numpy parses it
-        self._direct = direct
+        self._direct, self._read_only = direct, read_only
         self.valid = False
         self.pages = 0  # pages appended since the last rewrite (compaction counts them)
         self._fd = -1
@@ -101,7 +101,7 @@ class Journal:
         return len(buf) >= ALIGN and buf[:ALIGN] == self._head()
 
     def _open(self, path: str) -> int:
-        flags = os.O_RDWR
+        flags = os.O_RDONLY if self._read_only else os.O_RDWR
         if self._direct and hasattr(os, "O_DIRECT"):
             try:
                 return os.open(path, flags | os.O_DIRECT)
@@ -136,6 +136,7 @@ class Journal:
         records = list(records)
         if not records or not self.valid:
             return
+        self._writable()
         buf = self._pages(records)
         _write_all(self._fd, buf, self.end)
         self.end += buf.size
@@ -184,6 +185,7 @@ class Journal:
 
     def rewrite(self, live: Iterable[Record]) -> None:
         """Replace the journal with ``live`` records only (a new file, synced, renamed over this one)."""
+        self._writable()
         tmp = self.path + ".tmp"
         records = list(live)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -208,10 +210,49 @@ class Journal:
         self.end = os.fstat(self._fd).st_size
         self.valid, self.pages = True, (self.end - ALIGN) // ALIGN
 
+    def page_health(self) -> tuple[int, int]:
+        """(record pages, pages that fail their checksum: their records are void) of a valid journal."""
+        pages = bad = 0
+        end = self.end if self.valid else ALIGN
+        buf = _aligned(min(end - ALIGN, _CHUNK))
+        for off in range(ALIGN, end, _CHUNK):
+            chunk = buf[:min(_CHUNK, end - off)].reshape(-1, ALIGN)
+            read_all(self._fd, chunk.reshape(-1), off)
+            pages += chunk.shape[0]
+            bad += int((~_intact(chunk)).sum())
+        return pages, bad
+
+    def _writable(self) -> None:
+        if self._read_only:
+            raise PermissionError(f"journal {self.path} is open read-only")
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def head_tokens(path: str) -> Optional[int]:
+    """Tokens per record named by the head of the journal at ``path``; None when the file is missing or its head
+    is not a whole one of this version (its fingerprint is checked by opening it as a :class:`Journal`)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(ALIGN)
+    except FileNotFoundError:
+        return None
+    if len(head) < _HEAD.size + _CHECK.size or head[:8] != _HEAD_MAGIC:
+        return None
+    magic, version, _, tokens = _HEAD.unpack_from(head)
+    (check,) = _CHECK.unpack_from(head, _HEAD.size)
+    if version != _VERSION or xxhash.xxh3_64_intdigest(head[:_HEAD.size]) != check:
+        return None
+    return tokens
 
 
 def _intact(pages: np.ndarray) -> np.ndarray:
