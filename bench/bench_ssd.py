@@ -38,6 +38,7 @@ from kvtier.storage.aligned_io import aligned as _aligned  # noqa: E402
 from kvtier.storage.block_format import ALIGN, padded  # noqa: E402
 from kvtier.storage.journal import BLOCK, Record  # noqa: E402
 from kvtier.tier.slot_index import SlotIndex  # noqa: E402
+from bench import progress  # noqa: E402
 
 MiB = 1 << 20
 BLOCK_BYTES = 16 * 36 * 2 * 8 * 128 * 2  # 2.25 MiB
@@ -149,12 +150,15 @@ def measure(directory: str, args) -> dict:
     raws, stores = [], []
     for _ in range(args.reps):  # alternating, medians: the disk's speed drifts
         raws.append(raw_bandwidth(directory, args.bytes, args.io_threads))
+        progress.step(f"{directory}: raw")
         stores.append(store_bandwidth(directory, args.bytes, args.io_threads, args.batch))
+        progress.step(f"{directory}: store")
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
     out = {"dir": directory, "raw": raws, "store": stores,
            "raw_write_gbps": med(raws, "write_gbps"), "raw_read_gbps": med(raws, "read_gbps"),
            "store_write_gbps": med(stores, "write_gbps"), "store_read_gbps": med(stores, "read_gbps"),
            "recovery": median_recovery(directory, args.recovery_blocks, args.reps)}
+    progress.step(f"{directory}: recovery")
     out["recovery_s_per_million_blocks"] = out["recovery"]["s_per_million_blocks"]
     out["write_over_raw"] = out["store_write_gbps"] / out["raw_write_gbps"]
     out["read_over_raw"] = out["store_read_gbps"] / out["raw_read_gbps"]
@@ -176,6 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--recovery-blocks", type=int, default=200_000, help="journal records for the recovery time")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "ssd_cpu.json"))
     args = ap.parse_args(argv)
+    progress.plan((2 * args.reps + 1) * (2 if args.ram_dir else 1))
     res = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "block_bytes": BLOCK_BYTES,
            "args": vars(args), "disk": measure(args.dir, args)}
     if args.ram_dir:

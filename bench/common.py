@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from bench.progress import plan as progress_plan, step as progress_step  # noqa: F401  (kvtier bench's bar)
 from kvtier.geometry import KVGeometry
 from kvtier.kernels import PagedKV
 

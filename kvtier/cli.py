@@ -7,6 +7,8 @@
 * ``kvtier inspect DIR``: a read-only look at an SSD cache directory (or a ``;``-separated list): per block file the
   fingerprint, slot geometry, blocks held, bytes, namespaces and journal health; ``--verify`` checks every held
   block's header and payload; ``--json`` for scripts.
+* ``kvtier bench [NAME] [--out DIR] [-- ARGS]``: run ``bench/bench_NAME.py`` of the source checkout with a progress
+  bar, leaving ``NAME.json``, a PNG and ``NAME.log`` in DIR; without NAME, the list of benches.
 * ``kvtier --version``.
 """
 
@@ -49,12 +51,25 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("dir", help="the SSD cache directory, or several separated by ';' (as ssd_cache_dir)")
     inspect.add_argument("--verify", action="store_true", help="check every held block's header and payload")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    bench = sub.add_parser("bench", help="run a benchmark of the source checkout: progress bar, JSON, PNG",
+                           usage="kvtier bench [-h] [--list] [--out DIR] [NAME] [-- BENCH_ARGS ...]",
+                           description="Run bench/bench_NAME.py of the checkout kvtier runs from, with a progress "
+                                       "bar; DIR gets NAME.json, a PNG (the bench's own, or a chart of the JSON's "
+                                       "summary) and NAME.log. Arguments after -- go to the bench (python "
+                                       "bench/bench_NAME.py --help lists them). Without NAME: the list.")
+    bench.add_argument("name", nargs="?", help="the bench (bench/bench_NAME.py)")
+    bench.add_argument("--out", default="bench-out", help="directory of the results (default: ./bench-out)")
+    bench.add_argument("--list", action="store_true", help="list the benches and what each measures")
     return parser
 
 
 def main(argv: Optional[list] = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []  # kvtier bench NAME -- the bench's arguments
+    args = parser.parse_args(argv[:len(argv) - len(extra) - 1] if "--" in argv else argv)
+    if extra and args.command != "bench":
+        parser.error("arguments after -- go to a bench: kvtier bench NAME -- ARGS")
     if args.command is None:
         parser.print_help()
         return 0
@@ -66,6 +81,10 @@ def main(argv: Optional[list] = None) -> int:
         from kvtier.commands import inspect_cache
 
         return inspect_cache.run(args.dir, verify=args.verify, as_json=args.json)
+    if args.command == "bench":
+        from kvtier.commands import run_bench
+
+        return run_bench.run(args.name, args.out, extra, listing=args.list)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -237,3 +237,56 @@ def test_inspect_of_a_directory_that_is_no_cache_is_one_line(tmp_path, case):
     assert len(lines) == 1 and str(target) in lines[0], r.stderr
     assert {"missing": "no such directory", "empty": "holds no kvtier SSD cache",
             "not_a_block_file": "is not a kvtier block file"}[case] in lines[0]
+
+
+# --- kvtier bench: a real bench run through python -m kvtier ---
+
+
+def _png_size(path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk (after checking the signature and the chunk's CRC)."""
+    import struct
+    import zlib
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and zlib.crc32(data[12:16 + length]) == struct.unpack(">I", data[16 + length:20 + length])[0]
+    return struct.unpack(">II", data[16:24])
+
+
+def test_bench_runs_the_ssd_bench_with_progress_and_writes_json_and_png(tmp_path):
+    import json
+
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "results"
+    r = subprocess.run([sys.executable, "-m", "kvtier", "bench", "ssd", "--out", str(out), "--", "--dir",
+                        str(tmp_path / "disk"), "--bytes", str(32 << 20), "--reps", "1", "--recovery-blocks", "500",
+                        "--batch", "2", "--io-threads", "2"], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads((out / "ssd.json").read_text())
+    assert result["args"]["reps"] == 1 and result["summary"]["raw_write_gbps"] > 0
+    assert result["disk"]["store"][0]["read_misses"] == 0
+    assert min(_png_size(out / "ssd.png")) > 100
+    assert "raw write" in (out / "ssd.log").read_text()  # the bench's own output
+    assert "ssd: 3/3" in r.stdout  # its three steps (raw, store, recovery) reached the runner through the pipe
+
+
+def test_bench_requests_refused_before_anything_runs(tmp_path):
+    def bench(*args):
+        return subprocess.run([sys.executable, "-m", "kvtier", "bench", *args], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path)
+
+    listing = bench()
+    assert listing.returncode == 0 and "ssd " in listing.stdout and "index " in listing.stdout
+    for args, message in ((("nope",), "no bench 'nope'"), (("ssd", "--", "--out", "x"), "sets the bench's --out")):
+        r = bench(*args)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+    assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_the_package_imports_no_bench_module():
+    code = ("import sys; import kvtier.cli, kvtier.commands.run_bench, kvtier.commands.inspect_cache; "
+            "print(sorted(m for m in sys.modules if m == 'bench' or m.startswith('bench.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
