@@ -40,7 +40,7 @@ from bench.common import (env_info, gemm_beside, host_us_per_call, make_pool, ra
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import DirectCopy, StagedTransfer, copy_pages_ref, load_pages, store_pages  # noqa: E402
-from kvtier.kernels.staged import _runs  # noqa: E402
+from kvtier.kernels.staged import block_runs  # noqa: E402
 from kvtier.kernels.staged_copy import StagedCopy  # noqa: E402
 from kvtier.tier import HostBlockPool, KVTier  # noqa: E402
 from kvtier.tier.transfer_policy import CopyPlan, TransferPolicy  # noqa: E402
@@ -146,7 +146,7 @@ def run_transfers(args, res: dict) -> None:
         n = tokens // geo.page_size
         ids = torch.from_numpy(ids_np)
         slots = random_slots(n, geo.page_size, kv.num_slots, device, gen)
-        runs = len(_runs(ids_np))
+        runs = len(block_runs(ids_np))
         res.setdefault("auto", {}).setdefault(layout, {}).setdefault(str(tokens), {})[str(run)] = \
             auto_paths(layout, geo, ids_np)
         for to_host in (False, True):
@@ -248,13 +248,13 @@ def run_churn(args, res: dict) -> None:
         toks = np.array(history[i] + convs[i].user_turns[turn[i]], dtype=np.int64)
         m = tier.index.match(toks[:toks.size // 16 * 16], None, touch=False)
         if fill is not None and m.num_pages:
-            loads.append([length for _, length in _runs(np.asarray(m.block_ids))])
+            loads.append([length for _, length in block_runs(np.asarray(m.block_ids))])
         task = tier.load(toks, None, slots[:toks.size])
         tier.wait(task)
         task = tier.store(toks, None, slots[:toks.size])
         rec = tier._inflight.get(task.id)
         if fill is not None and rec is not None and rec.block_ids.size:
-            stores.append([length for _, length in _runs(rec.block_ids)])
+            stores.append([length for _, length in block_runs(rec.block_ids)])
         tier.wait(task)
         if fill is None and pool.num_free == 0:
             fill = step  # from here the pool is full: every store evicts

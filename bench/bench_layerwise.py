@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import env_info, write_json  # noqa: E402
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
-from kvtier.kernels import PagedKV, StagedTransfer  # noqa: E402
+from kvtier.kernels import PagedKV, StagedTransfer, Tuning  # noqa: E402
 from kvtier.kernels.pinned import is_pinned  # noqa: E402
 from kvtier.tier import HostBlockPool, KVTier  # noqa: E402
 from kvtier.tier.host_pool import GiB  # noqa: E402
@@ -254,7 +254,8 @@ def bench_new_tokens(m: Model, geo: KVGeometry, device: str, prefix_tokens: int,
     tier = KVTier(kv, cfg)
     if staged:  # (staging MiB, scatter programs for loads) of the tier's staged path
         tier._staged_transfer = StagedTransfer(kv, tier.pool.host, layout=cfg.host_layout,
-                                               staging_bytes=staged[0] << 20, scatter_programs=staged[1])
+                                               tuning=Tuning(staging_bytes=staged[0] << 20,
+                                                             scatter_programs=staged[1]))
     toks = np.random.default_rng(0).integers(0, 150_000, prefix_tokens).astype(np.int64)
     src = torch.arange(0, pages * P, device=device)
     dst = torch.arange(pages * P, 2 * pages * P, device=device)

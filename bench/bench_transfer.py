@@ -32,8 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (env_info, gbps, gemm_beside, host_us_per_call, make_pool, random_slots, time_gpu_ms,  # noqa: E402
                           write_json)
 from kvtier.geometry import KVGeometry  # noqa: E402
-from kvtier.kernels import StagedTransfer, copy_pages_ref, load_pages, store_pages  # noqa: E402
-from kvtier.kernels import transfer as direct_mod  # noqa: E402
+from kvtier.kernels import StagedTransfer, Tuning, copy_pages_ref, load_pages, store_pages  # noqa: E402
+
+TUNED = Tuning()  # the kernels' defaults
 
 MiB = 1 << 20
 GEOMETRIES = {  # name -> (heads, head_dim, dtype, is_mla)
@@ -411,7 +412,7 @@ def run_staged_sweep(res: dict, host_bytes: torch.Tensor, gen) -> None:
     rows.append({"method": "copy_engine_contiguous", **ce})
     print("staged_sweep copy engine", ce, flush=True)
     for mib, nbuf in STAGED_CONFIGS:
-        stager = StagedTransfer(s.kv, host, staging_bytes=mib * MiB, num_buffers=nbuf)
+        stager = StagedTransfer(s.kv, host, tuning=Tuning(staging_bytes=mib * MiB, num_buffers=nbuf))
         r = _time_store_load_both(lambda: stager.store(src, st_blocks, stream=s_store, check=False),
                                   lambda: stager.load(dst, ld_blocks, stream=s_load, check=False),
                                   s_store, s_load, nbytes)
@@ -435,7 +436,7 @@ def _parse_variant(text: str) -> dict:
 def _direct_variant_fn(op, s: Setup, host, slots, blocks_dev, v: dict, layout: str = "layer_first"):
     """One call of ``op`` (store_pages / load_pages) on layer 0 with config ``v``."""
     return lambda: op(s.kv, host, slots, blocks_dev, layout=layout, layers=0, num_programs=v["programs"],
-                      tile_bytes=v["tile_kib"] * 1024, num_warps=v["warps"], check=False)
+                      tuning=Tuning(tile_bytes=v["tile_kib"] * 1024, num_warps=v["warps"]), check=False)
 
 
 def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
@@ -445,7 +446,7 @@ def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
     if hicache is None:
         return
     out = []
-    default = _parse_variant(f"{direct_mod.DEFAULT_PROGRAMS}:{direct_mod.NUM_WARPS}:{direct_mod.TILE_BYTES // 1024}")
+    default = _parse_variant(f"{TUNED.programs}:{TUNED.num_warps}:{TUNED.tile_bytes // 1024}")
     variants = [default] + [v for v in map(_parse_variant, HICACHE_VARIANTS) if v["name"] != default["name"]]
     tokens = 16384
     for page in PAGES:
@@ -495,16 +496,16 @@ def run_latency(res: dict, host_bytes: torch.Tensor, gen) -> None:
                 t = time_gpu_ms(lambda: op(s.kv, host, slots, blocks, num_programs=p, check=False), reps=50,
                                 hide_host_us=500)
                 entry[f"{d}_p{p or 'default'}_us"] = round(t["median_ms"] * 1e3, 2)
-        entry["default_programs"] = direct_mod.default_programs(nbytes)
+        entry["default_programs"] = TUNED.programs_for(nbytes)
         out[name] = entry
         print("latency", name, entry, flush=True)
     res["latency"] = out
 
 
 def summarize(res: dict) -> dict:
-    summ = {"direct_programs": direct_mod.DEFAULT_PROGRAMS}
+    summ = {"direct_programs": TUNED.programs}
     sizes = res.get("sizes", [])
-    default = f"kvtier_direct_p{direct_mod.DEFAULT_PROGRAMS}"
+    default = f"kvtier_direct_p{TUNED.programs}"
 
     def pick(method, direction, page=None, layout=None, geometry="qwen3_8b"):
         rows = [r for r in sizes if r["method"] == method and r["direction"] == direction and
@@ -613,9 +614,8 @@ def main() -> None:
     sections = args.sections.split(",")
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    res = {"env": env_info(), "defaults": {"programs": direct_mod.DEFAULT_PROGRAMS,
-                                           "tile_bytes": direct_mod.TILE_BYTES,
-                                           "num_warps": direct_mod.NUM_WARPS}}
+    res = {"env": env_info(), "defaults": {"programs": TUNED.programs, "tile_bytes": TUNED.tile_bytes,
+                                           "num_warps": TUNED.num_warps}}
     hicache, why = load_hicache()
     res["hicache"] = {"loaded": hicache is not None, "error": why,
                       "tma_env": os.environ.get("SGLANG_HICACHE_TMA_TRANSFER")}

@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
-__all__ = ["check_count"]
+__all__ = ["is_int", "check_count", "check_int_in"]
 
 
-def check_count(name: str, value, minimum: int = 1) -> int:
-    """``value`` as an int, if it is an integer (not a bool, not a float) of at least ``minimum``; else ValueError
-    naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer: a Python or numpy int, not a bool (``True`` is no count), not a float."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_count(name: str, value: Any, minimum: int = 1, why: str = "") -> int:
+    """``value`` as an int, if it is an integer of at least ``minimum``; else ValueError naming ``name`` (and
+    ``why`` the minimum is what it is, when given)."""
+    if not is_int(value) or value < minimum:
+        reason = f" ({why})" if why else ""
+        raise ValueError(f"{name} must be an int >= {minimum}{reason}, got {value!r}")
+    return int(value)
+
+
+def check_int_in(name: str, value: Any, lo: int, hi: int, bounds: str = "") -> int:
+    """``value`` as an int, if it is an integer in ``[lo, hi)``; else ValueError naming ``name`` and the range
+    (``bounds``: how to write it, default ``[lo, hi)``)."""
+    if not is_int(value) or not lo <= value < hi:
+        raise ValueError(f"{name} must be an int in {bounds or f'[{lo}, {hi})'}, got {value!r}")
     return int(value)

@@ -29,7 +29,7 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
   slice of a block is under 64 KiB (the copy engine moves short rows slowly). See
   :mod:`kvtier.tier.transfer_policy`.
 * ``num_programs`` (int >= 1 or null, default null): persistent programs (SMs) of the direct kernel; null picks the
-  kernel's default (:data:`kvtier.kernels.DEFAULT_PROGRAMS`, more for short bursts).
+  kernel's tuned default (``kvtier.kernels.Tuning().programs``, more for short bursts).
 * ``layerwise`` (bool, default true): engine adapters load host hits layer by layer (``KVTier.load_layerwise``)
   instead of whole (``KVTier.load``).
 * ``eviction_policy`` (``"lru"``, default ``"lru"``): the only policy so far (LRU over unlocked leaf pages).
@@ -89,6 +89,7 @@ import math
 import os
 from typing import Any, Mapping, Optional
 
+from kvtier._checks import is_int
 from kvtier.geometry import HOST_LAYOUTS
 
 ENV_VAR = "KVTIER_CONFIG"
@@ -109,10 +110,6 @@ def default_tokens_per_block(page_size: int) -> int:
 
 def _error(msg: str) -> ValueError:
     return ValueError(f"kvtier config: {msg}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_number(v: Any) -> bool:
@@ -196,10 +193,10 @@ class TierConfig:
     def __post_init__(self) -> None:
         if not _is_number(self.cpu_cache_gb) or self.cpu_cache_gb <= 0:
             raise _error(f"cpu_cache_gb must be a number > 0 (GiB), got {_got(self.cpu_cache_gb)}")
-        if not _is_int(self.page_size) or self.page_size < 1:
+        if not is_int(self.page_size) or self.page_size < 1:
             raise _error(f"page_size must be an int >= 1, got {_got(self.page_size)}")
         if self.tokens_per_block is not None and (
-                not _is_int(self.tokens_per_block) or self.tokens_per_block < 1
+                not is_int(self.tokens_per_block) or self.tokens_per_block < 1
                 or self.tokens_per_block % self.page_size):
             raise _error(f"tokens_per_block must be null or a multiple of page_size ({self.page_size}), got "
                          f"{_got(self.tokens_per_block)}")
@@ -207,7 +204,7 @@ class TierConfig:
             raise _error(f"host_layout must be one of {sorted(HOST_LAYOUTS)}, got {self.host_layout!r}")
         if self.transfer_mode not in TRANSFER_MODES:
             raise _error(f"transfer_mode must be one of {list(TRANSFER_MODES)}, got {self.transfer_mode!r}")
-        if self.num_programs is not None and (not _is_int(self.num_programs) or self.num_programs < 1):
+        if self.num_programs is not None and (not is_int(self.num_programs) or self.num_programs < 1):
             raise _error(f"num_programs must be an int >= 1 or null, got {_got(self.num_programs)}")
         if not isinstance(self.layerwise, bool):
             raise _error(f"layerwise must be true or false, got {self.layerwise!r}")
@@ -221,7 +218,7 @@ class TierConfig:
             raise _error("ssd_cache_gb > 0 needs ssd_cache_dir (one or more directories separated by ';')")
         if self.ssd_cache_dir is not None and not any(d.strip() for d in self.ssd_cache_dir.split(";")):
             raise _error(f"ssd_cache_dir names no directory: {self.ssd_cache_dir!r}")
-        if not _is_int(self.ssd_io_threads) or self.ssd_io_threads < 1:
+        if not is_int(self.ssd_io_threads) or self.ssd_io_threads < 1:
             raise _error(f"ssd_io_threads must be an int >= 1, got {_got(self.ssd_io_threads)}")
         for key in ("ssd_direct_io", "ssd_wipe_mismatch"):
             if not isinstance(getattr(self, key), bool):
@@ -235,7 +232,7 @@ class TierConfig:
             if v is not None and (not _is_number(v) or v <= 0):
                 raise _error(f"{key} must be a number > 0 or null, got {_got(v)}")
         self._check_remote()
-        if self.metrics_port is not None and (not _is_int(self.metrics_port) or not 0 <= self.metrics_port <= 65535):
+        if self.metrics_port is not None and (not is_int(self.metrics_port) or not 0 <= self.metrics_port <= 65535):
             raise _error(f"metrics_port must be an int in 0..65535 or null, got {_got(self.metrics_port)}")
         if not isinstance(self.log_transfers, bool):
             raise _error(f"log_transfers must be true or false, got {self.log_transfers!r}")

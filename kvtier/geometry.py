@@ -52,9 +52,7 @@ class KVGeometry:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"KVGeometry.{name} must be an int >= 1, got {value!r}")
+            check_count(f"KVGeometry.{name}", getattr(self, name))
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"KVGeometry.dtype must be a torch.dtype, got {self.dtype!r}")
         if self.is_mla and self.num_kv_heads != 1:

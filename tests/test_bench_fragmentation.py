@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from bench.bench_fragmentation import RUNS, fragmented_ids, main
-from kvtier.kernels.staged import _runs
+from kvtier.kernels.staged import block_runs
 
 import numpy as np
 
@@ -15,7 +15,7 @@ def test_fragmented_ids_are_distinct_runs_of_the_asked_length():
     for run in RUNS:
         ids = fragmented_ids(48, run, 128, rng)
         assert ids.size == 48 and np.unique(ids).size == 48 and ids.min() >= 0 and ids.max() < 128
-        lengths = [n for _, n in _runs(ids)]
+        lengths = [n for _, n in block_runs(ids)]
         if run == 0:
             assert lengths == [48]
         else:  # runs of `run` ids, two of which may happen to be adjacent

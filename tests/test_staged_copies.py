@@ -153,7 +153,7 @@ def test_one_row_is_one_1d_copy(runtime):
     assert [c[0] for c in runtime.calls] == ["1d"] and torch.equal(stg, host)
 
 
-# -- StagedTransfer._copy_runs: the offset-only CuPy path against the view path -------------------------------
+# -- StagedTransfer.copy_runs: the offset-only CuPy path against the view path --------------------------------
 
 GEO = KVGeometry(4, 2, 64, torch.float16, page_size=2)
 
@@ -164,7 +164,7 @@ GEO = KVGeometry(4, 2, 64, torch.float16, page_size=2)
        start=st.integers(0, 3), count=st.integers(1, 4), to_host=st.booleans(),
        boundary=st.one_of(st.none(), st.integers(1, 200)))
 def test_offset_copies_move_what_the_views_name(copies, layout, ids, start, count, to_host, boundary):
-    """With CuPy and a stream, ``_copy_runs`` issues its copies from byte offsets (no views), one batched call
+    """With CuPy and a stream, ``copy_runs`` issues its copies from byte offsets (no views), one batched call
     for a chunk of several runs where the driver has it; the bytes they move must be exactly those of the
     (host, staging) views of every run, for any block ids, layers and layout, with or without a host registration
     boundary inside the pool."""
@@ -188,12 +188,12 @@ def test_offset_copies_move_what_the_views_name(copies, layout, ids, start, coun
         register_pinned_range(ptr, n)
     try:
         runtime.calls.clear()
-        stager._copy_runs(staging, host_ids, span, to_host=to_host, stream=STREAM)
+        stager.copy_runs(staging, host_ids, span, to_host=to_host, stream=STREAM)
     finally:
         for ptr, _ in regs:
             unregister_pinned_range(ptr)
     assert runtime.calls, "the CuPy path issued no copy"
-    several = len(staged_mod._runs(host_ids)) > 1
+    several = len(staged_mod.block_runs(host_ids)) > 1
     assert [c[0] for c in runtime.calls] == ["batch"] if runtime.batched and several else \
         all(c[0] != "batch" for c in runtime.calls)
     assert torch.equal(host_bytes, want_host) and torch.equal(staging, want_stg)

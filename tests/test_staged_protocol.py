@@ -20,9 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.geometry import KVGeometry
-from kvtier.kernels import StagedTransfer
+from kvtier.kernels import StagedTransfer, Tuning
 from kvtier.kernels.checks import LayerSpan
-from kvtier.kernels.staged import chunk_pages
 from kvtier.kernels.staged_copy import StagedCopy
 from tests.kv_helpers import make_host, make_kv
 
@@ -79,13 +78,14 @@ def make_stager(num_buffers: int) -> StagedTransfer:
     gen = torch.Generator().manual_seed(0)
     kv = make_kv(GEO, 64, "cpu", gen)
     host = make_host(GEO, HOST_BLOCKS, "layer_first", "cpu", gen)
-    return StagedTransfer(kv, host, layout="layer_first", staging_bytes=GEO.page_bytes, num_buffers=num_buffers)
+    return StagedTransfer(kv, host, layout="layer_first",
+                          tuning=Tuning(staging_bytes=GEO.page_bytes, num_buffers=num_buffers))
 
 
 def stand_ins(stager: StagedTransfer, to_host: bool):
     """A log, the work stream, and the direction with a stand-in copy stream; returns (log, work, direction)."""
     log = Log()
-    d = stager._store if to_host else stager._load
+    d = stager.buffers(to_host)
     d.copy_stream, d.free_events, d.next_buffer = FakeStream(log, "copy", 2), [None] * len(d.buffers), 0
     return log, FakeStream(log, "work", 1), d
 
@@ -98,17 +98,14 @@ def run_transfer(monkeypatch, to_host: bool, num_buffers: int, pages: int, layer
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(log))
     monkeypatch.setattr(stager, "_gather", lambda staging, *a, **k: log.ops.append(
         ("fire", "work", index[staging.data_ptr()])))
-    monkeypatch.setattr(stager, "_copy_runs", lambda staging, host_ids, span, *, to_host, stream: log.ops.append(
+    monkeypatch.setattr(stager, "copy_runs", lambda staging, host_ids, span, *, to_host, stream: log.ops.append(
         ("copy", stream.name, index[staging.data_ptr()])))
     ids = torch.arange(pages).numpy()
     slots = torch.arange(pages * GEO.page_size)
-    span_geo = stager._span_geometry(1)
     for layer in layer_order:
-        first = 0
-        for n in chunk_pages(pages, stager._pages_per_chunk(1), to_host):
-            chunk_slots = slots[first * GEO.page_size:(first + n) * GEO.page_size]
-            stager._chunk(d, work, chunk_slots, ids[first:first + n], LayerSpan(layer, 1), span_geo, to_host, 0)
-            first += n
+        for c in stager.chunks(pages, 1, to_host, short_edge=True):
+            stager._chunk(d, work, slots[c.slot_lo:c.slot_hi], ids[c.first:c.first + c.pages], LayerSpan(layer, 1),
+                          c, to_host)
     return log
 
 

@@ -19,7 +19,7 @@ import torch
 from kvtier.config import TierConfig
 from kvtier.geometry import KVGeometry
 from kvtier.index import Namespace
-from kvtier.tier import DeferredExecutor, HostBlockPool, KVTier
+from kvtier.tier import CudaExecutor, DeferredExecutor, HostBlockPool, KVTier
 from tests.tier_helpers import TINY, accounted_blocks, fill_random_, make_tier, page_slots, slot_bytes
 
 P = TINY.page_size
@@ -245,6 +245,21 @@ def test_config_and_pool_must_match_the_kv_pool():
 QWEN_LIKE = KVGeometry(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
 
 
+class SlowLoads(CudaExecutor):
+    """Spins the load stream for ``spin`` GPU cycles before each copy issued on it (one per layer of a layerwise
+    load), so the load is still in flight while the forward reads."""
+
+    def __init__(self, device, spin: int) -> None:
+        super().__init__(device)
+        self.spin = spin
+
+    def run(self, name, fn, own_stream=False):
+        if name == "load":
+            with torch.cuda.stream(self.stream("load")):
+                torch.cuda._sleep(self.spin)
+        super().run(name, fn, own_stream)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cupy", "torch"])
 @pytest.mark.parametrize("wait", [True, False])
@@ -263,12 +278,12 @@ def test_gpu_layerwise_never_reads_stale_bytes(backend, wait):
     dst = page_slots(2 * pages, pages, geo.page_size).cuda()
     props = torch.cuda.get_device_properties(0)
     spin = int(2e-3 * getattr(props, "clock_rate", 1_980_000) * 1e3)  # ~2 ms before each layer's copy
-    slow = lambda layer: torch.cuda._sleep(spin)  # noqa: E731
+    tier.executor = SlowLoads(tier.kv.device, spin)
     for rep in range(2):  # warm-up, then measured
         for b in tier.kv.buffers:
             b[dst] = 0  # stale content the forward must never see
         torch.cuda.synchronize()
-        task = tier.load_layerwise(toks, None, dst, on_layer_start=slow)
+        task = tier.load_layerwise(toks, None, dst)
         tier.counter.set_consumer(task.producer_index if wait else -1)
         reads, host = [], []
         t0 = time.perf_counter()

@@ -18,9 +18,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvtier.geometry import KVGeometry
-from kvtier.kernels import DirectCopy, StagedTransfer, copy_pages_ref, load_pages, store_pages
+from kvtier.kernels import DirectCopy, StagedTransfer, Tuning, copy_pages_ref, load_pages, store_pages
 from kvtier.kernels.staged_copy import StagedCopy
-from kvtier.kernels import staged as staged_mod
 from kvtier.kernels.checks import LayerSpan
 from kvtier.kernels.staged import chunk_pages
 from kvtier.tier.signal import cupy_stream
@@ -114,7 +113,8 @@ def run_round_trip(case: Case, device: str) -> None:
     span = _layer_range(case.layers, geo.num_layers)
 
     if case.mode == "direct":
-        kw = dict(layout=case.layout, layers=case.layers, num_programs=case.num_programs, tile_bytes=case.tile_bytes)
+        kw = dict(layout=case.layout, layers=case.layers, num_programs=case.num_programs,
+                  tuning=Tuning(tile_bytes=case.tile_bytes))
         store = lambda s, b: store_pages(kv, host, s, b, **kw)  # noqa: E731
         load = lambda s, b: load_pages(kv, host, s, b, skip_tokens=case.skip, **kw)  # noqa: E731
     elif case.mode == "direct_copy":  # checked and packed once, launched per layer of the span in shuffled order
@@ -124,16 +124,16 @@ def run_round_trip(case: Case, device: str) -> None:
         def per_layer(to_host: bool):
             def run(s, b):
                 copy = DirectCopy(kv, host, s, b, to_host=to_host, layout=case.layout,
-                                  num_programs=case.num_programs, tile_bytes=case.tile_bytes,
+                                  num_programs=case.num_programs, tuning=Tuning(tile_bytes=case.tile_bytes),
                                   skip_tokens=0 if to_host else case.skip)
                 for layer in order:
                     copy.launch(layer)
             return run
         store, load = per_layer(True), per_layer(False)
     else:
-        stager = StagedTransfer(kv, host, layout=case.layout, num_buffers=case.num_buffers,
-                                staging_bytes=case.staging_pages * geo.page_bytes * len(span),
-                                gather_programs=case.num_programs, scatter_programs=case.num_programs)
+        tuning = Tuning(num_buffers=case.num_buffers, staging_bytes=case.staging_pages * geo.page_bytes * len(span),
+                        gather_programs=case.num_programs, scatter_programs=case.num_programs)
+        stager = StagedTransfer(kv, host, layout=case.layout, tuning=tuning)
         if case.mode == "staged":
             store = lambda s, b: stager.store(s, b, layers=case.layers)  # noqa: E731
             load = lambda s, b: stager.load(s, b, layers=case.layers, skip_tokens=case.skip)  # noqa: E731
@@ -251,7 +251,7 @@ def test_chunk_plan_covers_every_page_once(num_pages: int, per_chunk: int, to_ho
     if not short_edge:
         assert all(n == per_chunk for n in plan[:-1])
         return
-    edge = max(1, per_chunk // staged_mod.EDGE_CHUNK_DIVISOR)
+    edge = max(1, per_chunk // Tuning().edge_chunk_divisor)
     if len(plan) > 1:
         assert plan[0 if to_host else -1] == edge
     if not to_host and num_pages <= per_chunk:
@@ -270,10 +270,10 @@ def test_layer_first_groups_cover_the_span_with_the_widest_rows(num_layers: int,
     geo = KVGeometry(num_layers, 1, 8, torch.float16, page_size=2)
     kv = make_kv(geo, 4, "cpu", torch.Generator().manual_seed(0))
     st_ = StagedTransfer(kv, torch.zeros(geo.host_shape(1, "layer_first"), dtype=geo.dtype), layout="layer_first",
-                         staging_bytes=staging_pages * geo.page_bytes)
+                         tuning=Tuning(staging_bytes=staging_pages * geo.page_bytes))
     # runs of consecutive ids separated by gaps of one id
     host_ids = np.concatenate([np.arange(n) + 100 * i for i, n in enumerate(run_lengths)])
-    groups = st_._chunk_spans(span, host_ids)
+    groups = st_.layer_groups(span, host_ids)
     assert [g.start for g in groups] == list(itertools.accumulate([span.start] + [g.count for g in groups[:-1]]))
     assert sum(g.count for g in groups) == span.count
     num_pages = host_ids.size

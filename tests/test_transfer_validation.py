@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtier.geometry import KVGeometry
-from kvtier.kernels import DirectCopy, PagedKV, StagedTransfer, load_pages, store_pages
+from kvtier.kernels import DirectCopy, PagedKV, StagedTransfer, Tuning, load_pages, store_pages
 from tests.kv_helpers import as_bytes, make_host, make_kv, snapshot
 
 # CPU tensors run through the Triton interpreter, which is on only where CUDA is absent (tests/conftest.py).
@@ -173,12 +173,23 @@ def test_unpinned_host_and_wrong_device_are_rejected():
 
 
 @pytest.mark.parametrize("kw,match", [({"num_buffers": 0}, "num_buffers"), ({"gather_programs": 0}, "gather_programs"),
-                                      ({"scatter_programs": 0}, "scatter_programs")])
-def test_staged_transfer_rejects_bad_settings(kw, match):
-    gen = torch.Generator().manual_seed(1)
-    kv = make_kv(GEO, NUM_SLOTS, "cpu", gen)
+                                      ({"scatter_programs": 0}, "scatter_programs"), ({"tile_bytes": 0}, "tile_bytes"),
+                                      ({"edge_chunk_divisor": 0}, "edge_chunk_divisor")])
+def test_tuning_rejects_bad_settings(kw, match):
     with pytest.raises(ValueError, match=match):
-        StagedTransfer(kv, make_host(GEO, NUM_BLOCKS, "page_first", "cpu", gen), **kw)
+        Tuning(**kw)
+
+
+def test_launchers_take_only_a_tuning(setup):
+    """``tuning=`` is a Tuning (or None): anything else is refused before any index is checked or any launch."""
+    kv, host, _ = setup
+    host_before = as_bytes(host).clone()
+    for call in (lambda: store_pages(kv, host, SLOTS, BLOCKS, tuning={"tile_bytes": 256}),
+                 lambda: DirectCopy(kv, host, SLOTS, BLOCKS, to_host=True, tuning=4),
+                 lambda: StagedTransfer(kv, host, tuning="fast")):
+        with pytest.raises(TypeError, match="tuning must be a kvtier.kernels.Tuning"):
+            call()
+    assert torch.equal(as_bytes(host), host_before), "a refused call wrote host blocks"
 
 
 _ROUND_TRIP = """
@@ -276,17 +287,16 @@ def test_a_plain_list_as_kv_is_a_type_error():
 @pytest.mark.parametrize("kw", [{"staging_bytes": -1}, {"num_buffers": True}, {"scatter_programs": 2.5},
                                 {"gather_programs": True}])
 def test_staged_counts_must_be_ints(kw):
-    geo = KVGeometry(2, 2, 8, torch.float16, page_size=4)
-    kv = make_kv(geo, 32, "cpu", torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=f"{next(iter(kw))} must be an int >= 1"):
-        StagedTransfer(kv, make_host(geo, 4, "page_first", "cpu", torch.Generator().manual_seed(1)), **kw)
+        Tuning(**kw)
 
 
 def test_counts_refuse_bools_and_negative_shapes():
     geo = KVGeometry(2, 2, 8, torch.float16, page_size=4)
     kv = make_kv(geo, 32, "cpu", torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="num_programs must be an int >= 1, got True"):
-        DirectCopy(kv, make_host(geo, 4, "page_first", "cpu", torch.Generator().manual_seed(1)), [0, 1, 2, 3], [0], to_host=True, num_programs=True)
+        DirectCopy(kv, make_host(geo, 4, "page_first", "cpu", torch.Generator().manual_seed(1)), [0, 1, 2, 3], [0],
+                   to_host=True, num_programs=True)
     with pytest.raises(ValueError, match="num_blocks must be an int >= 0, got -1"):
         geo.host_shape(-1)
 

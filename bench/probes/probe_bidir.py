@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from bench.bench_transfer import MiB, _bidir_setup, _both, _ce_contiguous  # noqa: E402
 from bench.common import env_info, gbps, time_gpu_ms, write_json  # noqa: E402
-from bench.probes.probe_staged import copy_stats, event_rows, record_timelines, trace_last_run, with_edge_divisor  # noqa: E402
-from kvtier.kernels import StagedTransfer  # noqa: E402
+from bench.probes.probe_staged import copy_stats, event_rows, record_timelines, trace_last_run  # noqa: E402
+from kvtier.kernels import StagedTransfer, Tuning  # noqa: E402
 
 
 def per_direction(run: list[dict]) -> dict:
@@ -60,9 +60,9 @@ def main() -> None:
     fns = {
         "copy_engine_contiguous": _both(*_ce_contiguous(host, nbytes), s_store, s_load),
         "default": default,
-        "no_short_edges": with_edge_divisor(default, 1),
-        "staging64": staged_pair(StagedTransfer(s.kv, host, staging_bytes=64 * MiB)),
-        "buffers3": staged_pair(StagedTransfer(s.kv, host, num_buffers=3)),
+        "no_short_edges": staged_pair(StagedTransfer(s.kv, host, tuning=Tuning(edge_chunk_divisor=1))),
+        "staging64": staged_pair(StagedTransfer(s.kv, host, tuning=Tuning(staging_bytes=64 * MiB))),
+        "buffers3": staged_pair(StagedTransfer(s.kv, host, tuning=Tuning(num_buffers=3))),
     }
     times = {k: [] for k in fns}
     for _ in range(args.rounds):

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from bench.bench_transfer import MiB, Setup  # noqa: E402
 from bench.common import env_info, gbps, host_us_per_call, random_slots, time_gpu_ms, write_json  # noqa: E402
+from kvtier.kernels import Tuning  # noqa: E402
 from kvtier.kernels import staged as staged_mod  # noqa: E402
 
 CASES = [  # (layout, layers: None = all, tokens, blocks)
@@ -74,7 +75,7 @@ def main() -> None:
     rows_whole = _module(staged_mod.__file__)
     rows_whole._max_pitch = lambda: 0
     methods = {"copy_2d": (staged_mod, {}), "rows_whole": (rows_whole, {})}
-    methods.update({f"copy_2d_staging{m}": (staged_mod, {"staging_bytes": int(m) * MiB})
+    methods.update({f"copy_2d_staging{m}": (staged_mod, {"tuning": Tuning(staging_bytes=int(m) * MiB)})
                     for m in args.staging_mib.split(",") if m})
     if args.baseline:
         methods["baseline"] = (_module(args.baseline), {})

@@ -7,7 +7,8 @@ This probe times (median host µs over many calls, the GPU kept busy so no call 
   call through stream and device contexts (the path every call took before the context-free one), and a
   :class:`~kvtier.kernels.DirectCopy` built once and launched per layer (what the tier's layerwise load does), and
   a staged one-layer load (gather/scatter launch plus copy-engine copies);
-* its parts: ``check_transfer``, ``on_stream`` entered and left, ``is_pinned``, ``launch_copy_pages`` alone;
+* its parts: ``check_transfer``, ``on_stream`` entered and left, ``is_pinned``, one packed kernel launch alone
+  (``launch_copy_pages`` in the results);
 * peers: ``torch.index_select`` of one page, an empty ``torch.cuda.stream`` context;
 
 then prints the top of a cProfile of the full call. Writes ``$OUT/probe_overhead_h200.json``.
@@ -35,10 +36,12 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from bench.common import env_info, make_pool, random_slots, write_json  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
-from kvtier.kernels import StagedCopy, StagedTransfer, load_pages  # noqa: E402
+from kvtier.kernels import StagedCopy, StagedTransfer, Tuning, load_pages  # noqa: E402
 from kvtier.kernels import transfer as tr  # noqa: E402
 from kvtier.kernels.checks import check_transfer, layer_span  # noqa: E402
 from kvtier.kernels.pinned import is_pinned  # noqa: E402
+
+TUNED = Tuning()  # the kernels' defaults
 
 
 def host_us(fn, calls: int) -> float:
@@ -150,12 +153,17 @@ def main() -> None:
     def full():
         load_pages(kv, host, slots, blocks, layout="layer_first", layers=3, stream=stream, check=False)
 
+    def launch_pages(sl, bl, strides_):
+        """One copy kernel launch, packed and fired as ``load_pages`` issues it after its checks."""
+        launch = tr.KernelLaunch(kv, host, sl, bl, strides_, to_blocks=False, tile_bytes=TUNED.tile_bytes,
+                                 num_warps=TUNED.num_warps)
+        launch.fire(span, TUNED.programs_for(launch.layer_bytes), None)
+
     def context_path():  # what every call did before the context-free path: stream and device contexts
         with tr.on_stream(kv, stream):
             sl, bl, nb = check_transfer(kv, host, slots, blocks, layout="layer_first", host_side=True,
                                         writes_blocks=False, check_indices=False)
-            tr.launch_copy_pages(kv, host, sl, bl, span, geo.host_row_strides(nb, "layer_first"), to_blocks=False,
-                                 num_programs=None, tile_bytes=tr.TILE_BYTES, num_warps=tr.NUM_WARPS)
+            launch_pages(sl, bl, geo.host_row_strides(nb, "layer_first"))
 
     def enter_exit():
         with tr.on_stream(kv, stream):
@@ -167,8 +175,7 @@ def main() -> None:
 
     def launch_only():
         with torch.cuda.stream(stream):
-            tr.launch_copy_pages(kv, host, checked[0], checked[1], span, strides, to_blocks=False,
-                                 num_programs=None, tile_bytes=tr.TILE_BYTES, num_warps=tr.NUM_WARPS)
+            launch_pages(checked[0], checked[1], strides)
 
     parts = {
         "load_pages_one_layer": full,

@@ -29,26 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from bench.bench_transfer import MiB, _bidir_setup  # noqa: E402
 from bench.common import env_info, gbps, time_gpu_ms, write_json  # noqa: E402
-from kvtier.kernels import StagedTransfer  # noqa: E402
-from kvtier.kernels import staged as staged_mod  # noqa: E402
+from kvtier.kernels import StagedTransfer, Tuning  # noqa: E402
 
 
-def with_edge_divisor(fn, divisor: int):
-    """``fn`` run with the staged path's short edge chunks at 1/``divisor`` of a chunk (1: no short edges)."""
-    def run():
-        staged_mod.EDGE_CHUNK_DIVISOR = divisor
-        try:
-            return fn()
-        finally:
-            staged_mod.EDGE_CHUNK_DIVISOR = 4
-    return run
-
-
-def _load_fn(stager: StagedTransfer, dst, blocks, stream, edge_divisor: int):
+def _load_fn(stager: StagedTransfer, dst, blocks, stream):
     def run():
         stream.wait_stream(torch.cuda.current_stream())
         return stager.load(dst, blocks, stream=stream, check=False)
-    return with_edge_divisor(run, edge_divisor)
+    return run
 
 
 def record_timelines(res: dict, out: str, summaries: dict) -> None:
@@ -152,15 +140,15 @@ def main() -> None:
         return ev
 
     stagers = {
-        "default": (StagedTransfer(s.kv, host), 4),
-        "no_short_tail": (StagedTransfer(s.kv, host), 1),
-        "scatter32": (StagedTransfer(s.kv, host, scatter_programs=32), 4),
-        "scatter128": (StagedTransfer(s.kv, host, scatter_programs=128), 4),
-        "staging16": (StagedTransfer(s.kv, host, staging_bytes=16 * MiB), 4),
-        "staging64": (StagedTransfer(s.kv, host, staging_bytes=64 * MiB), 4),
+        "default": StagedTransfer(s.kv, host),
+        "no_short_tail": StagedTransfer(s.kv, host, tuning=Tuning(edge_chunk_divisor=1)),
+        "scatter32": StagedTransfer(s.kv, host, tuning=Tuning(scatter_programs=32)),
+        "scatter128": StagedTransfer(s.kv, host, tuning=Tuning(scatter_programs=128)),
+        "staging16": StagedTransfer(s.kv, host, tuning=Tuning(staging_bytes=16 * MiB)),
+        "staging64": StagedTransfer(s.kv, host, tuning=Tuning(staging_bytes=64 * MiB)),
     }
     fns = {"copy_engine_contiguous": ce}
-    fns.update({k: _load_fn(st, dst, ld_blocks, stream, div) for k, (st, div) in stagers.items()})
+    fns.update({k: _load_fn(st, dst, ld_blocks, stream) for k, st in stagers.items()})
     times = {k: [] for k in fns}
     for _ in range(args.rounds):
         for k, fn in fns.items():

@@ -31,6 +31,8 @@ from functools import cached_property
 import numba
 import numpy as np
 
+from kvtier._checks import check_count
+
 from ._config import NUMBA_CACHE
 from ._tokens import as_token_array, check_token_range
 from .xxh64 import xxh64, xxh64_token_range
@@ -109,8 +111,7 @@ def chain_page_hashes(t, page_size, seed, mask, out):
 
 def page_hashes(tokens, page_size: int, ns: Namespace | None = None) -> np.ndarray:
     """Chained hashes (uint64) of the full pages of ``tokens`` in namespace ``ns``."""
-    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    check_count("page_size", page_size)
     ns = DEFAULT_NAMESPACE if ns is None else ns
     t = as_token_array(tokens)
     check_token_range(t)

@@ -11,7 +11,8 @@ Torch and Triton only; no engine is imported here, so any engine can call these 
 
 On a machine without CUDA the kernels run on CPU tensors through the Triton interpreter, chosen for kvtier's
 kernels only (the process's ``TRITON_INTERPRET`` is left as it is). ``check=False`` skips the index range checks;
-``KVTIER_CHECK=1`` forces them on every launch (debugging).
+``KVTIER_CHECK=1`` forces them on every launch (debugging). The tuned constants (tiles, warps, staging buffers,
+programs) default to the values measured best; a benchmark that sweeps them passes ``tuning=Tuning(...)``.
 """
 
 from kvtier.kernels._interpret import interpreter_for_import
@@ -21,7 +22,8 @@ with interpreter_for_import():
     from kvtier.kernels.reference import copy_pages_ref  # noqa: E402
     from kvtier.kernels.staged import StagedTransfer  # noqa: E402
     from kvtier.kernels.staged_copy import StagedCopy  # noqa: E402
-    from kvtier.kernels.transfer import DEFAULT_PROGRAMS, DirectCopy, load_pages, store_pages  # noqa: E402
+    from kvtier.kernels.transfer import DirectCopy, load_pages, store_pages  # noqa: E402
+    from kvtier.kernels.tuning import Tuning  # noqa: E402
 
 __all__ = ["PagedKV", "store_pages", "load_pages", "DirectCopy", "copy_pages_ref", "StagedTransfer",
-           "StagedCopy", "DEFAULT_PROGRAMS"]
+           "StagedCopy", "Tuning"]

@@ -7,13 +7,13 @@ check shapes, dtypes, devices, pinning, lengths and (unless ``check=False``) ind
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
-
 import os
+from typing import Union
 
 import torch
 from triton import knobs
 
+from kvtier._checks import check_int_in
 from kvtier.geometry import check_layout
 from kvtier.kernels.paged_kv import PagedKV
 from kvtier.kernels.pinned import is_pinned
@@ -131,8 +131,7 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
     slots = _as_index_tensor("slots", slots, kv.device)
     block_ids = _as_index_tensor("block_ids", block_ids, kv.device)
     page = kv.geometry.page_size
-    if isinstance(skip_tokens, bool) or not isinstance(skip_tokens, int) or not 0 <= skip_tokens < page:
-        raise ValueError(f"skip_tokens must be an int in [0, page_size={page}), got {skip_tokens!r}")
+    check_int_in("skip_tokens", skip_tokens, 0, page, bounds=f"[0, page_size={page})")
     if skip_tokens and block_ids.numel() == 0:
         raise ValueError(f"skip_tokens={skip_tokens} with no block to skip into")
     if slots.numel() != block_ids.numel() * page - skip_tokens:

@@ -26,27 +26,15 @@ import numpy as np
 import torch
 
 from kvtier.geometry import KVGeometry
-from kvtier._checks import check_count
-from kvtier.kernels.checks import LayerSpan, check_blocks_tensor, check_kv, check_transfer, layer_span
 from kvtier.kernels import batch_copy
+from kvtier.kernels.checks import LayerSpan, check_blocks_tensor, check_kv, check_transfer, layer_span
 from kvtier.kernels.paged_kv import PagedKV
 from kvtier.kernels.pinned import split_at_registrations
-from kvtier.kernels.transfer import launch_copy_pages, on_stream
+from kvtier.kernels.transfer import KernelLaunch, on_stream
+from kvtier.kernels.tuning import DEFAULT_TUNING, Tuning, check_tuning
 
-# Two buffers per direction keep the copy engine busy: a chunk's copy outlasts its gather and the host time to
-# issue the next, so a store and a load issued from one thread stay ahead of both copy engines. 32 MiB holds one
-# layer of an 8k-token Qwen3-8B prefix (a layerwise load is one chunk per layer). A scatter beside a forward pass
-# costs it least when it is short (64 programs). The first chunk of a store and the last of a multi-chunk load are
-# a quarter size: that gather and that scatter overlap no copy. Figures and result files: docs/DESIGN.md
-# ("Tuned constants"), bench/results/transfer_notes.md.
-STAGING_BYTES = 32 * 1024 * 1024
-NUM_BUFFERS = 2
-GATHER_PROGRAMS = 16
-SCATTER_PROGRAMS = 64
-GATHER_TILE_BYTES = 64 * 1024
-GATHER_WARPS = 16
-# The short edge chunk of a pipeline is this fraction of a full one (see chunk_pages).
-EDGE_CHUNK_DIVISOR = 4
+# The staging size, buffers, programs and edge chunk are tuned constants (kvtier.kernels.tuning, docs/DESIGN.md
+# "Tuned constants").
 _CUDA_DEV_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
 
 try:  # cupy's raw memcpy issues a copy in ~1-2 us of host time, against ~5-8 us for torch's copy_ on views
@@ -55,16 +43,17 @@ except Exception:  # pragma: no cover - cupy is an optional extra
     _cupy = None
 
 
-def chunk_pages(num_pages: int, per_chunk: int, to_host: bool, *, short_edge: bool = True) -> list[int]:
+def chunk_pages(num_pages: int, per_chunk: int, to_host: bool, *, short_edge: bool = True,
+                edge_divisor: int = DEFAULT_TUNING.edge_chunk_divisor) -> list[int]:
     """Pages of each staging chunk, in order: full chunks, and a short chunk where the pipeline is exposed.
 
     A store starts with a gather that no copy overlaps, so its first chunk is short. A load that needs several
     chunks ends with a scatter that no copy overlaps, so its last chunk is short (a load that fits one chunk is
     not split: the extra copy and launch would cost about what the shorter scatter saves). The short chunk is
-    1 / :data:`EDGE_CHUNK_DIVISOR` of a full one. ``short_edge=False``: full chunks only (a span in the middle of
-    a transfer staged in several spans).
+    1 / ``edge_divisor`` of a full one. ``short_edge=False``: full chunks only (a span in the middle of a transfer
+    staged in several spans).
     """
-    edge = max(1, per_chunk // EDGE_CHUNK_DIVISOR)
+    edge = max(1, per_chunk // edge_divisor)
     if not short_edge:
         full, rest = divmod(num_pages, per_chunk)
         return [per_chunk] * full + ([rest] if rest else [])
@@ -75,12 +64,26 @@ def chunk_pages(num_pages: int, per_chunk: int, to_host: bool, *, short_edge: bo
     return [edge] + body if to_host else body + [edge]
 
 
-def chunk_rows(first: int, n: int, page: int, skip: int) -> tuple[int, int, int]:
-    """(lo, hi, chunk_skip) of the chunk of blocks ``first .. first + n`` when the first ``skip`` tokens of the
-    transfer's first block are not moved: its slots are ``slots[lo:hi]``, and the chunk skips ``chunk_skip``
-    tokens of its own first block (``skip`` for the first chunk, 0 for the others)."""
-    chunk_skip = skip if first == 0 else 0
-    return first * page - skip + chunk_skip, (first + n) * page - skip, chunk_skip
+class Chunk(NamedTuple):
+    """One staging chunk of a copy: blocks ``first .. first + pages`` of it, their slots ``slots[slot_lo:slot_hi]``,
+    and the tokens of its own first block not moved (``skip``: the copy's skip for its first chunk, else 0)."""
+
+    first: int
+    pages: int
+    slot_lo: int
+    slot_hi: int
+    skip: int
+
+
+def chunks_of(page_counts: list[int], page: int, skip: int) -> list[Chunk]:
+    """The chunks of a copy whose chunks hold ``page_counts`` blocks of ``page`` tokens, in order, when the first
+    ``skip`` tokens of its first block are not moved."""
+    out, first = [], 0
+    for n in page_counts:
+        chunk_skip = skip if first == 0 else 0
+        out.append(Chunk(first, n, first * page - skip + chunk_skip, (first + n) * page - skip, chunk_skip))
+        first += n
+    return out
 
 
 class Rows(NamedTuple):
@@ -91,7 +94,7 @@ class Rows(NamedTuple):
     width: np.ndarray
 
 
-def _runs(block_ids: np.ndarray) -> list[tuple[int, int]]:
+def block_runs(block_ids: np.ndarray) -> list[tuple[int, int]]:
     """Split positions ``0..n`` of ``block_ids`` into runs of consecutive ids: ``[(start, length), ...]``."""
     if block_ids.size == 0:
         return []
@@ -101,7 +104,7 @@ def _runs(block_ids: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), (ends - starts).tolist()))
 
 
-class _Direction:
+class StagingBuffers:
     """Staging buffers, a copy-engine stream and reuse events for one direction."""
 
     def __init__(self, kv: PagedKV, elems: int, num_buffers: int) -> None:
@@ -117,7 +120,7 @@ class _Direction:
         return b
 
 
-def issue_chunk(d: _Direction, b: int, work, to_host: bool, fire: Callable[[], None], copy: Callable[[], None],
+def issue_chunk(d: StagingBuffers, b: int, work, to_host: bool, fire: Callable[[], None], copy: Callable[[], None],
                 handoff: Optional[torch.cuda.Event], free: Optional[torch.cuda.Event]) -> Optional[torch.cuda.Event]:
     """One staging chunk through buffer ``b`` of ``d``: ``fire`` (the gather or scatter launch, on ``work``) and
     ``copy`` (the copy-engine copies, on ``d.copy_stream``), in the direction's order, each handing the buffer to
@@ -156,34 +159,32 @@ class StagedTransfer:
         kv: the device KV buffers.
         host: host blocks (pinned when ``kv`` is on CUDA), shaped for ``layout``.
         layout: ``"page_first"`` or ``"layer_first"``.
-        staging_bytes: bytes of each staging buffer (at least one page of all layers is always allowed).
-        num_buffers: staging buffers per direction (>= 2 to overlap gather and copy).
-        gather_programs: programs of the gather kernel (stores).
-        scatter_programs: programs of the scatter kernel (loads).
+        tuning: the staged path's tuned constants (:class:`~kvtier.kernels.tuning.Tuning`: staging bytes, at
+            least one page of all layers; buffers per direction, >= 2 to overlap gather and copy; gather and
+            scatter programs).
 
     ``store`` and ``load`` are asynchronous and return a CUDA event (None on CPU, or when no page moves) that
     completes with the transfer:
     for a store, when the host blocks hold the bytes; for a load, when the slots do (the load is also ordered on
     ``stream``). A store and a load may run at once; two stores (or two loads) run one after the other.
+
+    The plan of a copy (:meth:`layer_groups`, :meth:`chunks`, :meth:`chunk_launch`, :meth:`copy_runs`,
+    :meth:`run_rows`) is public: :class:`~kvtier.kernels.staged_copy.StagedCopy` plans a copy once with it and
+    issues it per layer through the same buffers (:meth:`buffers`).
     """
 
     def __init__(self, kv: PagedKV, host: torch.Tensor, *, layout: str = "page_first",
-                 staging_bytes: int = STAGING_BYTES, num_buffers: int = NUM_BUFFERS,
-                 gather_programs: int = GATHER_PROGRAMS, scatter_programs: int = SCATTER_PROGRAMS) -> None:
+                 tuning: Optional[Tuning] = None) -> None:
         check_kv(kv)
-        num_buffers = check_count("num_buffers", num_buffers)
-        gather_programs = check_count("gather_programs", gather_programs)
-        scatter_programs = check_count("scatter_programs", scatter_programs)
-        staging_bytes = check_count("staging_bytes", staging_bytes)
+        self.tuning = check_tuning(tuning)
         self.num_blocks = check_blocks_tensor(kv, host, layout, host_side=True)
         self.kv, self.host, self.layout = kv, host, layout
         self._host_bytes = host.reshape(-1).view(torch.uint8)  # the copies address host blocks in bytes
         geo = kv.geometry
-        self.staging_bytes = max(staging_bytes, geo.block_bytes)
-        self.gather_programs, self.scatter_programs = gather_programs, scatter_programs
+        self.staging_bytes = max(self.tuning.staging_bytes, geo.block_bytes)
         elems = self.staging_bytes // geo.itemsize
-        self._store = _Direction(kv, elems, num_buffers)
-        self._load = _Direction(kv, elems, num_buffers)
+        self._store = StagingBuffers(kv, elems, self.tuning.num_buffers)
+        self._load = StagingBuffers(kv, elems, self.tuning.num_buffers)
         self._span_geos: dict[int, KVGeometry] = {}
         self._local_ids = torch.arange(self.staging_bytes // (geo.page_bytes), dtype=torch.int64, device=kv.device)
 
@@ -197,34 +198,18 @@ class StagedTransfer:
         """H2D: copy pages from host blocks to device slots; see :func:`kvtier.kernels.load_pages`."""
         return self._run(slots, block_ids, layers, stream, check, skip_tokens, to_host=False)
 
-    # --- pipeline ---
+    # --- the plan of a copy (shared with StagedCopy) ---
 
-    def _run(self, slots, block_ids, layers, stream, check: bool, skip: int,
-             to_host: bool) -> Optional[torch.cuda.Event]:
-        kv = self.kv
-        span = layer_span(layers, kv.geometry.num_layers)
-        with on_stream(kv, stream):
-            # the gather/scatter addresses staging by local ids; host block ids only drive the host-side copies
-            slots, block_ids, _ = check_transfer(kv, self.host, slots, block_ids, layout=self.layout,
-                                                 host_side=True, writes_blocks=to_host, check_indices=check,
-                                                 block_ids_to_device=False, skip_tokens=skip)
-            if block_ids.numel() == 0:
-                return None  # nothing to move: a no-op, as on the direct path
-            host_ids = block_ids.cpu().numpy()
-            work = torch.cuda.current_stream() if kv.is_cuda else None
-            direction = self._store if to_host else self._load
-            if work is not None and not to_host:
-                # Host-to-staging copies start on the copy stream: order them after the caller's work so far
-                # (e.g. the previous reader of the staging buffers or of the host blocks).
-                direction.copy_stream.wait_stream(work)
-            done = None
-            subs = self._chunk_spans(span, host_ids)
-            for i, sub in enumerate(subs):
-                edge = i == (0 if to_host else len(subs) - 1)  # the span that starts a store or ends a load
-                done = self._run_span(direction, work, slots, host_ids, sub, to_host, short_edge=edge, skip=skip)
-        return done
+    def buffers(self, to_host: bool) -> StagingBuffers:
+        """The staging buffers, copy stream and reuse events of stores (``to_host``) or of loads."""
+        return self._store if to_host else self._load
 
-    def _chunk_spans(self, span: LayerSpan, host_ids: np.ndarray) -> list[LayerSpan]:
+    @property
+    def batched(self) -> bool:
+        """Whether chunks of several runs go in one batched call (CUDA, CuPy and a CUDA 12.8+ driver)."""
+        return self.kv.is_cuda and _cupy is not None and batch_copy.available()
+
+    def layer_groups(self, span: LayerSpan, host_ids: np.ndarray) -> list[LayerSpan]:
         """The layer spans to stage one after the other: the whole span, or (``layer_first``) groups of layers.
 
         In ``layer_first`` a chunk's copy has a row per (layer, K/V) plane and run of blocks, as wide as the run's
@@ -241,77 +226,49 @@ class StagedTransfer:
             return [span]
         num_pages = host_ids.size
         group = max(1, self.staging_bytes // (num_pages * self.kv.geometry.page_bytes))
-        short_runs = num_pages <= len(_runs(host_ids)) * self._pages_per_chunk(span.count)
-        if group >= span.count or (short_runs and not self._batched()):
+        short_runs = num_pages <= len(block_runs(host_ids)) * self._pages_per_chunk(span.count)
+        if group >= span.count or (short_runs and not self.batched):
             return [span]
         end = span.start + span.count
         return [LayerSpan(layer, min(group, end - layer)) for layer in range(span.start, end, group)]
 
-    def _run_span(self, direction: _Direction, work, slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
-                  to_host: bool, short_edge: bool, skip: int = 0) -> Optional[torch.cuda.Event]:
-        """Stage ``span``'s layers of every page, chunk by chunk; returns the last chunk's completion event.
-        ``short_edge``: this span starts a store or ends a load (see :func:`chunk_pages`); ``skip``: tokens of the
+    def chunks(self, num_pages: int, num_layers: int, to_host: bool, *, short_edge: bool,
+               skip: int = 0) -> list[Chunk]:
+        """The staging chunks of a copy of ``num_pages`` blocks and ``num_layers`` layers (one layer group).
+        ``short_edge``: this group starts a store or ends a load (see :func:`chunk_pages`); ``skip``: tokens of the
         first block not moved."""
-        page = self.kv.geometry.page_size
-        span_geo = self._span_geometry(span.count)
-        done = None
-        first = 0
-        for n in chunk_pages(host_ids.size, self._pages_per_chunk(span.count), to_host, short_edge=short_edge):
-            lo, hi, chunk_skip = chunk_rows(first, n, page, skip)
-            done = self._chunk(direction, work, slots[lo:hi], host_ids[first:first + n], span, span_geo, to_host,
-                               chunk_skip)
-            first += n
-        return done
+        counts = chunk_pages(num_pages, self._pages_per_chunk(num_layers), to_host, short_edge=short_edge,
+                             edge_divisor=self.tuning.edge_chunk_divisor)
+        return chunks_of(counts, self.kv.geometry.page_size, skip)
 
-    def _batched(self) -> bool:
-        """Whether chunks of several runs go in one batched call (CUDA, CuPy and a CUDA 12.8+ driver)."""
-        return self.kv.is_cuda and _cupy is not None and batch_copy.available()
+    def chunk_launch(self, staging: torch.Tensor, chunk_slots: torch.Tensor, chunk: Chunk, num_layers: int,
+                     to_host: bool, first_layer: int = 0) -> KernelLaunch:
+        """The gather (``to_host``) or scatter of ``chunk`` between ``chunk_slots`` and ``staging``, for a group of
+        ``num_layers`` layers, packed for :meth:`KernelLaunch.fire`; ``first_layer``: the layer the staging
+        buffer holds first (a fire may name another)."""
+        strides = self.span_geometry(num_layers).host_row_strides(chunk.pages, self.layout)
+        return KernelLaunch(self.kv, staging, chunk_slots, self._local_ids[:chunk.pages], strides, to_blocks=to_host,
+                            tile_bytes=self.tuning.gather_tile_bytes, num_warps=self.tuning.gather_warps,
+                            blocks_layer0=first_layer, skip_rows=chunk.skip)
 
-    def _pages_per_chunk(self, num_layers: int) -> int:
-        """Pages of ``num_layers`` layers one staging buffer holds (>= 1: it holds at least a whole block)."""
-        return self.staging_bytes // self._span_geometry(num_layers).block_bytes
-
-    def _span_geometry(self, num_layers: int) -> KVGeometry:
+    def span_geometry(self, num_layers: int) -> KVGeometry:
         """The geometry of a staging chunk holding ``num_layers`` layers (cached: built on every call otherwise)."""
         geo = self._span_geos.get(num_layers)
         if geo is None:
             geo = self._span_geos[num_layers] = dataclasses.replace(self.kv.geometry, num_layers=num_layers)
         return geo
 
-    def _chunk(self, d: _Direction, work, chunk_slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
-               span_geo: KVGeometry, to_host: bool, skip: int) -> Optional[torch.cuda.Event]:
-        b = d.take_buffer()
-        n = host_ids.size
-        # The staging buffer holds the chunk's n pages of the span's layers, laid out like the host blocks.
-        shape = span_geo.host_shape(n, self.layout)
-        staging = d.buffers[b][:math.prod(shape)].view(shape)
-        local_ids = self._local_ids[:n]
-        strides = span_geo.host_row_strides(n, self.layout)
-        cuda = work is not None
-        return issue_chunk(
-            d, b, work, to_host,
-            fire=lambda: self._gather(staging, chunk_slots, local_ids, span, strides, to_staging=to_host, skip=skip),
-            copy=lambda: self._copy_runs(staging, host_ids, span, to_host=to_host, stream=d.copy_stream),
-            handoff=torch.cuda.Event() if cuda else None, free=torch.cuda.Event() if cuda else None)
-
-    def _gather(self, staging: torch.Tensor, slots: torch.Tensor, local_ids: torch.Tensor, span: LayerSpan,
-                strides: tuple[int, int, int], *, to_staging: bool, skip: int) -> None:
-        launch_copy_pages(self.kv, staging, slots, local_ids, span, strides, to_blocks=to_staging,
-                          num_programs=self.gather_programs if to_staging else self.scatter_programs,
-                          tile_bytes=GATHER_TILE_BYTES, num_warps=GATHER_WARPS,
-                          blocks_layer0=span.start, skip_rows=skip)
-
-    def _copy_runs(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool,
-                   stream, runs: Optional[list[tuple[int, int]]] = None, rows: Optional[Rows] = None) -> None:
+    def copy_runs(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool,
+                  stream, runs: Optional[list[tuple[int, int]]] = None, rows: Optional[Rows] = None) -> None:
         """Copy-engine copies between the staging buffer and the host blocks of ``host_ids``' runs.
 
         With CuPy and a stream the copies are issued from byte offsets alone (no tensor views: a layerwise load
         issues them once per layer): one 2-D copy for a single run, one batched call for the rows of several
         (``rows``: :meth:`run_rows` of the chunk when the caller has them); otherwise through views and
-        :func:`_copy_2d`. ``runs``: ``_runs(host_ids)`` when the caller has it."""
+        :func:`_copy_2d`. ``runs``: ``block_runs(host_ids)`` when the caller has it."""
         if stream is not None and _cupy is not None:
             host_ptr, stg_ptr = self._host_bytes.data_ptr(), staging.data_ptr()
-            runs = _runs(host_ids) if runs is None else runs
+            runs = block_runs(host_ids) if runs is None else runs
             if len(runs) > 1 and batch_copy.available():
                 rows = self.run_rows(host_ids, span, runs) if rows is None else rows
                 _copy_rows(host_ptr, stg_ptr, rows, to_host=to_host, stream=stream)
@@ -323,13 +280,74 @@ class StagedTransfer:
         for host_view, staging_view in self._run_views(staging, host_ids, span, runs):
             _copy_2d(host_view, staging_view, to_host=to_host, stream=stream)
 
+    # --- pipeline ---
+
+    def _run(self, slots, block_ids, layers, stream, check: bool, skip: int,
+             to_host: bool) -> Optional[torch.cuda.Event]:
+        kv = self.kv
+        span = layer_span(layers, kv.geometry.num_layers)
+        with on_stream(kv, stream):
+            # the gather/scatter addresses staging by local ids; host block ids only drive the host-side copies
+            slots, block_ids, _ = check_transfer(kv, self.host, slots, block_ids, layout=self.layout,
+                                                 host_side=True, writes_blocks=to_host, check_indices=check,
+                                                 block_ids_to_device=False, skip_tokens=skip)
+            if block_ids.numel() == 0:
+                return None  # nothing to move: a no-op, as on the direct path
+            host_ids = block_ids.cpu().numpy()
+            work = torch.cuda.current_stream() if kv.is_cuda else None
+            direction = self.buffers(to_host)
+            if work is not None and not to_host:
+                # Host-to-staging copies start on the copy stream: order them after the caller's work so far
+                # (e.g. the previous reader of the staging buffers or of the host blocks).
+                direction.copy_stream.wait_stream(work)
+            done = None
+            subs = self.layer_groups(span, host_ids)
+            for i, sub in enumerate(subs):
+                edge = i == (0 if to_host else len(subs) - 1)  # the span that starts a store or ends a load
+                done = self._run_span(direction, work, slots, host_ids, sub, to_host, short_edge=edge, skip=skip)
+        return done
+
+    def _run_span(self, direction: StagingBuffers, work, slots: torch.Tensor, host_ids: np.ndarray,
+                  span: LayerSpan, to_host: bool, short_edge: bool, skip: int = 0) -> Optional[torch.cuda.Event]:
+        """Stage ``span``'s layers of every page, chunk by chunk; returns the last chunk's completion event.
+        ``short_edge``: this span starts a store or ends a load (see :func:`chunk_pages`); ``skip``: tokens of the
+        first block not moved."""
+        done = None
+        for c in self.chunks(host_ids.size, span.count, to_host, short_edge=short_edge, skip=skip):
+            done = self._chunk(direction, work, slots[c.slot_lo:c.slot_hi], host_ids[c.first:c.first + c.pages],
+                               span, c, to_host)
+        return done
+
+    def _pages_per_chunk(self, num_layers: int) -> int:
+        """Pages of ``num_layers`` layers one staging buffer holds (>= 1: it holds at least a whole block)."""
+        return self.staging_bytes // self.span_geometry(num_layers).block_bytes
+
+    def _chunk(self, d: StagingBuffers, work, chunk_slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
+               chunk: Chunk, to_host: bool) -> Optional[torch.cuda.Event]:
+        b = d.take_buffer()
+        # The staging buffer holds the chunk's pages of the span's layers, laid out like the host blocks.
+        shape = self.span_geometry(span.count).host_shape(chunk.pages, self.layout)
+        staging = d.buffers[b][:math.prod(shape)].view(shape)
+        cuda = work is not None
+        return issue_chunk(
+            d, b, work, to_host,
+            fire=lambda: self._gather(staging, chunk_slots, chunk, span, to_host),
+            copy=lambda: self.copy_runs(staging, host_ids, span, to_host=to_host, stream=d.copy_stream),
+            handoff=torch.cuda.Event() if cuda else None, free=torch.cuda.Event() if cuda else None)
+
+    def _gather(self, staging: torch.Tensor, chunk_slots: torch.Tensor, chunk: Chunk, span: LayerSpan,
+                to_host: bool) -> None:
+        """The gather (``to_host``) or scatter of one chunk, on the current stream."""
+        launch = self.chunk_launch(staging, chunk_slots, chunk, span.count, to_host, first_layer=span.start)
+        launch.fire(span, self.tuning.staged_programs(to_host), None)
+
     def run_rows(self, host_ids: np.ndarray, span: LayerSpan,
                  runs: Optional[list[tuple[int, int]]] = None) -> Rows:
         """Every row of :meth:`_run_rects`, in order, computed with numpy (a layerwise plan builds them once)."""
         geo = self.kv.geometry
         layer_bytes = geo.page_bytes
         plane_page = geo.page_size * geo.row_bytes
-        runs = _runs(host_ids) if runs is None else runs
+        runs = block_runs(host_ids) if runs is None else runs
         r = np.array(runs, dtype=np.uint64).reshape(-1, 2)
         starts, lengths = r[:, 0], r[:, 1]
         u = functools.partial(np.asarray, dtype=np.uint64)
@@ -362,13 +380,13 @@ class StagedTransfer:
 
         ``page_first``: a row per block, the span's layers of it (one row of whole blocks when the span is all
         layers). ``layer_first``: a row per (layer, K/V) plane of the span, the run's pages of it. ``runs``:
-        ``_runs(host_ids)`` when the caller has it already.
+        ``block_runs(host_ids)`` when the caller has it already.
         """
         geo = self.kv.geometry
         layer_bytes = geo.page_bytes  # one layer of a page_first block, K and V
         plane_page = geo.page_size * geo.row_bytes  # one page of a layer_first (layer, K/V) plane
         n = host_ids.size
-        for start, length in _runs(host_ids) if runs is None else runs:
+        for start, length in block_runs(host_ids) if runs is None else runs:
             h0 = int(host_ids[start])
             if self.layout == "page_first":
                 block_span = span.count * layer_bytes  # the span's bytes of one block

@@ -2,9 +2,11 @@
 
 :meth:`StagedTransfer.load` checks the indices, moves the block ids to the host, plans the staging chunks and packs
 the gather/scatter arguments on every call: ~240-275 us of host time on the H200 hosts
-(bench/results/probes/probe_overhead_session3_h200.json), which a layerwise load pays once per layer. :class:`StagedCopy`
-does all of that once; a launch then issues, per staging chunk, the buffer's wait, the copy-engine copies, one
-event between the streams and the gather/scatter launch, reusing its events.
+(bench/results/probes/probe_overhead_session3_h200.json), which a layerwise load pays once per layer.
+:class:`StagedCopy` does all of that once, through the stager's public plan (:meth:`StagedTransfer.layer_groups`,
+:meth:`~StagedTransfer.chunks`, :meth:`~StagedTransfer.chunk_launch`); a launch then issues, per staging chunk, the
+buffer's wait, the copy-engine copies, one event between the streams and the gather/scatter launch, reusing its
+events.
 """
 
 from __future__ import annotations
@@ -17,20 +19,18 @@ import numpy as np
 import torch
 
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
-from kvtier.kernels.staged import (GATHER_TILE_BYTES, GATHER_WARPS, Rows, StagedTransfer, _Direction, _runs,
-                                   chunk_pages, chunk_rows, issue_chunk)
-from kvtier.kernels.transfer import _KernelLaunch, _on_device, on_stream, raw_stream, torch_stream
+from kvtier.kernels.staged import Rows, StagedTransfer, StagingBuffers, block_runs, issue_chunk
+from kvtier.kernels.transfer import KernelLaunch, on_device, on_stream, raw_stream, torch_stream
 
 
 @dataclasses.dataclass
 class _Chunk:
-    """One staging chunk of a plan: its pages, their runs of blocks, a gather/scatter launch per buffer, and the
-    rows of a batched copy per span width (from layer 0; built on first use)."""
+    """One staging chunk of a plan: its blocks, their runs, a gather/scatter launch per buffer, and the rows of a
+    batched copy per span width (from layer 0; built on first use)."""
 
-    first: int
     host_ids: np.ndarray
     runs: list[tuple[int, int]]
-    launches: list[_KernelLaunch]
+    launches: list[KernelLaunch]
     rows: dict[int, Rows] = dataclasses.field(default_factory=dict)
 
 
@@ -56,13 +56,13 @@ class StagedCopy:
                                                  block_ids_to_device=False, skip_tokens=skip_tokens)
             self._host_ids = block_ids.cpu().numpy()
         self.stager, self.to_host, self._slots, self._skip = stager, to_host, slots, skip_tokens
-        self._direction: _Direction = stager._store if to_host else stager._load
+        self._direction: StagingBuffers = stager.buffers(to_host)
         n = len(self._direction.buffers)
         # per staging buffer: the event that hands a chunk from one stream to the other, and the buffer's free event
         self._handoff = [torch.cuda.Event() if kv.is_cuda else None for _ in range(n)]
         self._free = [torch.cuda.Event() if kv.is_cuda else None for _ in range(n)]
         self._plans: dict[tuple[int, bool], list[_Chunk]] = {}
-        self._programs = stager.gather_programs if to_host else stager.scatter_programs
+        self._programs = stager.tuning.staged_programs(to_host)
 
     def launch(self, layers: Union[None, int, range] = None, *, stream=None) -> None:
         """Copy ``layers`` (None: all, an int, or a range) of every page, on ``stream`` (default: current)."""
@@ -73,10 +73,10 @@ class StagedCopy:
         if kv.is_cuda:
             work = torch.cuda.current_stream(kv.device) if stream is None else torch_stream(kv, stream)
         d = self._direction
-        with _on_device(kv) if kv.is_cuda else contextlib.nullcontext():
+        with on_device(kv) if kv.is_cuda else contextlib.nullcontext():
             if work is not None and not self.to_host:
                 d.copy_stream.wait_stream(work)  # as StagedTransfer: host-to-staging copies follow the caller's work
-            subs = stager._chunk_spans(span, self._host_ids)
+            subs = stager.layer_groups(span, self._host_ids)
             last = None
             for i, sub in enumerate(subs):
                 edge = i == (0 if self.to_host else len(subs) - 1)
@@ -91,25 +91,19 @@ class StagedCopy:
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        stager, d = self.stager, self._direction
-        page = stager.kv.geometry.page_size
-        span_geo = stager._span_geometry(count)
-        plan, first = [], 0
-        for n in chunk_pages(self._host_ids.size, stager._pages_per_chunk(count), self.to_host,
-                             short_edge=short_edge):
-            ids = self._host_ids[first:first + n]
-            strides = span_geo.host_row_strides(n, stager.layout)
-            lo, hi, chunk_skip = chunk_rows(first, n, page, self._skip)
-            launches = [_KernelLaunch(stager.kv, buf, self._slots[lo:hi], stager._local_ids[:n], strides,
-                                      to_blocks=self.to_host, tile_bytes=GATHER_TILE_BYTES, num_warps=GATHER_WARPS,
-                                      skip_rows=chunk_skip) for buf in d.buffers]
-            plan.append(_Chunk(first, ids, _runs(ids), launches))
-            first += n
+        stager = self.stager
+        plan = []
+        for c in stager.chunks(self._host_ids.size, count, self.to_host, short_edge=short_edge, skip=self._skip):
+            ids = self._host_ids[c.first:c.first + c.pages]
+            chunk_slots = self._slots[c.slot_lo:c.slot_hi]
+            launches = [stager.chunk_launch(buf, chunk_slots, c, count, self.to_host)
+                        for buf in self._direction.buffers]
+            plan.append(_Chunk(ids, block_runs(ids), launches))
         self._plans[key] = plan
         return plan
 
-    def _issue(self, d: _Direction, work, chunk: _Chunk, span: LayerSpan) -> Optional[torch.cuda.Event]:
-        """One chunk, as :meth:`StagedTransfer._chunk` issues it (:func:`issue_chunk`), with this copy's events;
+    def _issue(self, d: StagingBuffers, work, chunk: _Chunk, span: LayerSpan) -> Optional[torch.cuda.Event]:
+        """One chunk, as :class:`StagedTransfer` issues it (:func:`issue_chunk`), with this copy's events;
         returns the buffer's free event."""
         b = d.take_buffer()
         handle = raw_stream(work) if work is not None else None
@@ -120,14 +114,14 @@ class StagedCopy:
             handoff=self._handoff[b], free=self._free[b])
 
     def _copy(self, staging: torch.Tensor, chunk: _Chunk, span: LayerSpan, copy_stream) -> None:
-        self.stager._copy_runs(staging, chunk.host_ids, span, to_host=self.to_host, stream=copy_stream,
-                               runs=chunk.runs, rows=self._rows(chunk, span))
+        self.stager.copy_runs(staging, chunk.host_ids, span, to_host=self.to_host, stream=copy_stream,
+                              runs=chunk.runs, rows=self._rows(chunk, span))
 
     def _rows(self, chunk: _Chunk, span: LayerSpan) -> Optional[Rows]:
         """The batched copy's rows of ``chunk`` for ``span`` (None where the chunk is one run or there is no
         batched copy): built once per span width from layer 0, then moved to ``span.start`` (a layer's host rows
         are a fixed distance from the previous layer's; its staging rows do not move)."""
-        if len(chunk.runs) < 2 or not self.stager._batched():
+        if len(chunk.runs) < 2 or not self.stager.batched:
             return None
         base = chunk.rows.get(span.count)
         if base is None:

@@ -15,7 +15,8 @@ Work is split into tiles of whole 2^k-word chunks of rows (a row is one token of
 the same tokens loaded together; a persistent grid of ``num_programs`` programs strides over (layer, tile) items,
 layer-major. Host reads (loads) are latency bound over PCIe: throughput is bytes in flight / round-trip time, so
 the tile size sets the bandwidth a program can reach, and the program count sets how many SMs the transfer takes
-from the forward pass.
+from the forward pass. Both are tuned constants (:class:`~kvtier.kernels.tuning.Tuning`); ``num_programs`` is the
+caller's to choose (``TierConfig.num_programs``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtier.kernels.checks import INTERPRETED as _INTERPRETED
 from kvtier._checks import check_count
+from kvtier.kernels.checks import INTERPRETED as _INTERPRETED
 from kvtier.kernels.checks import LayerSpan, check_kv, check_transfer, forced_checks, layer_span
 from kvtier.kernels.paged_kv import PagedKV, as_words
+from kvtier.kernels.tuning import Tuning, check_tuning
 
 try:  # the raw cudaStream_t of a device's current stream, without building a torch Stream (Triton does the same)
     from torch._C import _cuda_getCurrentRawStream as _current_raw_stream
@@ -38,23 +40,9 @@ except ImportError:  # pragma: no cover - CPU-only torch builds
     def _current_raw_stream(device: int) -> int:
         return torch.cuda.current_stream(device).cuda_stream
 
-# The defaults below hold the direct kernel at the SM path's ceiling on an H200 (~52.4 GB/s D2H, ~51.1 H2D; the
-# copy engine reaches ~55) while costing a GEMM beside it least; the reason for each value, and the result file
-# behind it, is in docs/DESIGN.md ("Tuned constants"); the sweeps are in bench/results/transfer_notes.md. Host reads
-# are latency bound over PCIe (and IOMMU misses on scattered blocks), so a program needs many loads in flight:
-# 32 warps of 64 B per thread get them with 4 SMs; scattered host writes need many warps too.
-# DEFAULT_PROGRAMS: persistent programs (one SM each) for bulk transfers.
-# TILE_BYTES: bytes one program loads before it stores (K and V together): the bytes it keeps in flight.
-# NUM_WARPS: warps per program; 32 warps hold a 64 KiB tile in 64 B per thread (4 x 16-byte vectors).
-# BURST_*: a transfer this small holds its SMs for microseconds, so it may take more of them to cut latency
-#   (one 16-token page of 36 layers is 36 tiles: at most two round trips per program with 32 programs,
-#   nine with 4).
-DEFAULT_PROGRAMS = 4
-TILE_BYTES = 64 * 1024
-NUM_WARPS = 32
-BURST_BYTES = 4 * 1024 * 1024
-BURST_PROGRAMS = 32
-# Longest contiguous run one lane group copies; longer rows are split into chunks of this many bytes.
+# The programs, tile and warps of a launch are tuned constants (kvtier.kernels.tuning, docs/DESIGN.md "Tuned
+# constants"). Longest contiguous run one lane group copies: longer rows are split into chunks of this many bytes,
+# so a tile holds several rows' chunks and the kernel's [KV, SEGS, CHUNK] block stays within a tile.
 MAX_CHUNK_BYTES = 2048
 # Integer arguments are not specialised on their values (Triton would otherwise compile a variant for n_layers == 1,
 # for multiples of 16, ...): one compiled kernel per geometry and direction, no compile stalls mid-serving.
@@ -113,20 +101,14 @@ def _copy_pages_kernel(
             tl.store(dev_ptrs, tl.load(blk_ptrs, mask=mask), mask=mask)
 
 
-
-
-def default_programs(nbytes: int) -> int:
-    """Programs for a transfer of ``nbytes`` when the caller names none: few for bulk, more for short bursts."""
-    return BURST_PROGRAMS if nbytes <= BURST_BYTES else DEFAULT_PROGRAMS
-
-
 def _pow2_floor(x: int) -> int:
     return 1 << (max(int(x), 1).bit_length() - 1)
 
 
-class _KernelLaunch:
+class KernelLaunch:
     """One copy between device slots and ``blocks``, its kernel arguments packed once; :meth:`fire` launches it
-    for a span of layers. Arguments must already be checked (no validation here)."""
+    for a span of layers. Arguments must already be checked (no validation here); ``tile_bytes`` and
+    ``num_warps`` come from a :class:`~kvtier.kernels.tuning.Tuning`."""
 
     def __init__(self, kv: PagedKV, blocks: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor,
                  strides: tuple[int, int, int], *, to_blocks: bool, tile_bytes: int, num_warps: int,
@@ -148,15 +130,13 @@ class _KernelLaunch:
         self.num_warps = num_warps
         self.kernel = None  # the compiled kernel, found on the first CUDA launch
 
-    def fire(self, span: LayerSpan, num_programs: Optional[int], stream: Optional[int],
+    def fire(self, span: LayerSpan, num_programs: int, stream: Optional[int],
              blocks_layer0: Optional[int] = None) -> None:
-        """Launch on ``stream`` (a raw ``cudaStream_t``; default: the current stream of the KV's device, which
-        must be the current device); ``blocks_layer0`` overrides the one given at construction (a staging chunk
-        reused for other layers)."""
+        """Launch ``num_programs`` programs on ``stream`` (a raw ``cudaStream_t``; default: the current stream of
+        the KV's device, which must be the current device); ``blocks_layer0`` overrides the one given at
+        construction (a staging chunk reused for other layers)."""
         if self.n_rows == 0 or span.count == 0:
             return
-        if num_programs is None:
-            num_programs = default_programs(self.layer_bytes * span.count)
         grid = max(1, min(num_programs, span.count * self.tiles_per_layer))
         layer0 = self.blocks_layer0 if blocks_layer0 is None else blocks_layer0
         args = (*self.pointers, self.n_rows, self.skip_rows, span.start, span.count, *self.strides, layer0)
@@ -168,29 +148,6 @@ class _KernelLaunch:
             self.kernel = _compiled_kernel(args, self.consts, self.num_warps, grid)
         self.kernel[(grid, 1, 1)](*args, *self.consts,
                                   stream=_current_raw_stream(device.index) if stream is None else stream)
-
-
-def launch_copy_pages(
-    kv: PagedKV,
-    blocks: torch.Tensor,
-    slots: torch.Tensor,
-    block_ids: torch.Tensor,
-    span: LayerSpan,
-    strides: tuple[int, int, int],
-    *,
-    to_blocks: bool,
-    num_programs: Optional[int],
-    tile_bytes: int,
-    num_warps: int,
-    blocks_layer0: int = 0,
-    skip_rows: int = 0,
-    stream: Optional[int] = None,
-) -> None:
-    """Launch the copy kernel once on ``stream`` (see :meth:`_KernelLaunch.fire`); arguments must already be
-    checked (no validation here)."""
-    _KernelLaunch(kv, blocks, slots, block_ids, strides, to_blocks=to_blocks, tile_bytes=tile_bytes,
-                  num_warps=num_warps, blocks_layer0=blocks_layer0, skip_rows=skip_rows).fire(span, num_programs,
-                                                                                              stream)
 
 
 # Compiled kernels by specialisation: Triton's generic launch path binds and hashes every argument on each call
@@ -224,11 +181,11 @@ class DirectCopy:
     """
 
     def __init__(self, kv: PagedKV, host: torch.Tensor, slots, block_ids, *, to_host: bool,
-                 layout: str = "page_first", num_programs: Optional[int] = None, stream=None,
-                 tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS, check: bool = True,
-                 skip_tokens: int = 0) -> None:
+                 layout: str = "page_first", num_programs: Optional[int] = None, stream=None, check: bool = True,
+                 skip_tokens: int = 0, tuning: Optional[Tuning] = None) -> None:
         if num_programs is not None:
             num_programs = check_count("num_programs", num_programs)
+        self.tuning = check_tuning(tuning)
         check_kv(kv)
         given = (slots, block_ids)
         # Indices already on the device with no range check need no stream: skip the stream and device contexts
@@ -245,29 +202,30 @@ class DirectCopy:
                             for t, g in zip((slots, block_ids), given))
         self.kv = kv
         self.num_programs = num_programs
-        self._launch = _KernelLaunch(kv, host, slots, block_ids, kv.geometry.host_row_strides(num_blocks, layout),
-                                     to_blocks=to_host, tile_bytes=tile_bytes, num_warps=num_warps,
-                                     skip_rows=skip_tokens)
+        self._launch = KernelLaunch(kv, host, slots, block_ids, kv.geometry.host_row_strides(num_blocks, layout),
+                                    to_blocks=to_host, tile_bytes=self.tuning.tile_bytes,
+                                    num_warps=self.tuning.num_warps, skip_rows=skip_tokens)
 
     def launch(self, layers: Union[None, int, range] = None, *, stream=None) -> None:
         """Copy ``layers`` (None: all, an int, or a range) on ``stream`` (default: the current stream)."""
         self._fire(layer_span(layers, self.kv.geometry.num_layers), stream)
 
     def _fire(self, span: LayerSpan, stream) -> None:
+        programs = self.num_programs or self.tuning.programs_for(self._launch.layer_bytes * span.count)
         if not self.kv.is_cuda:
-            self._launch.fire(span, self.num_programs, None)
+            self._launch.fire(span, programs, None)
             return
-        with _on_device(self.kv):
-            self._launch.fire(span, self.num_programs, None if stream is None else raw_stream(stream))
+        with on_device(self.kv):
+            self._launch.fire(span, programs, None if stream is None else raw_stream(stream))
 
 
 def _transfer(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *, to_host: bool,
-              layout: str, layers: Union[None, int, range], num_programs: Optional[int], stream,
-              tile_bytes: int, num_warps: int, check: bool, skip_tokens: int) -> None:
+              layout: str, layers: Union[None, int, range], num_programs: Optional[int], stream, check: bool,
+              skip_tokens: int, tuning: Optional[Tuning]) -> None:
     check_kv(kv)
     span = layer_span(layers, kv.geometry.num_layers)  # a bad ``layers`` fails before any index is uploaded
     DirectCopy(kv, host, slots, block_ids, to_host=to_host, layout=layout, num_programs=num_programs, stream=stream,
-               tile_bytes=tile_bytes, num_warps=num_warps, check=check, skip_tokens=skip_tokens)._fire(span, stream)
+               check=check, skip_tokens=skip_tokens, tuning=tuning)._fire(span, stream)
 
 
 def _ready(idx, kv: PagedKV) -> bool:
@@ -276,7 +234,7 @@ def _ready(idx, kv: PagedKV) -> bool:
             and idx.device == kv.device)
 
 
-def _on_device(kv: PagedKV):
+def on_device(kv: PagedKV):
     """A context making the KV's device current; none when it already is (the usual case)."""
     return contextlib.nullcontext() if torch.cuda.current_device() == kv.device.index else torch.cuda.device(kv.device)
 
@@ -314,8 +272,8 @@ class on_stream:
 
 def store_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *,
                 layout: str = "page_first", layers: Union[None, int, range] = None,
-                num_programs: Optional[int] = None, stream=None, tile_bytes: int = TILE_BYTES,
-                num_warps: int = NUM_WARPS, check: bool = True, skip_tokens: int = 0) -> None:
+                num_programs: Optional[int] = None, stream=None, check: bool = True, skip_tokens: int = 0,
+                tuning: Optional[Tuning] = None) -> None:
     """Copy pages from device slots into host blocks (D2H), asynchronously on ``stream``.
 
     Args:
@@ -329,28 +287,28 @@ def store_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids:
             a load that continues a prefix the device holds up to the middle of a host block.
         layout: ``"page_first"`` or ``"layer_first"``.
         layers: ``None`` for all layers in one launch, an ``int`` for one layer, or a ``range`` of layers.
-        num_programs: persistent programs (SMs) to use; default :data:`DEFAULT_PROGRAMS`, or up to
-            :data:`BURST_PROGRAMS` for transfers of at most :data:`BURST_BYTES` (see :func:`default_programs`).
+        num_programs: persistent programs (SMs) to use; default ``tuning.programs``, or ``tuning.burst_programs``
+            for transfers of at most ``tuning.burst_bytes`` (:meth:`Tuning.programs_for`).
         stream: torch (or CuPy) stream to launch on; default the current stream.
-        tile_bytes: bytes each program keeps in flight; num_warps: warps per program.
         check: validate indices (range, distinct destinations) before launching; costs a device sync when the
             indices live on the GPU. Shapes, dtypes, devices and pinning are always checked. With ``check=False``
             an index out of range is an illegal memory access on the GPU and can crash the process on the CPU;
             ``KVTIER_CHECK=1`` turns the checks back on everywhere.
+        tuning: the kernel's tuned constants (:class:`~kvtier.kernels.tuning.Tuning`; benchmarks vary them).
 
     The copy is asynchronous: the caller must keep the slots' KV unchanged until the stream reaches this point.
     """
     _transfer(kv, host, slots, block_ids, to_host=True, layout=layout, layers=layers, num_programs=num_programs,
-              stream=stream, tile_bytes=tile_bytes, num_warps=num_warps, check=check, skip_tokens=skip_tokens)
+              stream=stream, check=check, skip_tokens=skip_tokens, tuning=tuning)
 
 
 def load_pages(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *,
                layout: str = "page_first", layers: Union[None, int, range] = None,
-               num_programs: Optional[int] = None, stream=None, tile_bytes: int = TILE_BYTES,
-               num_warps: int = NUM_WARPS, check: bool = True, skip_tokens: int = 0) -> None:
+               num_programs: Optional[int] = None, stream=None, check: bool = True, skip_tokens: int = 0,
+               tuning: Optional[Tuning] = None) -> None:
     """Copy pages from host blocks into device slots (H2D), asynchronously on ``stream``.
 
     Arguments as :func:`store_pages`; here the slots must be distinct and the blocks may repeat.
     """
     _transfer(kv, host, slots, block_ids, to_host=False, layout=layout, layers=layers, num_programs=num_programs,
-              stream=stream, tile_bytes=tile_bytes, num_warps=num_warps, check=check, skip_tokens=skip_tokens)
+              stream=stream, check=check, skip_tokens=skip_tokens, tuning=tuning)

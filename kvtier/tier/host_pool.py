@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from kvtier._checks import check_count
 from kvtier.geometry import KVGeometry, check_layout
 from kvtier.kernels.pinned import register_pinned_range, unregister_pinned_range
 
@@ -124,9 +125,7 @@ class HostBlockPool:
             num_blocks = int(cpu_cache_gb * GiB) // geometry.block_bytes
             if num_blocks < 1:
                 raise ValueError(f"cpu_cache_gb={cpu_cache_gb} holds no block of {geometry.block_bytes} bytes")
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
-        self.num_blocks = int(num_blocks)
+        self.num_blocks = check_count("num_blocks", num_blocks)
         self.block_bytes = geometry.block_bytes
         self.nbytes = self.num_blocks * self.block_bytes
         cuda = torch.cuda.is_available()
@@ -252,9 +251,7 @@ class HostBlockPool:
             int64 ids (ascending), or None when fewer than ``n`` blocks are free (nothing taken then).
         """
         self._check_alive()
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
-        n = int(n)
+        n = check_count("n", n, 0)
         if n == 0:
             return np.empty(0, dtype=np.int64)
         if n > self._num_free:

@@ -54,6 +54,7 @@ from typing import Mapping, NamedTuple, Optional, Union
 import numpy as np
 import torch
 
+from kvtier._checks import check_count
 from kvtier.config import TierConfig
 from kvtier.index import Namespace, PageTrie, page_hashes
 from kvtier.kernels import DirectCopy, PagedKV, StagedCopy, StagedTransfer, load_pages, store_pages
@@ -438,16 +439,13 @@ class KVTier(HostTier):
         return self._load(tokens, ns, slot_indices, layerwise=False, start_page=start_page)
 
     @synchronized
-    def load_layerwise(self, tokens, ns: Optional[Namespace], slot_indices, *, start_page: int = 0,
-                       on_layer_start=None) -> TierTask:
+    def load_layerwise(self, tokens, ns: Optional[Namespace], slot_indices, *, start_page: int = 0) -> TierTask:
         """As :meth:`load`, one layer at a time, signalling each layer through :attr:`counter`.
 
         The engine then calls ``counter.set_consumer(task.producer_index)`` and the forward pass calls
-        ``counter.wait_until(layer)`` before reading a layer. ``on_layer_start(layer)``, if given, is called on
-        the load stream before each layer's copy is issued (benchmarks and tests use it to slow the load).
+        ``counter.wait_until(layer)`` before reading a layer. Each layer's copy is one ``executor.run("load", ...)``.
         """
-        return self._load(tokens, ns, slot_indices, layerwise=True, start_page=start_page,
-                          on_layer_start=on_layer_start)
+        return self._load(tokens, ns, slot_indices, layerwise=True, start_page=start_page)
 
     @synchronized
     def poll(self) -> list[int]:
@@ -677,10 +675,8 @@ class KVTier(HostTier):
         self.executor.run(stream, fn, own_stream=True)  # fn is a _copy: it passes the stream to its launches
         return self.executor.fence(stream)
 
-    def _load(self, tokens, ns, slot_indices, *, layerwise: bool, start_page: int = 0,
-              on_layer_start=None) -> TierTask:
-        if isinstance(start_page, bool) or not isinstance(start_page, int) or start_page < 0:
-            raise ValueError(f"start_page must be an int >= 0, got {start_page!r}")
+    def _load(self, tokens, ns, slot_indices, *, layerwise: bool, start_page: int = 0) -> TierTask:
+        check_count("start_page", start_page, 0)
         self._drain()
         P, B = self.page_size, self.block_tokens
         toks = _as_tokens(tokens)
@@ -699,15 +695,14 @@ class KVTier(HostTier):
         ids = np.array(m.block_ids[start // B:m.num_pages])
         dst = slots[:copied]
         try:
-            completion = self._issue_load(task, dst, ids, layerwise, on_layer_start, skip=start % B)
+            completion = self._issue_load(task, dst, ids, layerwise, skip=start % B)
         except Exception as e:
             return self._failed(task, "load", e, handle=m)
         self._inflight[task.id] = _Inflight(task, completion, toks[:0], ns, ids, np.empty(0, np.int64), m,
                                             copied * self.geometry.token_bytes)
         return task
 
-    def _issue_load(self, task: TierTask, dst: torch.Tensor, ids: np.ndarray, layerwise: bool, on_layer_start,
-                    skip: int):
+    def _issue_load(self, task: TierTask, dst: torch.Tensor, ids: np.ndarray, layerwise: bool, skip: int):
         """Issue a load's copies (whole, or per layer with the counter's events); its completion. ``skip``: tokens
         of the first block on the device already."""
         if not layerwise:
@@ -729,8 +724,6 @@ class KVTier(HostTier):
                                   check=check, skip_tokens=skip)
             copy_layer = functools.partial(copy.launch, stream=stream)
             for layer in range(self.geometry.num_layers):
-                if on_layer_start is not None:
-                    ex.run("load", functools.partial(on_layer_start, layer))
                 ex.run("load", functools.partial(copy_layer, layer), own_stream=True)
                 # Recorded at issue time, behind the layer's copy in stream order. With the DeferredExecutor
                 # (tests) the host event is set before the deferred copy runs: layerwise bytes are checked there

@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from kvtier._checks import check_count
+
 DEFAULT_SLOTS = 3
 
 
@@ -180,13 +182,9 @@ class LayerDoneCounter:
     """
 
     def __init__(self, num_layers: int, num_slots: int = DEFAULT_SLOTS, device=None, backend: str = "auto") -> None:
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 3:
-            raise ValueError(f"num_slots must be an int >= 3 (a load in flight, one being consumed, one being "
-                             f"issued), got {num_slots!r}")
-        self.num_layers = num_layers
-        self.num_slots = num_slots
+        self.num_layers = check_count("num_layers", num_layers)
+        self.num_slots = check_count("num_slots", num_slots, 3,
+                                     why="a load in flight, one being consumed, one being issued")
         self._ev = pick_backend(device, backend)
         self.events = [[self._ev.new_event() for _ in range(num_layers)] for _ in range(num_slots)]
         self._recorded = [0] * num_slots  # slot -> layers recorded by its current producer (host-side count)
