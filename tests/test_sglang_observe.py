@@ -1,5 +1,6 @@
-"""The SGLang backend's observability: kvtier's CPU-tier stores and evictions in SGLang's KV event stream (a real ZMQ
-socket, SGLang's own publisher and message format), with SGLang's block hashes; metrics on with --enable-metrics."""
+"""The SGLang backend's observability: kvtier's CPU-tier stores and evictions, SSD writes and evictions and remote
+puts in SGLang's KV event stream (a real ZMQ socket, SGLang's own publisher and message format), with SGLang's block
+hashes; metrics on with --enable-metrics."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import msgspec  # noqa: E402
 import zmq  # noqa: E402
 from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher  # noqa: E402
 
+from tests.mooncake_master import mooncake_master  # noqa: E402,F401
 from tests.sglang_helpers import build, flush_device, serve  # noqa: E402
 
 PAGE = 4
@@ -97,3 +99,67 @@ def test_no_host_events_without_kv_events():
     s.cache.wait_all()
     assert s.cache.take_events() == []
     assert len(s.cache.tier._observers) == 1  # the transfer log only
+
+
+def _pages(events, medium: str) -> list:
+    """(hash, the hash it links to, tokens) of every page ``BlockStored`` on ``medium`` published, in order."""
+    out = []
+    for e in events:
+        if type(e).__name__ == "BlockStored" and e.medium == medium:
+            parent = e.parent_block_hash
+            for k, h in enumerate(e.block_hashes):
+                out.append((h, parent, tuple(e.token_ids[k * e.block_size:(k + 1) * e.block_size]), e.cache_salt))
+                parent = h
+    return out
+
+
+def _settle(s) -> None:
+    """Every store finalized and every lower-tier write accounted."""
+    s.cache.wait_all()
+    s.cache.tier.flush_ssd()
+    if s.cache.tier.remote is not None:
+        s.cache.tier.remote.drain(wait=True)
+
+
+def test_ssd_writes_and_evictions_reach_the_kv_event_stream_as_disk(tmp_path):
+    # 8 host blocks, 128 SSD slots (1 MiB of 8 KiB slots), write_through: every block reaches the SSD
+    s = build(page_size=PAGE, kv_size=64, host_blocks_kb=4, kv_events=True, ssd_dir=str(tmp_path))
+    assert s.cache.tier.ssd.medium.index.num_slots == 128
+    a = np.arange(1, 8 * PAGE + 1)
+    serve(s, a)
+    _settle(s)  # a's CPU blocks are free to reuse once written
+    flush_device(s)
+    serve(s, np.arange(500, 500 + 8 * PAGE), cache_salt="tenant-a", extra_key="lora-x")  # a namespaced prefix
+    _settle(s)
+    events = _publish_and_receive(s.cache.take_events())
+    cpu, disk = _pages(events, "CPU_PINNED"), _pages(events, "DISK")
+    assert len(disk) == 16 and disk == cpu  # SGLang's hashes, parents, tokens and salts, as the CPU blocks had
+    assert disk[0][1] is None and [t for p in disk[:8] for t in p[2]] == a.tolist()
+    assert {p[3] for p in disk[8:]} == {"tenant-a"}
+    assert _hashes(events, "BlockStored", "GPU") == [p[0] for p in cpu]
+
+    for i in range(14):  # 14 more prefixes of 8 blocks: 128 slots held, then the 8 oldest (a's) are evicted
+        flush_device(s)
+        serve(s, np.arange(1000 + 100 * i, 1000 + 100 * i + 8 * PAGE))
+        _settle(s)
+        events = _publish_and_receive(s.cache.take_events())
+        assert len(_pages(events, "DISK")) == 8 and not _hashes(events, "BlockRemoved", "DISK")
+    flush_device(s)
+    serve(s, np.arange(9000, 9000 + 8 * PAGE))
+    _settle(s)
+    events = _publish_and_receive(s.cache.take_events())
+    assert s.cache.tier.stats()["ssd_blocks_evicted"] == 8
+    assert sorted(_hashes(events, "BlockRemoved", "DISK")) == sorted(p[0] for p in disk[:8])
+
+
+def test_remote_puts_reach_the_kv_event_stream_as_external(mooncake_master):  # noqa: F811
+    s = build(page_size=PAGE, kv_size=64, kv_events=True, remote_master=mooncake_master.addr)
+    try:
+        serve(s, np.arange(1, 8 * PAGE + 1), cache_salt="tenant-b")
+        _settle(s)
+        events = _publish_and_receive(s.cache.take_events())
+        cpu, external = _pages(events, "CPU_PINNED"), _pages(events, "EXTERNAL")
+        assert len(external) == 8 and external == cpu
+        assert s.cache.tier.stats()["remote_blocks_put"] == 8
+    finally:
+        s.cache.tier.destroy()

@@ -288,6 +288,9 @@ class KVTier(HostTier):
         for name, link in (("ssd", self.ssd), ("remote", self.remote)):
             if link is not None:
                 link.medium.on_written = functools.partial(self._written, name)
+                link.medium.on_stored = functools.partial(self._lower, "lower_stored", name)
+        if self.ssd is not None:
+            self.ssd.medium.on_removed = functools.partial(self._lower, "lower_removed", "ssd")
         logger.info("kvtier: %s", self.describe())
 
     def describe(self) -> str:
@@ -595,6 +598,11 @@ class KVTier(HostTier):
         """A lower tier finished writing ``blocks`` CPU blocks."""
         if self._observers:
             self._notify("transfer_done", Transfer(tier, "store", blocks * self._pages_per_block, nbytes, seconds))
+
+    def _lower(self, hook: str, tier: str, *args) -> None:
+        """A lower tier's blocks changed (observers' ``lower_stored`` / ``lower_removed``)."""
+        if self._observers:
+            self._notify(hook, tier, *args)
 
     def _new_task(self, kind: str, num_pages: int, num_held: int = 0) -> TierTask:
         task = TierTask(self._next_id, kind, num_pages, num_held)

@@ -1,7 +1,7 @@
 """What a :class:`~kvtier.tier.KVTier` reports as it runs, for metrics, logs and KV events.
 
-A :class:`TierObserver` (added with ``KVTier.add_observer``) is told of every completed transfer and of every block
-that enters or leaves the CPU index. Hooks run on the caller's thread, under the tier's lock: they must be quick
+A :class:`TierObserver` (added with ``KVTier.add_observer``) is told of every completed transfer, of every block
+that enters or leaves the CPU index, and of the blocks a lower tier (SSD, remote) comes to hold or stops holding. Hooks run on the caller's thread, under the tier's lock: they must be quick
 and must not call back into the tier. An observer that raises is logged and dropped; the tier carries on.
 """
 
@@ -57,3 +57,11 @@ class TierObserver:
 
     def cleared(self) -> None:
         """Every CPU block left the index (``KVTier.reset``)."""
+
+    def lower_stored(self, tier: str, hashes: np.ndarray, block_ids: np.ndarray) -> None:
+        """Lower tier ``tier`` (``"ssd"``, ``"remote"``) now holds the blocks of chain ``hashes``, written from CPU
+        blocks ``block_ids`` (each entered the CPU index earlier, and is unchanged until this returns)."""
+
+    def lower_removed(self, tier: str, hashes: np.ndarray) -> None:
+        """Lower tier ``tier`` no longer holds the blocks of chain ``hashes`` (evicted, or failed a check). The
+        remote tier reports none: its values leave when the master evicts them or their holder stops."""

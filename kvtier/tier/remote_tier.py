@@ -95,6 +95,7 @@ class RemoteJob:
     host_ids: np.ndarray  # put: CPU blocks read; fetch: CPU blocks filled (set by get)
     views: list = dataclasses.field(default_factory=list, repr=False)  # the host blocks' bytes
     ok: int = 0  # put: blocks stored; fetch: leading blocks verified
+    stored: list = dataclasses.field(default_factory=list, repr=False)  # put: which blocks were stored
     found: int = -1  # fetch: leading blocks the store holds (-1: not probed yet)
     missing: int = 0  # fetch: blocks gone between probe and get
     corrupt: int = 0  # fetch: values that failed a check
@@ -215,8 +216,10 @@ class RemoteTier:
         self._view = block_view
         self.value_bytes = ALIGN + block_bytes
         self.stats = RemoteStats()
-        # called with (blocks, bytes, seconds) of every finished put (the tier's observers)
+        # called with (blocks, bytes, seconds) of every finished put, and with the (chain hashes, CPU blocks) it
+        # stored (the tier's observers)
         self.on_written: Optional[Callable[[int, int, float], None]] = None
+        self.on_stored: Optional[Callable[[np.ndarray, np.ndarray], None]] = None
         self.up = True
         self._next_retry = 0.0
         self._health: Optional[RemoteJob] = None
@@ -304,6 +307,8 @@ class RemoteTier:
             s.seconds_put += job.io_seconds
             if self.on_written is not None and job.ok:
                 self.on_written(job.ok, job.ok * self.block_bytes, job.io_seconds)
+            if self.on_stored is not None and job.stored:
+                self.on_stored(job.hashes[job.stored], job.host_ids[job.stored])
         elif job.kind == "fetch":
             s.blocks_probed_hit += max(job.found, 0)
             s.blocks_fetched += job.ok
@@ -416,7 +421,8 @@ class RemoteTier:
 
         def check(a: int, b: int, buf: np.ndarray, codes: list[int]) -> bool:
             job.down = job.down or any(unreachable(c) for c in codes)
-            job.ok += sum(c == 0 for c in codes)
+            job.stored.extend(i for i, c in zip(range(a, b), codes) if c == 0)
+            job.ok = len(job.stored)
             return not job.down
 
         self._pipeline(self._putter, job.num_blocks, prepare, call, check)

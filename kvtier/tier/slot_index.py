@@ -15,7 +15,7 @@ prefix's first blocks, shared by more requests, are the last to be evicted.
 from __future__ import annotations
 
 import collections
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -36,6 +36,8 @@ class SlotIndex:
         self._pending = 0
         self._doomed: set[int] = set()  # removed while locked: freed at the last unlock
         self.evicted = 0  # slots evicted since construction
+        # called with the chain hashes of held blocks that stop being findable (evicted, removed, cleared)
+        self.on_removed: Optional[Callable[[list[int]], None]] = None
 
     # --- lookup ---
 
@@ -82,18 +84,23 @@ class SlotIndex:
         return out
 
     def _evict(self, n: int) -> int:
-        done = 0
+        gone = []
         for s in list(self._lru):
-            if done == n:
+            if len(gone) == n:
                 break
             if self._locks[s]:
                 continue
             h = self._lru.pop(s)
             del self._slot_of[h]
             self._free.append(s)
-            done += 1
-        self.evicted += done
-        return done
+            gone.append(h)
+        self.evicted += len(gone)
+        self._removed(gone)
+        return len(gone)
+
+    def _removed(self, hashes: list[int]) -> None:
+        if hashes and self.on_removed is not None:
+            self.on_removed(hashes)
 
     def commit(self, slot: int, h: int) -> bool:
         """A pending slot's write is durable: it holds ``h`` (most recently used). Returns False, releasing the
@@ -120,6 +127,7 @@ class SlotIndex:
         h = self._lru.pop(slot, None)
         if h is not None:
             del self._slot_of[h]
+            self._removed([h])
             if self._locks[slot]:
                 self._doomed.add(slot)
             else:
@@ -146,7 +154,10 @@ class SlotIndex:
         """Drop every held slot (locked or pending ones are refused)."""
         if self._locks.any() or self._pending:
             raise RuntimeError("clear() with SSD slots locked or pending")
+        held, on_removed = list(self._slot_of), self.on_removed
         self.__init__(self.num_slots)
+        self.on_removed = on_removed
+        self._removed(held)
 
     # --- accounting ---
 

@@ -156,12 +156,17 @@ class SsdTier:
         self.stats = SsdStats()
         # called with (blocks, bytes, seconds) of every finished write (the tier's observers)
         self.on_written: Optional[Callable[[int, int, float], None]] = None
+        # called with (chain hashes, CPU blocks) of blocks that became findable, and with the chain hashes of
+        # blocks that stopped being findable (the tier's observers)
+        self.on_stored: Optional[Callable[[np.ndarray, np.ndarray], None]] = None
+        self.on_removed: Optional[Callable[[np.ndarray], None]] = None
         self._max_pending = max(1, max_pending_bytes // self.block_bytes)
         self._pending_blocks = 0
         self._writing: set[int] = set()  # chain hashes of blocks in write jobs
         t0 = time.perf_counter()
         slots, hashes = store.recover_hashes()
         self.stats.blocks_recovered = self.index.recover(slots, hashes)
+        self.index.on_removed = self._removed
         self.recovery_seconds = time.perf_counter() - t0
         if self.stats.blocks_recovered:
             logger.info("kvtier: SSD tier recovered %d blocks from %s in %.2f s", self.stats.blocks_recovered,
@@ -235,9 +240,11 @@ class SsdTier:
         unlock, a slot that failed its check is removed."""
         n, ok = job.num_blocks, job.ok
         if job.kind == "write":
-            for s, h in zip(job.slots[:ok].tolist(), job.hashes[:ok].tolist()):
-                if not self.index.commit(s, h):
-                    self.stats.blocks_duplicate += 1
+            stored = [i for i, (s, h) in enumerate(zip(job.slots[:ok].tolist(), job.hashes[:ok].tolist()))
+                      if self.index.commit(s, h)]
+            self.stats.blocks_duplicate += ok - len(stored)
+            if self.on_stored is not None and stored:
+                self.on_stored(job.hashes[stored], job.host_ids[stored])
             self.index.release(job.slots[ok:])
             self._writing.difference_update(job.hashes.tolist())
             self._pending_blocks -= n
@@ -265,6 +272,10 @@ class SsdTier:
             self.stats.blocks_read += ok
             self.stats.bytes_read += ok * self.block_bytes
             self.stats.seconds_read += job.io_seconds
+
+    def _removed(self, hashes: list[int]) -> None:
+        if self.on_removed is not None:
+            self.on_removed(np.array(hashes, dtype=np.uint64))
 
     @property
     def read_gbps(self) -> Optional[float]:
