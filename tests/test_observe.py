@@ -248,3 +248,65 @@ def test_a_metrics_port_in_use_is_a_clear_error():
     finally:
         s.close()
         tier.destroy()
+
+
+# --- warnings that say what to do: stores dropped for lack of room ---
+
+ROOM_LOGGER = "kvtier.room"
+
+
+def _room_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == ROOM_LOGGER and r.levelno == logging.WARNING]
+
+
+def test_a_host_pool_smaller_than_one_prefix_says_to_raise_cpu_cache_gb(caplog):
+    tier = make_tier(num_blocks=4)
+    caplog.set_level(logging.WARNING, logger=ROOM_LOGGER)
+    task = tier.wait(tier.store(_tokens(6 * P), None, page_slots(0, 6, P)))
+    assert task.num_pages == 4 and tier.stats()["pages_store_dropped"] == 2
+    (line,) = _room_lines(caplog)
+    assert "fewer than one request's prefix (6 blocks)" in line and "2 blocks of such stores" in line
+    need = 6 * tier.pool.block_bytes / 2**30
+    assert f"Raise cpu_cache_gb above {need:.3g}" in line
+
+
+def test_stores_dropped_for_lack_of_room_warn_once_per_interval_with_a_count(caplog):
+    from kvtier.tier.executor import DeferredExecutor
+
+    ex = DeferredExecutor()
+    tier = make_tier(num_blocks=4, executor=ex)
+    now = [1000.0]
+    tier.room_advice.clock = lambda: now[0]
+    caplog.set_level(logging.WARNING, logger=ROOM_LOGGER)
+    inflight = tier.store(_tokens(4 * P, seed=1), None, page_slots(0, 4, P))  # owns every block until it lands
+
+    def dropped_store(seed: int) -> None:
+        t = tier.store(_tokens(2 * P, seed=seed), None, page_slots(4, 2, P))
+        assert t.num_pages == 0
+
+    dropped_store(2)
+    assert len(_room_lines(caplog)) == 1 and "2 blocks of host-tier stores were dropped for lack of room" in \
+        _room_lines(caplog)[0] and "Raise cpu_cache_gb" in _room_lines(caplog)[0]
+    now[0] += 30
+    dropped_store(3)
+    dropped_store(4)
+    assert len(_room_lines(caplog)) == 1  # within the interval: counted, not logged
+    now[0] += 31
+    dropped_store(5)
+    lines = _room_lines(caplog)
+    assert len(lines) == 2 and "6 blocks of host-tier stores were dropped for lack of room in the last 61 s" in lines[1]
+    assert tier.stats()["pages_store_dropped"] == 8
+    tier.wait(inflight)
+
+
+def test_ssd_writes_dropped_without_a_free_slot_say_to_raise_ssd_cache_gb(tmp_path, caplog):
+    tier = make_ssd_tier(tmp_path, ssd_slots=4)
+    caplog.set_level(logging.WARNING, logger=ROOM_LOGGER)
+    try:
+        tier.wait(tier.store(_tokens(6 * P), None, page_slots(0, 6, P)))  # write-through: 6 blocks, 4 slots
+        tier.flush_ssd()
+        assert tier.stats()["ssd_blocks_write_dropped"] == 2
+        (line,) = _room_lines(caplog)
+        assert "2 blocks of SSD writes were dropped" in line and "Raise ssd_cache_gb" in line
+    finally:
+        tier.destroy()

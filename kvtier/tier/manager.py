@@ -65,6 +65,7 @@ from kvtier.tier.host_pool import HostBlockPool, synchronized
 from kvtier.tier.observers import TierObserver, Transfer
 from kvtier.tier.signal import LayerDoneCounter
 from kvtier.tier.remote_link import FetchPlan, RemoteLink
+from kvtier.tier.room_advice import RoomAdvice
 from kvtier.tier.ssd_link import InFlight, PromotionPlan, SsdLink
 from kvtier.tier.transfer_policy import CopyPlan, Path, TransferPolicy
 
@@ -272,6 +273,7 @@ class KVTier(HostTier):
         self._finished: list[int] = []  # task ids finalized since the last poll
         self._next_id = 0
         self._stats = TierStats()
+        self.room_advice = RoomAdvice()  # warnings for stores dropped for lack of room, naming the key to raise
         self.holds = BlockHolds(pool)  # CPU blocks lower-tier IO still uses
         self._observers: list[TierObserver] = []
         self.ssd: Optional[SsdLink] = None
@@ -407,6 +409,10 @@ class KVTier(HostTier):
             self.index.lock(m)  # the prefix the new pages hang from must survive until they are inserted
         ids = self._alloc(n - held)
         self._stats.pages_store_dropped += (n - held - ids.size) * G
+        if ids.size < n - held:
+            self.room_advice.host_store_dropped(dropped=n - held - int(ids.size), prefix_blocks=n,
+                                                pool_blocks=self.pool.num_blocks, block_tokens=B,
+                                                block_bytes=self.pool.block_bytes)
         if ids.size == 0:
             if held:
                 self.index.unlock(m)

@@ -41,6 +41,7 @@ import xxhash
 from kvtier.storage.aligned_io import aligned
 from kvtier.storage.block_format import ALIGN, BlockHeader, pack_block_header, unpack_block_header
 from kvtier.storage.mooncake_store import CODE_NOT_FOUND, MooncakeStore, block_key, unreachable
+from kvtier.tier.room_advice import RoomAdvice
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +217,7 @@ class RemoteTier:
         self._view = block_view
         self.value_bytes = ALIGN + block_bytes
         self.stats = RemoteStats()
+        self.advice = RoomAdvice()  # warnings for dropped puts
         # called with (blocks, bytes, seconds) of every finished put, and with the (chain hashes, CPU blocks) it
         # stored (the tier's observers)
         self.on_written: Optional[Callable[[int, int, float], None]] = None
@@ -243,6 +245,8 @@ class RemoteTier:
         room = self._max_pending - self._pending_blocks if self.up else 0
         k = max(0, min(hashes.size, room))  # the first blocks: a prefix's head serves most
         self.stats.blocks_put_dropped += hashes.size - k
+        if self.up and k < hashes.size:  # down: the tier-down warning says why
+            self.advice.remote_put_dropped(dropped=hashes.size - k)
         if k == 0:
             return None
         ids = np.asarray(host_ids[:k]).copy()

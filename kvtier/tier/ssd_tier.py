@@ -31,6 +31,7 @@ import numpy as np
 from kvtier.storage import Block, SsdStore
 from kvtier.storage.aligned_io import aligned
 from kvtier.storage.block_format import padded
+from kvtier.tier.room_advice import RoomAdvice
 from kvtier.tier.slot_index import SlotIndex
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class SsdTier:
         self._copy_out, self._copy_in = copy_out, copy_in
         self.index = SlotIndex(store.num_slots)
         self.stats = SsdStats()
+        self.advice = RoomAdvice()  # warnings for dropped writes
         # called with (blocks, bytes, seconds) of every finished write (the tier's observers)
         self.on_written: Optional[Callable[[int, int, float], None]] = None
         # called with (chain hashes, CPU blocks) of blocks that became findable, and with the chain hashes of
@@ -212,6 +214,8 @@ class SsdTier:
         room = min(n, self._max_pending - self._pending_blocks)  # the first blocks: a prefix's head serves most
         slots = self.index.alloc(room) if room > 0 else np.empty(0, np.int64)
         self.stats.blocks_write_dropped += n - slots.size
+        if slots.size < n:
+            self.advice.ssd_write_dropped(dropped=n - slots.size, queue_full=room < n)
         if slots.size == 0:
             return None
         pick = np.flatnonzero(keep)[:slots.size]
