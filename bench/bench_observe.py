@@ -1,11 +1,14 @@
 """Overhead of kvtier's observers (metrics, transfer log) on the tier's engine-facing paths (issue 20).
 
-Two KVTiers over one device KV pool: ``bare`` (no observers) and ``observed`` (``attach``: the transfer log at INFO
-into a stream handler, Prometheus metrics with their HTTP endpoint). Each cycle serves one request of ``--pages``
-pages: ``store`` (issue), wait, ``lookup``, ``load`` (issue), wait; the requests cycle through more prefixes than the
-pool holds, so stores evict. Timed on the host: the issue calls (store + load), the lookup, the whole cycle (copies
-included). Repeats alternate bare / observed; figures are medians over repeats of per-cycle medians, as ratios
-observed / bare. A scrape (the metrics' sync, which takes the tier's lock) is timed apart.
+Two KVTiers over one device KV pool; in each repeat one is observed (what ``attach`` adds: the transfer log at INFO
+into a stream handler, Prometheus metrics with their HTTP endpoint) and the other bare. The observed instance
+alternates every repeat and the order (observed or bare first) every two, so that a difference between the two
+instances (their pools' placement, caches) does not pass for the observers' cost. Each cycle serves one request of
+``--pages`` pages: ``store`` (issue), wait, ``lookup``, ``load`` (issue), wait; the requests cycle through more
+prefixes than the pool holds, so stores evict. Timed on the host: the issue calls (store + load), the lookup, the
+whole cycle (copies included). Figures are medians over repeats of per-cycle medians, as ratios observed / bare
+(``observed_over_bare_by_instance``: the same per observed instance, to show the instances' own difference). A
+scrape (the metrics' sync, which takes the tier's lock) is timed apart.
 
 The index benchmark (``bench/bench_index.py``) runs ``PageTrie`` alone, which no observer touches: its overhead is
 nil by construction; the lookup here is the index through the tier.
@@ -16,7 +19,6 @@ Run on the GPU machine: ``python bench/bench_observe.py --out $OUT/observe_h200.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import logging
 import os
@@ -32,11 +34,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench import progress  # noqa: E402
 from bench.common import env_info, make_pool, write_json  # noqa: E402
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
-from kvtier.observe.attach import attach  # noqa: E402
-from kvtier.observe.transfer_log import LOGGER_NAME  # noqa: E402
+from kvtier.observe.metrics import TierMetrics, serve  # noqa: E402
+from kvtier.observe.transfer_log import LOGGER_NAME, TransferLog  # noqa: E402
 from kvtier.tier import KVTier  # noqa: E402
 
 
@@ -69,45 +72,78 @@ def run(args) -> dict:
     block = geo.token_bytes * P
     gb = args.pool_requests * n * block / (1 << 30) * 1.001
     config = TierConfig(cpu_cache_gb=gb, page_size=P, layerwise=False)
-    bare = KVTier(kv, config)
-    observed = KVTier(kv, config)
+    tiers = [KVTier(kv, config), KVTier(kv, config)]
     sink = io.StringIO()
     log = logging.getLogger(LOGGER_NAME)
     log.addHandler(logging.StreamHandler(sink))
     log.setLevel(logging.INFO)
     log.propagate = False
-    obs = attach(observed, dataclasses.replace(config, metrics_port=0), labels={"tp_rank": "0"})
+    # what attach() adds with log_transfers and metrics_port, one set per instance (added and removed per repeat)
+    watchers = []
+    for i, t in enumerate(tiers):
+        metrics = TierMetrics(t.stats, labels={"tp_rank": str(i)})
+        server, _ = serve(metrics, 0, addr="127.0.0.1")
+        watchers.append((TransferLog(), metrics, server))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 150_000, n * P).astype(np.int64) for _ in range(args.pool_requests * 2)]
     runs = {"bare": [], "observed": []}
-    for tier in (bare, observed):  # warm-up (kernels compiled, pools touched)
-        for p in prompts[:3]:
-            cycle(tier, p, src, dst)
+    for i, t in enumerate(tiers):  # warm-up (kernels compiled, pools touched), bare and observed
+        for watched in (False, True):
+            _watch(t, watchers[i], watched)
+            for p in prompts[:3]:
+                cycle(t, p, src, dst)
+            _watch(t, watchers[i], False)
+    progress.plan(args.repeats, "repeats")
     for rep in range(args.repeats):
-        for name, tier in (("bare", bare), ("observed", observed)) if rep % 2 == 0 else (
-                ("observed", observed), ("bare", bare)):
-            cells = [cycle(tier, prompts[i % len(prompts)], src, dst) for i in range(args.cycles)]
-            runs[name].append({k: statistics.median(c[k] for c in cells) for k in cells[0]})
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-    ratios = {k: med["observed"][k] / med["bare"][k] for k in med["bare"]}
+        # the observed instance alternates every repeat and who runs first every two, so neither the instance nor
+        # the order favours a side (repeats a multiple of 4 cover each combination equally)
+        w = rep % 2
+        _watch(tiers[w], watchers[w], True)
+        order = [("observed", w), ("bare", 1 - w)] if rep // 2 % 2 == 0 else [("bare", 1 - w), ("observed", w)]
+        for name, i in order:
+            cells = [cycle(tiers[i], prompts[k % len(prompts)], src, dst) for k in range(args.cycles)]
+            runs[name].append({"instance": i, **{k: statistics.median(c[k] for c in cells) for k in cells[0]}})
+        _watch(tiers[w], watchers[w], False)
+        progress.step(f"repeat {rep + 1}")
+    keys = [k for k in runs["bare"][0] if k != "instance"]
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
+    ratios = {k: med["observed"][k] / med["bare"][k] for k in keys}
+    by_instance = {}  # observed on instance i over bare on the other: how far the instances differ
+    for i in (0, 1):
+        obs_i = [r for r in runs["observed"] if r["instance"] == i]
+        bare_j = [r for r in runs["bare"] if r["instance"] != i]
+        if obs_i and bare_j:
+            by_instance[f"observed_{i}"] = {k: statistics.median(r[k] for r in obs_i)
+                                            / statistics.median(r[k] for r in bare_j) for k in keys}
+    metrics = watchers[0][1]
+    _watch(tiers[0], watchers[0], True)
     scrape = []
     for _ in range(20):
         t0 = time.perf_counter()
-        obs.metrics.sync()
+        metrics.sync()
         scrape.append((time.perf_counter() - t0) * 1e6)
-    with urllib.request.urlopen(f"http://127.0.0.1:{obs.port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{watchers[0][2].server_port}/metrics", timeout=10) as r:
         exposition = r.read().decode()
     assert "kvtier_transfer_tokens_total" in exposition
     lines = sink.getvalue().count("\n")
-    obs.close()
-    stats = observed.stats()
-    bare.destroy()
-    observed.destroy()
+    stats = [t.stats() for t in tiers]
+    for (_, m, server), t in zip(watchers, tiers):
+        server.shutdown()
+        server.server_close()
+        m.close()
+        t.destroy()
     return {"device": device, "geometry": str(geo), "pages_per_request": n, "request_mb": n * block / 1e6,
             "pool_requests": args.pool_requests, "repeats": args.repeats, "cycles": args.cycles,
             "median_us": med, "observed_over_bare": ratios, "worst_ratio": max(ratios.values()),
+            "observed_over_bare_by_instance": by_instance,
             "sync_us_median": statistics.median(scrape), "log_lines": lines,
-            "evicted_pages_observed": stats["pages_evicted"], "runs": runs}
+            "evicted_pages": sum(s["pages_evicted"] for s in stats), "runs": runs}
+
+
+def _watch(tier: KVTier, watcher: tuple, on: bool) -> None:
+    """Add (or remove) the transfer log and the metrics of ``watcher`` to (from) ``tier``."""
+    for observer in watcher[:2]:
+        (tier.add_observer if on else tier.remove_observer)(observer)
 
 
 def main() -> None:
@@ -120,7 +156,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
-        args.pages, args.repeats, args.cycles = 4, 2, 4
+        args.pages, args.repeats, args.cycles = 4, 4, 4
     out = run(args)
     out["env"] = env_info()
     out["command"] = "python bench/bench_observe.py" + (" --smoke" if args.smoke else "")

@@ -310,3 +310,17 @@ def test_ssd_writes_dropped_without_a_free_slot_say_to_raise_ssd_cache_gb(tmp_pa
         assert "2 blocks of SSD writes were dropped" in line and "Raise ssd_cache_gb" in line
     finally:
         tier.destroy()
+
+
+def test_bench_observe_smoke_alternates_the_observed_instance(tmp_path):
+    """The overhead bench on the CPU: each repeat observes the other instance, and either side runs first as often."""
+    out = tmp_path / "observe.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_observe.py"), "--smoke", "--out",
+                        str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    observed = [run["instance"] for run in res["runs"]["observed"]]
+    bare = [run["instance"] for run in res["runs"]["bare"]]
+    assert observed == [0, 1, 0, 1] and bare == [1, 0, 1, 0]
+    assert set(res["observed_over_bare_by_instance"]) == {"observed_0", "observed_1"}
+    assert res["log_lines"] > 0 and all(v > 0 for v in res["observed_over_bare"].values())

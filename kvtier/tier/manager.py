@@ -317,6 +317,12 @@ class KVTier(HostTier):
         with self._lock:
             self._observers.append(observer)
 
+    def remove_observer(self, observer: TierObserver) -> None:
+        """Stop reporting to ``observer`` (no-op if it is not observing)."""
+        with self._lock:
+            if observer in self._observers:
+                self._observers.remove(observer)
+
     # --- engine API ---
 
     @synchronized
