@@ -151,7 +151,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "observe_h200.json"))
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--pool-requests", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=12, help="a multiple of 4 covers each instance and order equally")
     ap.add_argument("--cycles", type=int, default=40)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
