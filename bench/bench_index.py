@@ -244,8 +244,8 @@ def run_library(cls, page, seqs, arrs, reps, evict_chunk_pages):
 def compile_times():
     """First insert+match+lock+evict in a fresh process: without the numba cache, then with it (twice)."""
     code = ("import time; t=time.perf_counter(); import numpy as np; from kvtier.index import PageTrie; "
-            "t1=time.perf_counter(); p=PageTrie(16); r=p.insert(np.arange(64), np.arange(4)); m=p.match(np.arange(64)); "
-            "p.match(np.arange(64), method='gallop'); p.lock(m); p.unlock(m); p.remove(np.arange(64)); p.evict(1); "
+            "t1=time.perf_counter(); p=PageTrie(16); r=p.insert(np.arange(64), np.arange(4)); "
+            "m=p.match(np.arange(64)); p.lock(m); p.unlock(m); p.evict(1); "
             "print(t1-t, time.perf_counter()-t1)")
     out = {}
     for label, env in (("no_cache", {"KVTIER_NUMBA_CACHE": "0"}), ("cache_fill", {}), ("cached", {})):
@@ -257,9 +257,10 @@ def compile_times():
 
 
 def memory_10m(pages=10_000_000, page=16, seq_pages=4096, seed=3):
-    """Index ``pages`` pages of random tokens (capacity preset) and measure the arrays' bytes."""
+    """Index ``pages`` pages of random tokens (the arrays sized for them up front, as a tier sizes its index for its
+    pool) and measure the arrays' bytes."""
     rng = np.random.default_rng(seed)
-    t = PageTrie(page, capacity=pages, initial_nodes=pages)
+    t = PageTrie(page, initial_nodes=pages)
     gc.collect()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = pc()
@@ -276,7 +277,7 @@ def memory_10m(pages=10_000_000, page=16, seq_pages=4096, seed=3):
     full = all(t.match(q, touch=False).num_pages == len(q) // page for q, _ in probes)
     nbytes = t.nbytes
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # what plain doubling from 4096 slots would have allocated for the same pages (no capacity given)
+    # what plain doubling from 4096 slots would have allocated for the same pages (no size given up front)
     slots = 4096
     while slots < pages:
         slots *= 2

@@ -32,7 +32,9 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
   kernel's tuned default (``kvtier.kernels.Tuning().programs``, more for short bursts).
 * ``layerwise`` (bool, default true): engine adapters load host hits layer by layer (``KVTier.load_layerwise``)
   instead of whole (``KVTier.load``).
-* ``eviction_policy`` (``"lru"``, default ``"lru"``): the only policy so far (LRU over unlocked leaf pages).
+* ``eviction_policy`` (a registered name, default ``"lru"``): which unlocked host blocks leave first when the pool
+  is full (:mod:`kvtier.index.eviction`; ``lru``: least recently used leaf first, the index's own heap order;
+  a policy registered with :func:`~kvtier.index.register_eviction_policy` is valid here once registered).
 * ``ssd_cache_gb`` (float >= 0, default 0): size of the SSD tier in GiB over all its directories, per rank (0: no
   SSD tier). Its block files are preallocated at start (a full disk fails there, not while serving).
 * ``ssd_cache_dir`` (str or null): the SSD tier's directories, several separated by ``;`` (FlexKV's form): one block
@@ -91,12 +93,12 @@ from typing import Any, Mapping, Optional
 
 from kvtier._checks import is_int
 from kvtier.geometry import HOST_LAYOUTS
+from kvtier.index.eviction import eviction_policy_names
 
 ENV_VAR = "KVTIER_CONFIG"
-# The smallest host block by default (tokens): see ``tokens_per_block`` above.
+# The smallest host block by default (tokens): see ``tokens_per_block`` above and docs/DESIGN.md ("Tuned constants").
 MIN_TOKENS_PER_BLOCK = 16
 TRANSFER_MODES: tuple[str, ...] = ("auto", "direct", "staged")
-EVICTION_POLICIES: tuple[str, ...] = ("lru",)
 SSD_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")
 SSD_ADMISSIONS: tuple[str, ...] = ("cost", "always")
 REMOTE_BACKENDS: tuple[str, ...] = ("mooncake",)
@@ -208,8 +210,8 @@ class TierConfig:
             raise _error(f"num_programs must be an int >= 1 or null, got {_got(self.num_programs)}")
         if not isinstance(self.layerwise, bool):
             raise _error(f"layerwise must be true or false, got {self.layerwise!r}")
-        if self.eviction_policy not in EVICTION_POLICIES:
-            raise _error(f"eviction_policy must be one of {list(EVICTION_POLICIES)}, got {self.eviction_policy!r}")
+        if self.eviction_policy not in eviction_policy_names():
+            raise _error(f"eviction_policy must be one of {eviction_policy_names()}, got {self.eviction_policy!r}")
         if not _is_number(self.ssd_cache_gb) or self.ssd_cache_gb < 0:
             raise _error(f"ssd_cache_gb must be a number >= 0 (GiB), got {_got(self.ssd_cache_gb)}")
         if self.ssd_cache_dir is not None and (not isinstance(self.ssd_cache_dir, str) or not self.ssd_cache_dir):

@@ -3,9 +3,10 @@
 Every rule applies one operation to the trie and to the model and compares the answers; the
 invariants (checked after every step) compare the whole trie with the model: the set of held
 (namespace, prefix) pages, their blocks and lock counts, the parent/child/depth links, the stored
-chained hashes and the lazily indexed table, the counters, the eviction heap, and the longest cached prefix of every sequence seen
-(both match methods, without touching). Three machines: full hashes, 3-bit hashes (collisions
-everywhere) and a capacity-bounded trie. CI runs >= 10k steps (100 examples x 100 steps for the first).
+chained hashes and the lazily indexed table, the counters, the eviction heap, and the longest cached prefix of
+every sequence seen (by the trie's walk and by the gallop kept in ``tests/index_extras.py``, without touching). Two
+machines: full hashes and 3-bit hashes (collisions everywhere). CI runs >= 10k steps (120 examples x 100 steps for
+the first).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from kvtier.index import Namespace, PageTrie
 from kvtier.index._state import BLOCK, DEPTH, FL_INDEXED, HINT, HPOS, LOCK, M_HEAP, M_INDEXED, NCHILD, PARENT, TICK
+from tests.index_extras import ExtrasTrie, narrow_trie
 
 PAGE = 2
 # more namespaces than the trie's first 4 slots: registration, reclaim of empty ones and growth all run
@@ -47,7 +49,6 @@ class Model:
     """Reference: pages keyed by (namespace, token prefix of whole pages)."""
 
     page_size: int
-    capacity: int | None
     pages: dict = field(default_factory=dict)
     tick: int = 0
     uid: int = 0
@@ -78,8 +79,6 @@ class Model:
         path = self.prefix(ns, tokens)
         m = len(path)
         want = len(keys) - m
-        if self.capacity is not None:
-            want = min(want, max(self.capacity - len(self.pages), 0))
         self.tick += 1
         for key in path:
             self.pages[key].tick = self.tick
@@ -152,12 +151,11 @@ class IndexMachine(RuleBasedStateMachine):
     """One PageTrie beside the model."""
 
     hash_bits = 64
-    capacity: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
-        self.trie = PageTrie(PAGE, capacity=self.capacity, initial_nodes=4, _hash_bits=self.hash_bits)
-        self.model = Model(PAGE, self.capacity)
+        self.trie: ExtrasTrie = narrow_trie(self.hash_bits)(PAGE, initial_nodes=4)
+        self.model = Model(PAGE)
         self.next_block = 0
         self.seen: list = []  # (ns, tokens) queried or inserted, for the match invariant
         self.locked: list = []  # (handle, model path)
@@ -206,7 +204,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(seq=seqs, method=st.sampled_from(["walk", "gallop"]))
     def match(self, seq, method):
         ns, tokens = seq
-        r = self.trie.match(tokens, ns, method=method)
+        r = (self.trie.match if method == "walk" else self.trie.match_gallop)(tokens, ns)
         path = self.model.match(ns, tokens)
         note(f"match ns={ns} tokens={tokens} -> {r.num_pages} pages")
         assert r.num_pages == len(path)
@@ -317,7 +315,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @invariant()
     def lazy_index(self):
-        """Lazy indexing (trie.py): the table holds exactly the indexed live pages, each once, under
+        """Lazy indexing (trie_jit.py): the table holds exactly the indexed live pages, each once, under
         their chained hash (recomputed from the tokens along the path, not from stored hashes);
         I1 an indexed page's stored hash is that chain hash; I2 an indexed page's parent is indexed;
         I3 a page that is not indexed is its parent's only child and its parent's hint; first pages
@@ -358,8 +356,6 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.trie.protected_pages == sum(p.lock > 0 for p in pages)
         assert self.trie.evictable_pages == sum(p.lock == 0 for p in pages)
         assert self.trie.evictable_leaves == len(self.model.evictable_leaves())
-        if self.capacity is not None:
-            assert self.trie.total_pages <= self.capacity
 
     @invariant()
     def heap_holds_unlocked_leaves(self):
@@ -381,8 +377,8 @@ class IndexMachine(RuleBasedStateMachine):
     def match_is_longest_cached_prefix(self):
         for ns, tokens in self.seen:
             want = [self.model.pages[k].block for k in self.model.prefix(ns, tokens)]
-            for method in ("walk", "gallop"):
-                r = self.trie.match(tokens, ns, touch=False, method=method)
+            for method, match in (("walk", self.trie.match), ("gallop", self.trie.match_gallop)):
+                r = match(tokens, ns, touch=False)
                 assert r.block_ids.tolist() == want, f"{method} match of {tokens} in {ns}"
 
 
@@ -392,17 +388,9 @@ class NarrowHashMachine(IndexMachine):
     hash_bits = 3
 
 
-class CapacityMachine(IndexMachine):
-    """At most 10 pages: insert stores what fits and reports the rest as not new."""
-
-    capacity = 10
-
-
 _fast = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 IndexMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=100, **_fast)
 NarrowHashMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=100, **_fast)
-CapacityMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=100, **_fast)
 
 TestIndexMachine = IndexMachine.TestCase
 TestNarrowHashMachine = NarrowHashMachine.TestCase
-TestCapacityMachine = CapacityMachine.TestCase

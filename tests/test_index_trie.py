@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.index import DEFAULT_NAMESPACE_SEED, Namespace, PageTrie, namespace_seed, page_hashes
+from tests.index_extras import ExtrasTrie, narrow_trie
 
 
 def ref_chain(tokens, page_size, seed):
@@ -65,17 +66,23 @@ def test_namespaces_never_share_pages():
 
 
 # ---- semantics ------------------------------------------------------------------------------------
+def _matcher(t: ExtrasTrie, method: str):
+    """The trie's own match (the walk) or the gallop kept in the tests."""
+    return t.match if method == "walk" else t.match_gallop
+
+
 @pytest.mark.parametrize("method", ["walk", "gallop"])
 def test_insert_match_partial_pages(method):
-    t = PageTrie(3)
+    t = ExtrasTrie(3)
+    match = _matcher(t, method)
     r = t.insert(list(range(10)), [7, 8, 9])  # 3 full pages, 1 token ignored
     assert r.new_mask.tolist() == [True, True, True] and r.num_held == 0
-    assert t.match(list(range(11)), method=method).block_ids.tolist() == [7, 8, 9]
-    assert t.match([0, 1, 2, 3, 4, 9], method=method).block_ids.tolist() == [7]
-    assert t.match([0, 1], method=method).num_pages == 0
+    assert match(list(range(11))).block_ids.tolist() == [7, 8, 9]
+    assert match([0, 1, 2, 3, 4, 9]).block_ids.tolist() == [7]
+    assert match([0, 1]).num_pages == 0
     r = t.insert([0, 1, 2, 3, 4, 5, 6, 6, 6], [1, 2, 3])
     assert r.new_mask.tolist() == [False, False, True] and r.num_held == 2  # caller frees blocks 1 and 2
-    assert t.match([0, 1, 2, 3, 4, 5, 6, 6, 6], method=method).block_ids.tolist() == [7, 8, 3]
+    assert match([0, 1, 2, 3, 4, 5, 6, 6, 6]).block_ids.tolist() == [7, 8, 3]
     assert t.total_pages == 4
 
 
@@ -107,7 +114,7 @@ def test_lru_eviction_order_and_locks():
 
 
 def test_remove_stops_at_shared_or_locked_pages():
-    t = PageTrie(2)
+    t = ExtrasTrie(2)
     t.insert([0, 0, 1, 1, 2, 2], [0, 1, 2])
     t.insert([0, 0, 1, 1, 3, 3], [0, 1, 3])
     assert t.remove([0, 0, 1, 1, 2, 2]).tolist() == [2]  # [0 0 1 1] is still shared
@@ -117,16 +124,6 @@ def test_remove_stops_at_shared_or_locked_pages():
     t.unlock(m)
     assert t.remove([0, 0, 1, 1, 3, 3, 9]).tolist() == [3, 1, 0]
     assert t.total_pages == 0
-
-
-def test_capacity_stores_what_fits():
-    t = PageTrie(1, capacity=3)
-    r = t.insert([1, 2, 3, 4, 5], [1, 2, 3, 4, 5])
-    assert r.new_mask.tolist() == [True, True, True, False, False] and t.total_pages == 3
-    assert t.insert([9], [9]).num_new == 0
-    assert t.evict(1).tolist() == [3]
-    assert t.insert([9], [9]).num_new == 1
-    assert t.capacity == 3
 
 
 def test_match_without_touch_keeps_lru_order():
@@ -155,7 +152,7 @@ def test_reset():
                                        (np.zeros(2, np.float64), TypeError), (np.zeros((1, 2), np.int64), ValueError),
                                        ([0, 2**64], ValueError)])
 def test_bad_tokens(op, toks, err):
-    t = PageTrie(2)
+    t = ExtrasTrie(2)
     with pytest.raises(err):
         if op == "insert":
             t.insert(toks, [0])
@@ -176,15 +173,13 @@ def test_bad_blocks(blocks, err, msg):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="page_size must be an int >= 1"):
         PageTrie(0)
-    with pytest.raises(ValueError):
-        PageTrie(2, capacity=-1)
+    with pytest.raises(ValueError, match="initial_nodes must be an int >= 0"):
+        PageTrie(2, initial_nodes=-1)
     t = PageTrie(2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n must be an int >= 0"):
         t.evict(-1)
-    with pytest.raises(ValueError, match="method"):
-        t.match([1, 2], method="bfs")
     with pytest.raises(TypeError):
         t.match([1, 2], ns="a")
     r = t.insert([1, 2], [0])
@@ -197,7 +192,7 @@ def test_bad_arguments():
 def test_narrow_hash_never_returns_a_wrong_page(bits):
     """With 1-4 bit hashes almost every lookup collides; answers must equal a plain dict's."""
     rng = random.Random(bits)
-    t = PageTrie(2, _hash_bits=bits, initial_nodes=8)
+    t = narrow_trie(bits)(2, initial_nodes=8)
     held, nxt = {}, 0
     seqs = [[rng.randrange(3) for _ in range(rng.randrange(0, 16))] for _ in range(300)]
     for s in seqs:
@@ -217,7 +212,7 @@ def test_narrow_hash_never_returns_a_wrong_page(bits):
                 break
             want.append(b)
         for method in ("walk", "gallop"):
-            assert t.match(s, method=method, touch=False).block_ids.tolist() == want
+            assert _matcher(t, method)(s, touch=False).block_ids.tolist() == want
     assert t.collision_fallbacks > 0  # the gallop predicate was fooled and the verification caught it
 
 
@@ -234,9 +229,9 @@ def test_growth_keeps_everything():
 
 
 def test_bytes_per_page_budget():
-    """10M pages at page 16 must fit 1.5 GiB: the per-page footprint with a preset capacity."""
+    """10M pages at page 16 must fit 1.5 GiB: the per-page footprint of an index sized for its pool."""
     cap = 100_000
-    t = PageTrie(16, capacity=cap, initial_nodes=cap)
+    t = PageTrie(16, initial_nodes=cap)
     assert t.nbytes / cap <= 1.5 * 2**30 / 10_000_000
 
 
@@ -284,7 +279,7 @@ def test_lazy_heap_keys_bound_ticks_and_evict_in_lru_order():
 
 
 def test_lookup_of_an_unknown_namespace_registers_nothing():
-    trie = PageTrie(4)
+    trie = ExtrasTrie(4)
     toks = np.arange(8)
     for k in range(200):
         assert trie.match(toks, Namespace(cache_salt=f"salt-{k}")).num_pages == 0
@@ -317,7 +312,7 @@ def test_wide_token_ids_are_matched_and_verified_exactly():
     pad = [1_000_000 + (v & ((1 << 62) - 1)) for v in (0x1234_5678_9ABC_DEF0, 0x0FED_CBA9_8765_4321)]
     text = list(range(100, 108))
     prompt = text + [pad[0]] * 8 + [pad[1]] * 4 + text[:4]  # 24 tokens, 6 pages of 4
-    trie = PageTrie(4)
+    trie = ExtrasTrie(4)
     assert trie.match(array("q", prompt)).num_pages == 0 and trie.num_wide_ids == 0  # a lookup assigns nothing
     trie.insert(array("q", prompt), np.arange(6))
     assert trie.num_wide_ids == 2

@@ -123,12 +123,20 @@ def test_plan_chunks_cover_the_range_on_aligned_boundaries(nbytes, unit, limit):
 
 def test_runs_never_cross_page_first_chunk_boundaries():
     # block_bytes = 768 B; chunks of 16 blocks = 12288 B = lcm(768, 4096): boundaries fall between blocks
-    pool = HostBlockPool(GEO, 64, layout="page_first", pin=False, register_chunk_bytes=16 * GEO.block_bytes)
+    chunked = type("Chunked", (HostBlockPool,), {"register_chunk_bytes": 16 * GEO.block_bytes})
+    pool = chunked(GEO, 64, layout="page_first", pin=False)
     assert len(pool.chunks) == 4 and pool._segment_blocks == 16
     assert pool.alloc(12).tolist() == list(range(12))
     run = pool.alloc(8)  # 12..19 would cross block 16: the next segment's run
     assert run.tolist() == list(range(16, 24))
     assert pool.alloc(17) is not None  # longer than a segment: not one run, but still served
+
+
+class SmallChunks(HostBlockPool):
+    """Always registered (never torch-pinned), in chunks of at most 1 MiB."""
+
+    pin_memory_max_bytes = 0
+    register_chunk_bytes = 1 << 20
 
 
 @pytest.mark.gpu
@@ -139,7 +147,7 @@ def test_registered_chunks_are_pinned_and_transfer_exactly(layout):
 
     geo = KVGeometry(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
     # force the cudaHostRegister path with 1 MiB chunks: a (layer, kv) plane of 64 blocks is 2 MiB
-    pool = HostBlockPool(geo, 64, layout=layout, pin=True, pin_memory_max_bytes=0, register_chunk_bytes=1 << 20)
+    pool = SmallChunks(geo, 64, layout=layout, pin=True)
     assert len(pool.chunks) > 4 and pool.pinned_bytes == pool.nbytes and is_pinned(pool.host)
     assert pool.stats()["register_chunks"] == len(pool.chunks)
     gen = torch.Generator().manual_seed(1)

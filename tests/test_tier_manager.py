@@ -486,7 +486,7 @@ import numpy as np
 from kvtier.index import page_trie
 from tests.tier_helpers import make_tier
 tier = make_tier()
-entry = [page_trie._match, page_trie._insert, page_trie._lock, page_trie._evict, page_trie._remove]
+entry = [page_trie._match, page_trie._insert, page_trie._lock, page_trie._evict]
 before = [len(f._by_key) for f in entry]
 assert tier.lookup(np.arange(8)) == 0  # what SGLang's match_prefix calls first
 print("compiled on the first lookup:", sum(len(f._by_key) for f in entry) - sum(before))

@@ -4,9 +4,10 @@
 ``zext(tokens[x, j + i]) != ext(q[s + i])``, so 0 exactly when the 16 stored tokens equal the 16 query
 ids (a vector ``icmp ne`` into an AVX-512 mask register). The stored tokens are uint32 (zero-extended); query ids
 are int64, int32 (sign-extended) or uint32 (zero-extended). A caller's id in [2**31, 2**32) can equal a stored code
-(page_trie.py: wide ids): the matchers then check the whole query, not only its unmatched tail (``M_WIDE``). Compiled to vector loads, compares/xors
-and a mask test (numba's scalar loop becomes a chain of 16 compare-and-branch pairs). No bounds checks:
-callers guarantee ``j + 16 <= tokens.shape[1]`` and ``s + 16 <= len(q)``.
+(page_trie.py: wide ids): the matcher then checks the whole query, not only its unmatched tail (``M_WIDE``).
+Compiled to vector loads, compares/xors and a mask test (numba's scalar loop becomes a chain of 16
+compare-and-branch pairs). No bounds checks: callers guarantee ``j + 16 <= tokens.shape[1]`` and
+``s + 16 <= len(q)``.
 
 ``prefetch(arr, i)``: hint the CPU to load the cache line holding ``arr[i]`` (1-D) or ``arr[i, 0]``
 (2-D). Any address is safe for a prefetch, so ``i`` may lie outside the array.

@@ -27,9 +27,8 @@ Node ``x`` (0 <= x < number of node slots) is described by column ``x`` of every
                              keys) because a freed page hands max(tick) to its parent
     i64[HASH, x]     int64   chained page hash h_depth of the prefix ending at this page (page_hash.py),
                              the uint64 bit pattern stored as int64; valid only when FL_INDEXED is set
-    i8[TIER, x]      int8    storage tier of the block (0 = host memory; reserved for the SSD tier)
     i8[FLAGS, x]     int8    FL_INDEXED: the node is in ``table`` and ``i64[HASH, x]`` is valid (lazy
-                             indexing: see trie.py); a node without it has a stale hash field
+                             indexing: see trie_jit.py); a node without it has a stale hash field
     tokens[x, :]     uint32  the page's token ids (a hash hit is confirmed against these)
 
 Rows indexed by heap position ``i`` (not by node): ``i32[HEAP, i]`` the node at heap position i and
@@ -49,8 +48,8 @@ from collections import namedtuple
 import numba
 import numpy as np
 
-__all__ = ["FREE_PARENT", "TrieState", "new_state", "grow_nodes", "grow_namespaces", "with_table", "table_slots_for", "state_nbytes",
-           "blob_views"]
+__all__ = ["FREE_PARENT", "TrieState", "new_state", "grow_nodes", "grow_namespaces", "with_table", "table_slots_for",
+           "state_nbytes", "blob_views"]
 
 # rows of i32
 PARENT, DEPTH, NCHILD, HINT, LOCK, GEN, HITS, HPOS, HEAP = range(9)
@@ -59,8 +58,8 @@ N_I32 = 9
 BLOCK, TICK, HASH, HKEY = range(4)
 N_I64 = 4
 # rows of i8
-TIER, FLAGS = range(2)
-N_I8 = 2
+FLAGS = 0
+N_I8 = 1
 FL_INDEXED = 1    # i8[FLAGS] bit: in the table, hash valid
 # meta
 M_TOTAL = 0       # live pages
@@ -70,13 +69,11 @@ M_NFREE = 3       # length of the free-slot list
 M_TICK = 4        # last tick handed out
 M_PROT = 5        # pages with lock > 0
 M_HEAP = 6        # heap size
-M_LIMIT = 7       # capacity in pages, -1 = unbounded
-M_FALLBACK = 8    # gallop searches whose verification failed (hash collision) and fell back to the walk
-M_PAGE = 9        # page size
-M_MASK = 10       # page-hash mask (uint64 bit pattern; all ones except in collision tests)
-M_INDEXED = 11    # pages in the table (FL_INDEXED); the table's load is M_INDEXED / slots <= 3/4
-M_WIDE = 12       # 1 once the trie holds a code of a wide id (page_trie.py): range checks cover whole queries
-NS_BASE = 16      # per namespace: hint, seed
+M_PAGE = 7        # page size
+M_MASK = 8        # page-hash mask (uint64 bit pattern; all ones except in collision tests)
+M_INDEXED = 9     # pages in the table (FL_INDEXED); the table's load is M_INDEXED / slots <= 3/4
+M_WIDE = 10       # 1 once the trie holds a code of a wide id (page_trie.py): range checks cover whole queries
+NS_BASE = 11      # per namespace: hint, seed
 FREE_PARENT = -(2**31)  # i32[PARENT] of a free slot: equals no node and no namespace root code
 
 TABLE_MAX_LOAD_NUM, TABLE_MAX_LOAD_DEN = 3, 4
@@ -97,10 +94,6 @@ class TrieState(namedtuple("TrieState", ["i32", "i64", "i8", "tokens", "table", 
     @property
     def hashes(self) -> np.ndarray:
         return self.i64[HASH].view(np.uint64)
-
-    @property
-    def tier(self) -> np.ndarray:
-        return self.i8[TIER]
 
     @property
     def flags(self) -> np.ndarray:
@@ -183,7 +176,7 @@ def _init_nodes(st: TrieState, start: int) -> None:
     st.tokens[start:] = 0
 
 
-def new_state(page_size: int, nodes: int, limit: int = -1, ns_slots: int = 4, mask: int = -1) -> TrieState:
+def new_state(page_size: int, nodes: int, ns_slots: int = 4, mask: int = -1) -> TrieState:
     """An empty trie with room for ``nodes`` pages (the table sized for them).
 
     Every array is written once here, so the pages are mapped now and not by page faults inside
@@ -197,7 +190,6 @@ def new_state(page_size: int, nodes: int, limit: int = -1, ns_slots: int = 4, ma
     meta.fill(0)
     meta[NS_BASE::2] = -1
     meta[M_FREE] = -1
-    meta[M_LIMIT] = limit
     meta[M_PAGE] = page_size
     mask = int(mask) & 0xFFFFFFFFFFFFFFFF
     meta[M_MASK] = mask - (1 << 64) if mask >= 1 << 63 else mask

@@ -1,4 +1,5 @@
-"""PageTrie: the thin Python class over the jitted trie (validation, growth, namespaces, errors).
+"""PageTrie: the Python face of the host index over its jitted core (``trie_jit.py``): validation, growth,
+namespaces, errors.
 
 Semantics (pages are ``page_size`` consecutive tokens; a trailing partial page is ignored everywhere):
 
@@ -6,15 +7,13 @@ Semantics (pages are ``page_size`` consecutive tokens; a trailing partial page i
   touches the path (new tick on every matched page, hit count + 1); ``touch=False`` only looks.
 * ``insert(tokens, block_ids, ns)`` offers ``block_ids[k]`` for page k. Pages already held keep their
   block; ``new_mask[k]`` says which offered blocks the index now owns -- the caller frees the others.
-  With a ``capacity`` insert never evicts: it stores only the first new pages that fit and reports the
-  rest as not new (call ``evict`` first to make room). The whole path gets a new tick.
+  Insert never evicts (the caller evicts first to make room in its pool). The whole path gets a new tick.
 * ``lock(h)`` / ``unlock(h)`` with a MatchResult or InsertResult ``h``: +-1 on every page of the
   root..deepest path. A stale handle (its node was freed since) raises.
 * ``evict(n)`` frees up to n pages, always the unlocked leaf with the oldest tick first (LRU among
   unlocked leaves; a parent becomes a candidate when its last child goes), O(log n) per page; returns
-  their block ids in eviction order.
-* ``remove(tokens, ns)`` frees the held pages of that sequence from the deepest up, stopping at the
-  first page that is locked or still has children; returns their block ids, deepest first.
+  their block ids in eviction order. Which pages go first is the eviction policy's choice
+  (:mod:`kvtier.index.eviction`); LRU is the jitted heap's order.
 * Pages of different namespaces are never shared.
 """
 from __future__ import annotations
@@ -26,13 +25,15 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from ._state import (FREE_PARENT, M_FALLBACK, M_HEAP, M_HIGH, M_INDEXED, M_PROT, M_TOTAL, M_WIDE, NS_BASE, PARENT,
-                     TrieState, grow_namespaces, grow_nodes, new_state, state_nbytes, table_slots_for, with_table)
+from kvtier._checks import check_count
+
+from ._state import (FREE_PARENT, M_HEAP, M_HIGH, M_INDEXED, M_PROT, M_TOTAL, M_WIDE, NS_BASE, PARENT, TrieState,
+                     grow_namespaces, grow_nodes, new_state, state_nbytes, table_slots_for, with_table)
 from ._tokens import RAW_MAX, as_token_array
 from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace
-from .trie import (BAD_BLOCK_COUNT, BAD_BLOCKS, BAD_TOKENS, F_TOUCH, NEED_HASH, NEED_NODES, NEED_TABLE, NOT_LOCKED,
-                   OK, STALE_HANDLE, tr_evict, tr_index_path, tr_insert, tr_lock, tr_match, tr_match_gallop,
-                   tr_rebuild_table, tr_remove)
+from .trie_jit import (BAD_BLOCK_COUNT, BAD_BLOCKS, BAD_TOKENS, F_TOUCH, NEED_HASH, NEED_NODES, NEED_TABLE,
+                       NOT_LOCKED, OK, STALE_HANDLE, tr_evict, tr_index_path, tr_insert, tr_lock, tr_match,
+                       tr_rebuild_table)
 
 __all__ = ["PageTrie", "MatchResult", "InsertResult"]
 
@@ -82,17 +83,15 @@ class _FastCall:
 
 _match = _FastCall(tr_match)
 _match_get = _match.get
-_gallop = _FastCall(tr_match_gallop)
 _insert = _FastCall(tr_insert)
 _insert_get = _insert.get
-_remove = _FastCall(tr_remove)
 _lock = _FastCall(tr_lock)
 _evict = _FastCall(tr_evict)
 
 _STATUS_MSG = {
     BAD_TOKENS: "token ids must be in [0, 2**63)",
     BAD_BLOCKS: "block ids must be >= 0",
-    STALE_HANDLE: "stale handle: its page was evicted or removed since the match/insert that returned it",
+    STALE_HANDLE: "stale handle: its page was evicted since the match/insert that returned it",
     NOT_LOCKED: "unlock of a path that is not locked",
 }
 
@@ -128,31 +127,28 @@ _UNSEEN = (1 << 32) - 1
 
 
 class PageTrie:
-    """Host index: which prefix pages are held and in which host blocks (see module docstring)."""
+    """Host index: which prefix pages are held and in which host blocks (see module docstring).
 
-    def __init__(self, page_size: int, capacity: int | None = None, initial_nodes: int = 4096, *,
-                 _hash_bits: int = 64) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer))
-                                     or capacity < 0):
-            raise ValueError(f"capacity must be None or an int >= 0, got {capacity!r}")
-        if not 1 <= _hash_bits <= 64:
-            raise ValueError("_hash_bits must be in [1, 64]")
-        self._page_size = int(page_size)
-        self._capacity = None if capacity is None else int(capacity)
-        self._initial = max(1, int(initial_nodes) if capacity is None else min(int(initial_nodes), max(capacity, 1)))
-        self._mask = np.uint64(FULL_HASH_MASK if _hash_bits == 64 else (1 << _hash_bits) - 1)
-        self._set_state(new_state(self._page_size, self._initial, self._limit(), mask=int(self._mask)))
+    Args:
+        page_size: tokens per page (kvtier's host block).
+        initial_nodes: pages the arrays hold before they first grow (a tier passes its pool's block count: the
+            index then never grows).
+    """
+
+    # Page hashes keep all 64 bits; a test subclass narrows the mask to make collisions common (a collision
+    # costs time, never a wrong page).
+    HASH_MASK: int = FULL_HASH_MASK
+
+    def __init__(self, page_size: int, initial_nodes: int = 4096) -> None:
+        self._page_size = check_count("page_size", page_size)
+        self._initial = max(1, check_count("initial_nodes", initial_nodes, 0))
+        self._mask = np.uint64(self.HASH_MASK)
+        self._set_state(new_state(self._page_size, self._initial, mask=int(self._mask)))
         self._forget_namespaces()
         self._forget_codes()
 
-    def _limit(self) -> int:
-        return -1 if self._capacity is None else self._capacity
-
     def _set_state(self, st: TrieState) -> None:
         self._st = st
-        self._a = (st.i32, st.i64, st.i8, st.tokens, st.table, st.meta)  # the arguments of gallop/remove
         self._blob = st.blob  # the state argument of the hot entry points (match, insert)
 
     # ---- namespaces -------------------------------------------------------------------------------
@@ -253,12 +249,9 @@ class PageTrie:
         raise ValueError(_STATUS_MSG.get(status, f"index error (status {status})"))
 
     # ---- operations -------------------------------------------------------------------------------
-    def match(self, tokens, ns: Namespace | None = None, *, touch: bool = True, method: str = "walk") -> MatchResult:
-        """Longest cached prefix of ``tokens`` in ``ns``.
-
-        ``method``: "walk" (hint-guided descent, hashes only where a hint misses) or "gallop" (hash
-        the query, gallop + binary search over table probes, verify the path). Both are exact.
-        """
+    def match(self, tokens, ns: Namespace | None = None, *, touch: bool = True) -> MatchResult:
+        """Longest cached prefix of ``tokens`` in ``ns`` (the walk of ``trie_jit.py``: hint-guided descent,
+        hashing only where a hint misses; exact)."""
         if type(tokens) is array and tokens.typecode == "q":  # SGLang's RadixKey: read in place
             q, key = tokens, "aq"
         else:
@@ -269,22 +262,13 @@ class PageTrie:
         n = len(q) // self._page_size
         out = _empty(n, _I64)
         flags = F_TOUCH if touch else 0
-        if method == "walk":
-            fn = _match_get(key)
-            if fn is not None:
-                m, node, gen = fn(self._blob, q, i, flags, out)
-            else:
-                m, node, gen = _match(key, self._blob, q, i, flags, out)
-        elif method == "gallop":
-            m, node, gen = _gallop(key, *self._a, q, i, flags, out)
+        fn = _match_get(key)
+        if fn is not None:
+            m, node, gen = fn(self._blob, q, i, flags, out)
         else:
-            raise ValueError(f"method must be 'walk' or 'gallop', got {method!r}")
+            m, node, gen = _match(key, self._blob, q, i, flags, out)
         if m == BAD_TOKENS:  # a wide id: match the codes
-            c = self._coded(q, register=False)
-            if method == "walk":
-                m, node, gen = _match("I", self._blob, c, i, flags, out)
-            else:
-                m, node, gen = _gallop("I", *self._a, c, i, flags, out)
+            m, node, gen = _match("I", self._blob, self._coded(q, register=False), i, flags, out)
         if m == n:
             return _tuple_new(MatchResult, (m, out, node, gen))
         if m < 0:
@@ -349,7 +333,7 @@ class PageTrie:
         return np.array(b, dtype=np.int64)
 
     def lock(self, handle: MatchResult | InsertResult) -> None:
-        """Protect every page on the handle's root..deepest path from eviction and removal."""
+        """Protect every page on the handle's root..deepest path from eviction."""
         self._lock(handle, 1)
 
     def unlock(self, handle: MatchResult | InsertResult) -> None:
@@ -367,27 +351,13 @@ class PageTrie:
 
     def evict(self, n: int) -> np.ndarray:
         """Free up to ``n`` pages (LRU unlocked leaves first); returns their block ids in order."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        n = check_count("n", n, 0)
         st = self._st
-        return _evict(0, st.i32, st.i64, st.i8, st.table, st.meta, int(n))
-
-    def remove(self, tokens, ns: Namespace | None = None) -> np.ndarray:
-        """Free the held pages of ``tokens`` from the deepest up while unlocked leaves; their block ids."""
-        q, key = _token_key(tokens)
-        i = self._ns_lookup(ns)
-        if i < 0:
-            return _empty(0, _I64)
-        status, blocks = _remove(key, *self._a, q, i)
-        if status == BAD_TOKENS:
-            status, blocks = _remove("I", *self._a, self._coded(q, register=False), i)
-        if status != OK:
-            self._raise(status)
-        return blocks
+        return _evict(0, st.i32, st.i64, st.i8, st.table, st.meta, n)
 
     def reset(self) -> None:
         """Drop every page (locks included) and shrink back to the initial size."""
-        self._set_state(new_state(self._page_size, self._initial, self._limit(), mask=int(self._mask)))
+        self._set_state(new_state(self._page_size, self._initial, mask=int(self._mask)))
         self._forget_namespaces()
         self._forget_codes()
 
@@ -406,7 +376,6 @@ class PageTrie:
             trie.unlock(r)
             for touch in (True, False):
                 trie.match(toks, touch=touch)
-            trie.remove(toks)
         trie.insert(np.arange(n, dtype=np.int64), np.arange(3), Namespace(cache_salt="warm-up"))
         trie.evict(3)
         return time.perf_counter() - t0
@@ -415,8 +384,6 @@ class PageTrie:
     def _grow_nodes(self, deficit: int) -> None:
         cur = self._st.i32.shape[1]
         want = max(2 * cur, cur + int(deficit))
-        if self._capacity is not None:
-            want = max(min(want, self._capacity), cur + int(deficit))
         st = grow_nodes(self._st, want)
         if st.table.shape[0] != self._st.table.shape[0]:
             tr_rebuild_table(st.i32, st.i64, st.i8, st.meta, st.table)
@@ -432,11 +399,6 @@ class PageTrie:
     @property
     def page_size(self) -> int:
         return self._page_size
-
-    @property
-    def capacity(self) -> int | None:
-        """Most pages held at once (None: unbounded)."""
-        return self._capacity
 
     @property
     def total_pages(self) -> int:
@@ -458,11 +420,6 @@ class PageTrie:
         return int(self._st.meta[M_HEAP])
 
     @property
-    def collision_fallbacks(self) -> int:
-        """Gallop searches whose verification failed (a hash collision) and were redone by the walk."""
-        return int(self._st.meta[M_FALLBACK])
-
-    @property
     def nbytes(self) -> int:
         """Bytes held by the index arrays (tokens included)."""
         return state_nbytes(self._st)
@@ -471,5 +428,5 @@ class PageTrie:
         return self.total_pages
 
     def __repr__(self) -> str:
-        return (f"PageTrie(page_size={self._page_size}, capacity={self._capacity}, pages={self.total_pages}, "
-                f"protected={self.protected_pages}, nbytes={self.nbytes})")
+        return (f"PageTrie(page_size={self._page_size}, pages={self.total_pages}, protected={self.protected_pages}, "
+                f"nbytes={self.nbytes})")

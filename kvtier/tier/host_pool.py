@@ -34,7 +34,8 @@ from kvtier.geometry import KVGeometry, check_layout
 from kvtier.kernels.pinned import register_pinned_range, unregister_pinned_range
 
 GiB = 1 << 30
-# torch's pinned allocator rounds requests up to a power of two: fine for small pools, wasteful for big ones.
+# Tuned constants (docs/DESIGN.md, "Tuned constants"). torch's pinned allocator rounds requests up to a power of two:
+# fine for small pools, wasteful for big ones.
 PIN_MEMORY_MAX_BYTES = 1 * GiB
 # Largest single cudaHostRegister: vllm#51081 registers in 64 GiB chunks (one >= 512 GiB registration fails with
 # code 2 on an H200 host); registration costs ~0.1 s/GiB either way.
@@ -99,8 +100,6 @@ class HostBlockPool:
         cpu_cache_gb: pool size in GiB when ``num_blocks`` is not given.
         layout: ``"layer_first"`` or ``"page_first"`` (see :mod:`kvtier.geometry`).
         pin: True: page-lock (error without CUDA); False: plain memory; None: pin when CUDA is available.
-        register_chunk_bytes: largest single ``cudaHostRegister`` (tests use small values to force several).
-        pin_memory_max_bytes: pools up to this size are pinned by torch's allocator, bigger ones registered.
         reserve_gb: host memory to leave free; the pool is refused if it would not.
         budget_bytes: this process's share of host memory, given by the engine (SGLang splits what is available,
             less a reserve, between the ranks of a host); checked instead of the machine's available memory.
@@ -108,11 +107,17 @@ class HostBlockPool:
     Raises:
         ValueError: the pool is empty, or bigger than the available host memory minus ``reserve_gb``.
         RuntimeError: the memory cannot be pinned (the message gives the CUDA error and the usual causes).
+
+    How it pins is two tuned constants, class attributes (a test or benchmark subclass sets smaller ones to force
+    the registered path and several chunks): ``pin_memory_max_bytes`` (pools up to it are pinned by torch's
+    allocator, bigger ones registered) and ``register_chunk_bytes`` (the largest single ``cudaHostRegister``).
     """
+
+    pin_memory_max_bytes: int = PIN_MEMORY_MAX_BYTES
+    register_chunk_bytes: int = REGISTER_CHUNK_BYTES
 
     def __init__(self, geometry: KVGeometry, num_blocks: Optional[int] = None, *,
                  cpu_cache_gb: Optional[float] = None, layout: str = "layer_first", pin: Optional[bool] = None,
-                 register_chunk_bytes: int = REGISTER_CHUNK_BYTES, pin_memory_max_bytes: int = PIN_MEMORY_MAX_BYTES,
                  reserve_gb: float = DEFAULT_RESERVE_GB, budget_bytes: Optional[int] = None) -> None:
         check_layout(layout)
         self._lock = threading.RLock()
@@ -140,7 +145,7 @@ class HostBlockPool:
         self.pin_seconds = 0.0
         self.chunks: list[tuple[int, int]] = [(0, self.nbytes)]
         t0 = time.perf_counter()
-        if pin and self.nbytes <= pin_memory_max_bytes:
+        if pin and self.nbytes <= self.pin_memory_max_bytes:
             try:
                 raw = torch.empty(self.nbytes + PAGE_ALIGN, dtype=torch.uint8, pin_memory=True)
             except RuntimeError as e:
@@ -155,7 +160,7 @@ class HostBlockPool:
         self.host: torch.Tensor = self._flat.view(geometry.dtype).view(geometry.host_shape(self.num_blocks, layout))
         self._bytes: Optional[np.ndarray] = None  # block_rows' view of the pool (made on first use)
         if self.pinned_bytes == 0:  # plain memory: registered in chunks when pinning (planned either way)
-            self.chunks = plan_chunks(self.nbytes, unit=self._register_unit(), limit=register_chunk_bytes)
+            self.chunks = plan_chunks(self.nbytes, unit=self._register_unit(), limit=self.register_chunk_bytes)
             if pin:
                 self._register_chunks()
         self.pin_seconds = time.perf_counter() - t0

@@ -8,9 +8,9 @@ page), so hits, stores and evictions come in whole blocks, and a load may start 
   drained first, so a store is visible from the first call after its copy finished, never before.
 * ``store(tokens, ns, slots) -> TierTask``: D2H of the pages not already held. The held prefix is locked for the
   copy's duration (so the finished pages can be attached to it); blocks for the new pages are allocated, evicting
-  LRU unlocked pages from the index when the pool is full (when too few can be evicted, only the first new pages
-  that fit are stored). The new pages enter the index only when the copy has completed (``poll``/``wait``/any
-  call that drains). The engine must keep ``slots``' KV unchanged until then.
+  unlocked pages from the index when the pool is full (the eviction policy's choice, LRU by default; when too few
+  can be evicted, only the first new pages that fit are stored). The new pages enter the index only when the copy
+  has completed (``poll``/``wait``/any call that drains). The engine must keep ``slots``' KV unchanged until then.
 * ``load(tokens, ns, slots) -> TierTask``: H2D of the longest held prefix into the first ``pages * page_size``
   slots; the path is locked until the copy completes. Make the forward wait with :meth:`KVTier.wait_on_current_stream`.
 * ``load_layerwise(tokens, ns, slots)``: the same, one launch per layer on the load stream, each followed by the
@@ -56,7 +56,7 @@ import torch
 
 from kvtier._checks import check_count
 from kvtier.config import TierConfig
-from kvtier.index import Namespace, PageTrie, page_hashes
+from kvtier.index import Namespace, PageTrie, eviction_policy, page_hashes
 from kvtier.kernels import DirectCopy, PagedKV, StagedCopy, StagedTransfer, load_pages, store_pages
 from kvtier.tier.abstract import HostTier
 from kvtier.tier.block_holds import BlockHolds
@@ -67,39 +67,12 @@ from kvtier.tier.signal import LayerDoneCounter
 from kvtier.tier.remote_link import FetchPlan, RemoteLink
 from kvtier.tier.room_advice import RoomAdvice
 from kvtier.tier.ssd_link import InFlight, PromotionPlan, SsdLink
+from kvtier.tier.tasks import COMPLETED, CopyRecord, InsertRecord, LoadRecord, TaskKind, TaskStatus, TierTask
 from kvtier.tier.transfer_policy import CopyPlan, Path, TransferPolicy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVTier", "TierTask", "TierStats", "TierHit"]
-
-
-@dataclasses.dataclass
-class TierTask:
-    """A store or load handed back to the engine.
-
-    Attributes:
-        id: task id (reported once by ``poll``).
-        kind: ``"store"``, ``"load"``, ``"load_layerwise"``, ``"promote"`` (SSD blocks read into CPU blocks) or
-            ``"fetch"`` (remote blocks read into CPU blocks).
-        num_pages: pages this task copies (store: new pages; load: hit pages loaded; promote: pages read; fetch:
-            0 until its probe has returned, then the pages it reads).
-        num_held: store, promote and fetch: leading pages already held on the CPU, not copied.
-        producer_index: layerwise loads: the LayerDoneCounter slot to set as consumer (-1: nothing to wait for).
-        status: ``"inflight"``, ``"done"``, ``"cancelled"`` or ``"failed"`` (issuing its copy raised: nothing
-            was stored or loaded, ``num_pages`` is 0, and everything it took is given back).
-    """
-
-    id: int
-    kind: str
-    num_pages: int
-    num_held: int = 0
-    producer_index: int = -1
-    status: str = "inflight"
-
-    @property
-    def done(self) -> bool:
-        return self.status != "inflight"
+__all__ = ["KVTier", "TierTask", "TaskKind", "TaskStatus", "TierStats", "TierHit"]
 
 
 class TierHit(NamedTuple):
@@ -111,34 +84,6 @@ class TierHit(NamedTuple):
     cpu_pages: int
     ssd_pages: int
     promotion: Optional["TierTask"]
-
-
-@dataclasses.dataclass
-class _Inflight:
-    task: TierTask
-    completion: object  # an executor's fence, the SSD read (IoJob) of a promotion, the RemoteJob of a fetch
-    tokens: np.ndarray  # store and promote: tokens of the held + new pages
-    ns: Optional[Namespace]
-    block_ids: np.ndarray  # store and promote: new blocks, owned by the task; load: blocks read
-    prefix_ids: np.ndarray  # store and promote: blocks of the held prefix
-    handle: object  # locked index path (MatchResult) or None
-    nbytes: int
-
-
-class _Completed:
-    """The completion of a copy that has nothing left to run (a failed issue kept for ordered finalization)."""
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        pass
-
-    def seconds(self) -> Optional[float]:
-        return None
-
-
-_COMPLETED = _Completed()
 
 
 @dataclasses.dataclass
@@ -255,6 +200,7 @@ class KVTier(HostTier):
         self.pool = pool
         self.layout = pool.layout
         self.index = PageTrie(self.block_tokens, initial_nodes=pool.num_blocks)  # one node per block: never grows
+        self.eviction = eviction_policy(self.config.eviction_policy, self.index)
         logger.info("kvtier: host index ready (numba code compiled or loaded from its cache in %.1f s)",
                     PageTrie.compile(self.block_tokens))  # now, not on the first request
         if executor is None:
@@ -269,7 +215,7 @@ class KVTier(HostTier):
         self._staged_transfer: Optional[StagedTransfer] = None
         if kv.is_cuda and self.config.transfer_mode != "direct":
             self._staged()  # staging buffers now, where the engine's memory planning sees them, not mid-serving
-        self._inflight: dict[int, _Inflight] = {}  # task id -> in-flight copy
+        self._inflight: dict[int, CopyRecord] = {}  # task id -> in-flight copy
         self._finished: list[int] = []  # task ids finalized since the last poll
         self._next_id = 0
         self._stats = TierStats()
@@ -361,7 +307,7 @@ class KVTier(HostTier):
             rec = self._inflight.get(plan.task_id)
             if rec is None:
                 return TierHit(hit, 0, None)
-            return TierHit(hit, plan.blocks * G if rec.task.kind == "promote" else 0, rec.task)
+            return TierHit(hit, plan.blocks * G if rec.task.kind == TaskKind.PROMOTE else 0, rec.task)
         if isinstance(plan, FetchPlan):
             return TierHit(hit, 0, self._fetch(toks, ns, m, plan))
         task = self._promote(toks, ns, m, plan)
@@ -408,7 +354,7 @@ class KVTier(HostTier):
         held = m.num_pages
         self._stats.stores += 1
         self._stats.pages_store_skipped += held * G
-        task = self._new_task("store", 0, num_held=held * G)
+        task = self._new_task(TaskKind.STORE, 0, num_held=held * G)
         if held == n:
             return self._finish_now(task)
         if held:
@@ -430,9 +376,9 @@ class KVTier(HostTier):
             completion = self._launch("store", lambda: self._copy(True, new_slots, ids))
         except Exception as e:
             return self._failed(task, "store", e, ids=ids, handle=m if held else None)
-        self._inflight[task.id] = _Inflight(task, completion, toks[:end * B].copy(), ns, ids,
-                                            np.array(m.block_ids[:held], dtype=np.int64), m if held else None,
-                                            int(ids.size) * self.pool.block_bytes)
+        self._inflight[task.id] = InsertRecord(task, completion, ids, m if held else None,
+                                               int(ids.size) * self.pool.block_bytes, tokens=toks[:end * B].copy(),
+                                               ns=ns, prefix_ids=np.array(m.block_ids[:held], dtype=np.int64))
         return task
 
     @synchronized
@@ -508,7 +454,7 @@ class KVTier(HostTier):
     def wait_on_current_stream(self, task: TierTask) -> None:
         """Make the engine's current stream wait (GPU-side on CUDA) for ``task``'s copy; the host does not block."""
         rec = self._inflight.get(task.id)
-        if rec is not None and rec.task.kind in ("promote", "fetch"):  # IO: nothing on a stream to wait for
+        if rec is not None and rec.task.kind.reads_lower_tier:  # IO: nothing on a stream to wait for
             self._wait(rec)
         elif rec is not None:
             self.executor.wait_current(rec.completion)
@@ -549,8 +495,8 @@ class KVTier(HostTier):
 
     @synchronized
     def evict(self, num_pages: int) -> int:
-        """Evict LRU unlocked blocks now, at least ``num_pages`` pages' worth if there are; returns the pages
-        evicted."""
+        """Evict unlocked blocks now (by the eviction policy), at least ``num_pages`` pages' worth if there are;
+        returns the pages evicted."""
         G = self._pages_per_block
         return self._evict_blocks(-(-num_pages // G)) * G
 
@@ -584,7 +530,7 @@ class KVTier(HostTier):
                    pages_locked=self.index.protected_pages * self._pages_per_block,
                    inflight_tasks=len(self._inflight),
                    inflight_store_blocks=sum(r.block_ids.size for r in self._inflight.values()
-                                             if r.task.kind == "store"))
+                                             if r.task.kind == TaskKind.STORE))
         out["held_cpu_blocks"] = self.holds.num_deferred
         if self.ssd is not None:
             out.update(self.ssd.stats())
@@ -616,13 +562,13 @@ class KVTier(HostTier):
         if self._observers:
             self._notify(hook, tier, *args)
 
-    def _new_task(self, kind: str, num_pages: int, num_held: int = 0) -> TierTask:
+    def _new_task(self, kind: TaskKind, num_pages: int, num_held: int = 0) -> TierTask:
         task = TierTask(self._next_id, kind, num_pages, num_held)
         self._next_id += 1
         return task
 
     def _finish_now(self, task: TierTask) -> TierTask:
-        task.status = "done"
+        task.status = TaskStatus.DONE
         self._finished.append(task.id)
         return task
 
@@ -639,31 +585,32 @@ class KVTier(HostTier):
                 self.index.unlock(m)
             return None
         G, B = self._pages_per_block, self.block_tokens
-        task = self._new_task("promote", int(ids.size) * G, num_held=held * G)
+        task = self._new_task(TaskKind.PROMOTE, int(ids.size) * G, num_held=held * G)
         job = self.ssd.start_promotion(plan, ids, task.id)
         self._stats.promotions += 1
-        self._inflight[task.id] = _Inflight(task, job, toks[:(held + ids.size) * B].copy(), ns, ids,
-                                            np.array(m.block_ids[:held], dtype=np.int64), m if held else None,
-                                            int(ids.size) * self.pool.block_bytes)
+        self._inflight[task.id] = InsertRecord(task, job, ids, m if held else None,
+                                               int(ids.size) * self.pool.block_bytes,
+                                               tokens=toks[:(held + ids.size) * B].copy(), ns=ns,
+                                               prefix_ids=np.array(m.block_ids[:held], dtype=np.int64))
         return task
 
     def _fetch(self, toks: np.ndarray, ns, m, plan: FetchPlan) -> Optional[TierTask]:
         """Start probing the remote for ``plan``'s blocks past the CPU-held prefix ``m`` (locked until the task
         is finalized); the blocks are allocated when the probe returns (:meth:`_advance_fetch`)."""
         held, B = plan.held, self.block_tokens
-        task = self._new_task("fetch", 0, num_held=held * self._pages_per_block)
+        task = self._new_task(TaskKind.FETCH, 0, num_held=held * self._pages_per_block)
         job = self.remote.start_fetch(plan, task.id)
         if job is None:
             return None
         if held:
             self.index.lock(m)
         self._stats.fetches += 1
-        self._inflight[task.id] = _Inflight(task, job, toks[:(held + plan.hashes.size) * B].copy(), ns,
-                                            np.empty(0, np.int64), np.array(m.block_ids[:held], dtype=np.int64),
-                                            m if held else None, 0)
+        self._inflight[task.id] = InsertRecord(task, job, np.empty(0, np.int64), m if held else None, 0,
+                                               tokens=toks[:(held + plan.hashes.size) * B].copy(), ns=ns,
+                                               prefix_ids=np.array(m.block_ids[:held], dtype=np.int64))
         return task
 
-    def _advance_fetch(self, rec: _Inflight) -> None:
+    def _advance_fetch(self, rec: InsertRecord) -> None:
         """A fetch's probe has returned: allocate CPU blocks for what admission lets in and start the get."""
         job, held = rec.completion, rec.prefix_ids.size
         k = self.remote.admit(job, rec.tokens.size, held * self.block_tokens)
@@ -675,10 +622,10 @@ class KVTier(HostTier):
         rec.task.num_pages = int(ids.size) * self._pages_per_block
         self.remote.start_get(job, ids)
 
-    def _wait(self, rec: _Inflight) -> None:
+    def _wait(self, rec: CopyRecord) -> None:
         """Block until ``rec``'s copy has completed; a fetch: each stage at most ``remote_timeout_s`` per call it
         makes (past it, it is abandoned: it brings nothing, and its CPU blocks stay held until its calls return)."""
-        if rec.task.kind != "fetch":
+        if rec.task.kind != TaskKind.FETCH:
             rec.completion.wait()
             return
         job, medium = rec.completion, self.remote.medium
@@ -706,7 +653,7 @@ class KVTier(HostTier):
         m = self.index.match(toks[:n * B], ns, touch=True)
         copied = max(0, m.num_pages * B - start)  # tokens to copy; those before start are on the device already
         self._stats.loads += 1
-        task = self._new_task("load_layerwise" if layerwise else "load", copied // P)
+        task = self._new_task(TaskKind.LOAD_LAYERWISE if layerwise else TaskKind.LOAD, copied // P)
         if copied == 0:
             return self._finish_now(task)
         self.index.lock(m)  # the whole matched path: the copied pages hang from the prefix
@@ -718,8 +665,7 @@ class KVTier(HostTier):
             completion = self._issue_load(task, dst, ids, layerwise, skip=start % B)
         except Exception as e:
             return self._failed(task, "load", e, handle=m)
-        self._inflight[task.id] = _Inflight(task, completion, toks[:0], ns, ids, np.empty(0, np.int64), m,
-                                            copied * self.geometry.token_bytes)
+        self._inflight[task.id] = LoadRecord(task, completion, ids, m, copied * self.geometry.token_bytes, ns=ns)
         return task
 
     def _issue_load(self, task: TierTask, dst: torch.Tensor, ids: np.ndarray, layerwise: bool, skip: int):
@@ -770,11 +716,11 @@ class KVTier(HostTier):
             self._stats.failed_loads += 1
         logger.warning("kvtier: %s of %d pages failed and was unwound (%s: %s)", task.kind, task.num_pages,
                        type(error).__name__, error, exc_info=error)
-        task.num_pages, task.producer_index, task.status = 0, -1, "failed"
+        task.num_pages, task.producer_index, task.status = 0, -1, TaskStatus.FAILED
         # Recorded as a completed copy: finalizing it (now, or when the engine does in "ordered" mode) frees its
         # blocks and unlocks its path, as for any discarded copy.
-        rec = _Inflight(task, _COMPLETED, np.empty(0, np.int64), None,
-                        ids if ids is not None else np.empty(0, np.int64), np.empty(0, np.int64), handle, 0)
+        record = InsertRecord if task.kind.inserts else LoadRecord
+        rec = record(task, COMPLETED, ids if ids is not None else np.empty(0, np.int64), handle, 0)
         self._inflight[task.id] = rec
         if self._auto_finalize:
             self._finalize(rec, cancelled=True)
@@ -809,8 +755,8 @@ class KVTier(HostTier):
                num_programs=self.config.num_programs, stream=stream, check=check, skip_tokens=skip)
 
     def _evict_blocks(self, n: int) -> int:
-        """Evict up to ``n`` LRU unlocked blocks and free them; returns how many."""
-        ids = self.index.evict(n)
+        """Evict up to ``n`` unlocked blocks, chosen by the eviction policy, and free them; returns how many."""
+        ids = self.eviction.evict(n)
         if self._observers and ids.size:
             self._notify("blocks_evicted", ids)
         self._release(ids)
@@ -825,7 +771,8 @@ class KVTier(HostTier):
         self.holds.release(ids)
 
     def _alloc(self, n: int) -> np.ndarray:
-        """Up to ``n`` free blocks, evicting LRU unlocked pages for room; fewer when not enough can be evicted."""
+        """Up to ``n`` free blocks, evicting unlocked pages (by the eviction policy) for room; fewer when not enough
+        can be evicted."""
         ids = self.pool.alloc(n)
         if ids is not None:
             return ids
@@ -841,12 +788,12 @@ class KVTier(HostTier):
         if self.remote is not None:
             self.remote.drain()
         for rec in list(self._inflight.values()):
-            if rec.task.kind == "fetch" and rec.completion.awaiting_blocks():
+            if rec.task.kind == TaskKind.FETCH and rec.completion.awaiting_blocks():
                 self._advance_fetch(rec)
             if rec.completion.done():
                 self._finalize(rec, cancelled=False)
 
-    def _insert(self, rec: _Inflight, k: int) -> np.ndarray:
+    def _insert(self, rec: InsertRecord, k: int) -> np.ndarray:
         """Insert the held prefix and the first ``k`` new blocks of a finished store or promotion; the new blocks
         another task inserted first go back to the pool. Returns which of the ``k`` the index took."""
         held, B = rec.prefix_ids.size, self.block_tokens
@@ -860,15 +807,15 @@ class KVTier(HostTier):
             self._notify("blocks_entered", entered, toks, rec.ns, positions)
         if self.ssd is not None:
             self.ssd.entered(entered, toks, rec.ns, positions)
-        if self.remote is not None and rec.task.kind != "fetch":  # a fetched block is on the remote already
+        if self.remote is not None and rec.task.kind != TaskKind.FETCH:  # a fetched block is on the remote already
             self.remote.entered(entered, toks, rec.ns, positions)
         return owned
 
-    def _finalize_read(self, rec: _Inflight, cancelled: bool) -> None:
+    def _finalize_read(self, rec: InsertRecord, cancelled: bool) -> None:
         """A promotion's or a fetch's verified leading blocks enter the index; the others go back to the pool,
         once no call uses them (an abandoned fetch's still may: its link holds them)."""
         job, G = rec.completion, self._pages_per_block
-        if rec.task.kind == "promote":
+        if rec.task.kind == TaskKind.PROMOTE:
             self.ssd.end_promotion(job)
             ok = 0 if cancelled else job.ok
         else:
@@ -877,25 +824,25 @@ class KVTier(HostTier):
         self.holds.release(rec.block_ids[ok:])
         inserted = int(self._insert(rec, ok).sum()) * G if ok else 0
         failed = 0 if cancelled else (rec.block_ids.size - ok) * G
-        if rec.task.kind == "promote":
+        if rec.task.kind == TaskKind.PROMOTE:
             self._stats.pages_promoted += inserted
             self._stats.pages_promote_failed += failed
         else:
             self._stats.pages_fetched += inserted
             self._stats.pages_fetch_failed += failed
         if self._observers and ok:
-            self._notify("transfer_done", Transfer("ssd" if rec.task.kind == "promote" else "remote", "load",
+            self._notify("transfer_done", Transfer("ssd" if rec.task.kind == TaskKind.PROMOTE else "remote", "load",
                                                    ok * G, ok * self.pool.block_bytes, job.seconds()))
 
-    def _finalize(self, rec: _Inflight, *, cancelled: bool) -> None:
+    def _finalize(self, rec: CopyRecord, *, cancelled: bool) -> None:
         """The copy of ``rec`` has completed: insert / free / unlock, and account (a failed copy is discarded
         and stays failed)."""
         task = rec.task
         del self._inflight[task.id]
-        failed = task.status == "failed"
+        failed = task.status == TaskStatus.FAILED
         cancelled = cancelled or failed
         secs = rec.completion.seconds()
-        if task.kind == "store":
+        if task.kind == TaskKind.STORE:
             self._stats.bytes_d2h += rec.nbytes
             self._stats.seconds_d2h += secs or 0.0
             if cancelled:
@@ -904,7 +851,7 @@ class KVTier(HostTier):
                 owned = self._insert(rec, rec.block_ids.size)
                 self._stats.pages_stored += int(owned.sum()) * self._pages_per_block
                 self._stats.pages_store_duplicate += int((~owned).sum()) * self._pages_per_block
-        elif task.kind in ("promote", "fetch"):
+        elif task.kind.reads_lower_tier:
             self._finalize_read(rec, cancelled)
         else:
             self._stats.bytes_h2d += rec.nbytes
@@ -915,8 +862,8 @@ class KVTier(HostTier):
             self.index.unlock(rec.handle)
         if cancelled and not failed:
             self._stats.cancelled += 1
-        if self._observers and not cancelled and task.kind not in ("promote", "fetch") and task.num_pages:
-            self._notify("transfer_done", Transfer("cpu", "store" if task.kind == "store" else "load",
+        if self._observers and not cancelled and not task.kind.reads_lower_tier and task.num_pages:
+            self._notify("transfer_done", Transfer("cpu", "store" if task.kind == TaskKind.STORE else "load",
                                                    task.num_pages, rec.nbytes, secs))
-        task.status = "failed" if failed else "cancelled" if cancelled else "done"
+        task.status = TaskStatus.FAILED if failed else TaskStatus.CANCELLED if cancelled else TaskStatus.DONE
         self._finished.append(task.id)

@@ -42,7 +42,7 @@ __all__ = ["RemoteLink", "FetchPlan", "remote_fingerprint", "TP_KEYS"]
 
 _DEFAULT_NS = Namespace()
 TP_KEYS = ("tp_rank", "tp_size")  # identity fields an MLA block does not depend on
-MAX_PENDING_BYTES = 4 << 30  # puts queued beyond this are dropped (they hold CPU blocks until sent)
+MAX_PENDING_BYTES = 4 << 30  # puts queued beyond this are dropped (they hold CPU blocks until sent; docs/DESIGN.md)
 
 
 def remote_fingerprint(geometry: KVGeometry, block_tokens: int, identity: Mapping) -> bytes:

@@ -32,6 +32,7 @@ import torch
 
 from kvtier._checks import check_count
 
+# Load slots: one in flight, one being consumed, one being issued (docs/DESIGN.md, "Tuned constants").
 DEFAULT_SLOTS = 3
 
 

@@ -19,8 +19,9 @@ prefixes, bench/results/fragmentation_h200.json and bench/results/layerwise_h200
   the copy engine's queue and the host waits on it while it issues (24 ms for 36 layers at runs of one page,
   against 1.6 ms for one run); a :class:`~kvtier.kernels.DirectCopy` issues a layer in ~20 us whatever the runs, at
   the same GPU time, and slows a GEMM beside it by < 2%, though a concurrent Qwen3-8B-sized forward by 18-23%
-  against 5-10% through the copy engine (bench/results/layerwise_h200.json): one run stays staged. A ``page_first`` layer slice shorter than
-  :data:`AUTO_STAGED_MIN_SLICE_BYTES` goes direct too (the copy engine moves short rows slowly).
+  against 5-10% through the copy engine (bench/results/layerwise_h200.json): one run stays staged. A ``page_first``
+  layer slice shorter than :data:`AUTO_STAGED_MIN_SLICE_BYTES` goes direct too (the copy engine moves short rows
+  slowly).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from kvtier.geometry import KVGeometry
 __all__ = ["Path", "CopyPlan", "TransferPolicy", "AUTO_STAGED_LOAD_BYTES", "AUTO_STAGED_LAYER_BYTES",
            "AUTO_STAGED_MIN_SLICE_BYTES", "AUTO_STAGED_MIN_ROW_BYTES", "AUTO_STAGED_MAX_LAYER_ROWS"]
 
-# Whole loads below this go direct: 4 MiB is one 16-token page of 36 Qwen3-8B layers less than twice over; below
-# it the direct kernel's latency wins and the SMs are held for tens of microseconds only.
+# Tuned constants (docs/DESIGN.md, "Tuned constants"). Whole loads below this go direct: 4 MiB is one 16-token page
+# of 36 Qwen3-8B layers less than twice over; below it the direct kernel's latency wins and the SMs are held for tens
+# of microseconds only.
 AUTO_STAGED_LOAD_BYTES = 4 * 1024 * 1024
 # One layer of a layerwise load goes staged from this size: a StagedCopy issues a layer in ~60-77 us of host time
 # (bench/results/probes/probe_overhead_staged_copy_h200.json), and 77 us of copy at 54.5 GB/s is 4 MiB.
@@ -56,7 +58,7 @@ class Path(str, enum.Enum):
     """A copy's mechanism."""
 
     DIRECT = "direct"
-    DIRECT_LAYERS = "direct_layers"  # the direct kernel, one launch per layer (a whole load, SMs held a layer at a time)
+    DIRECT_LAYERS = "direct_layers"  # the direct kernel, one launch per layer (SMs held a layer at a time)
     STAGED = "staged"
 
 

@@ -1,25 +1,23 @@
-"""Jitted page-trie operations over the arrays of a :class:`TrieState` (free functions, prefix ``tr_``).
+"""The jitted core of the host index: page-trie operations over the arrays of a :class:`TrieState` (free
+functions, prefix ``tr_``); :class:`~kvtier.index.page_trie.PageTrie` is its Python face.
 
-Protocol (all functions return status codes or counts and never raise; ``page_trie.PageTrie``
-validates input, grows the arrays and raises):
+Protocol (all functions return status codes or counts and never raise; ``PageTrie`` validates input, grows the
+arrays and raises):
 
-* The entry points take the state's arrays as separate arguments (``i32, i64, [tier,] tokens, table,
-  meta``), not the namedtuple: unboxing a tuple of arrays per call costs more than the arrays alone.
+* The entry points take the state's arrays as separate arguments (``i32, i64, i8, tokens, table, meta``) or the
+  one buffer they are views of (``blob``), not the namedtuple: unboxing a tuple of arrays per call costs more
+  than the arrays alone.
 * A page is cached only if its parent page is, so "the first k pages of a query are cached" is monotone
   in k. A node is identified by (parent, page tokens); its chained hash ``i64[HASH, x]`` keys the table.
-* Two exact matchers, both returning the longest cached prefix (count, deepest node):
-  - ``_walk``: descend from the namespace root; the child for page k is first tried at ``node + 1``
-    (a chain is allocated consecutively), then through the parent's hint (last child created/found),
-    each confirmed by parent identity and the page's tokens; only when ``node + 1`` misses is
-    ``h_k = xxh64(page k, seed=hash[parent])`` computed (its table slot is prefetched while the hint
-    is checked) and, if the hint misses too, the table probed for a node with that hash, that parent
-    and those tokens. Pages confirmed through guesses are never hashed.
-  - ``_gallop``: hash the query's pages lazily, probe page counts 1, 2, 4, 8 ... then binary search.
-    A probe of page k accepts a node whose hash == h_k, depth == k, tokens == page k and whose parent's
-    hash == h_{k-1} (root code for k == 0). The answer is then verified once by walking from the deepest
-    node to the namespace root comparing every page's tokens and depth; if anything disagrees (a hash
-    collision made the predicate lie) the result is recomputed by ``_walk``. So a collision costs time,
-    never a wrong page.
+* The matcher, ``_walk``, returns the longest cached prefix (count, deepest node): descend from the namespace
+  root; the child for page k is first tried at ``node + 1`` (a chain is allocated consecutively), then through
+  the parent's hint (last child created/found), each confirmed by parent identity and the page's tokens; only
+  when ``node + 1`` misses is ``h_k = xxh64(page k, seed=hash[parent])`` computed (its table slot is prefetched
+  while the hint is checked) and, if the hint misses too, the table probed for a node with that hash, that
+  parent and those tokens. Pages confirmed through guesses are never hashed, and every matched page's tokens are
+  compared, so a hash collision costs time, never a wrong page. (Gallop + binary search over table probes is the
+  other exact matcher; it lost to the walk and is kept in the tests as a second opinion: docs/DESIGN.md,
+  "Host index".)
 * Lazy indexing: a page is hashed and put in the table only when it can be reached no
   other way. FL_INDEXED (``i8[FLAGS, x]``) marks a page that is in the table with a valid stored hash;
   invariants (checked by the state machine after every step):
@@ -30,7 +28,6 @@ validates input, grows the arrays and raises):
   it never probes the table (no indexed child can exist, I2). An insert writes a new chain without
   hashing; only a chain's first page is indexed, and only if it gets a sibling (it then indexes the
   old only child too, after ``tr_index_path`` indexed the parent and its unindexed ancestors).
-  ``_gallop`` only finds indexed pages, so it is followed by the walk from its verified answer.
 * Token range: a query page can only equal a stored page if its ids lie in [0, 2**32) (the compare
   extends stored uint32 and query ids to int64), so only the tokens after the matched prefix are
   range-checked; an insert stores nothing before that check passed.
@@ -38,11 +35,11 @@ validates input, grows the arrays and raises):
   Lazy ticks: only the deepest page of the path is written (an insert that adds pages writes the new
   ones); a page's logical tick is the max stored tick in its subtree, kept exact for leaves because
   a freed page hands max(tick) and the sum of hits to its parent (``_free``). Only leaves are ever
-  keyed in the heap, so the eviction order is the same as writing every page. Evictable = unlocked leaf; the heap holds exactly the evictable nodes, ordered by (tick, node)
-  with lazy keys (a touch writes the tick only; ``hp_pop`` refreshes stale keys, see _heap.py).
+  keyed in the heap, so the eviction order is the same as writing every page. Evictable = unlocked leaf; the
+  heap holds exactly the evictable nodes, ordered by (tick, node) with lazy keys (a touch writes the tick only;
+  ``hp_pop`` refreshes stale keys, see _heap.py).
   Ticks are unique among leaves (a tick is written on one root path, which holds at most one leaf).
-* Locks cover a root..node path (lock(parent) >= lock(child)); locked pages are never evicted or
-  removed.
+* Locks cover a root..node path (lock(parent) >= lock(child)); locked pages are never evicted.
 """
 from __future__ import annotations
 
@@ -52,16 +49,16 @@ import numpy as np
 from ._config import NUMBA_CACHE
 from ._heap import hp_pop, hp_push, hp_remove
 from ._simd import diff16, prefetch
-from ._state import (FREE_PARENT, BLOCK, DEPTH, FL_INDEXED, FLAGS, GEN, HASH, HINT, HITS, HPOS, LOCK, M_FALLBACK, M_FREE, M_HIGH,
-                     M_INDEXED, M_LIMIT, M_MASK, M_WIDE, M_NFREE, M_PROT, M_TICK, M_TOTAL, NCHILD, NS_BASE, PARENT, TABLE_MAX_LOAD_DEN,
-                     TABLE_MAX_LOAD_NUM, TICK, TIER, blob_views)
+from ._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, FREE_PARENT, GEN, HASH, HINT, HITS, HPOS, LOCK, M_FREE, M_HIGH,
+                     M_INDEXED, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, M_WIDE, NCHILD, NS_BASE, PARENT,
+                     TABLE_MAX_LOAD_DEN, TABLE_MAX_LOAD_NUM, TICK, blob_views)
 from ._table import EMPTY, tb_delete, tb_home, tb_insert, tb_node, tb_tag
 from ._tokens import in_range_from
 from .xxh64 import xxh64_token_range
 
-__all__ = ["tr_match", "tr_match_gallop", "tr_insert", "tr_lock", "tr_evict", "tr_remove", "tr_rebuild_table",
-           "OK", "NEED_NODES", "BAD_TOKENS", "BAD_BLOCKS", "BAD_BLOCK_COUNT", "NEED_TABLE", "STALE_HANDLE",
-           "NOT_LOCKED", "NEED_HASH", "tr_index_path", "F_TOUCH", "F_GALLOP"]
+__all__ = ["tr_match", "tr_insert", "tr_lock", "tr_evict", "tr_rebuild_table", "tr_index_path", "OK", "NEED_NODES",
+           "BAD_TOKENS", "BAD_BLOCKS", "BAD_BLOCK_COUNT", "NEED_TABLE", "STALE_HANDLE", "NOT_LOCKED", "NEED_HASH",
+           "F_TOUCH"]
 
 OK = 0
 NEED_NODES = -2
@@ -73,11 +70,10 @@ STALE_HANDLE = -7
 NOT_LOCKED = -8
 NEED_HASH = -9
 
-F_TOUCH = 1   # tr_match flags
-F_GALLOP = 2
+F_TOUCH = 1   # tr_match flag: tick the matched path (LRU) and count a hit
 
 _HITS_MAX = 2147483647
-_PF = 32  # pages ahead the chain loop prefetches (measured 8-64: about the same, none: +0.3 us per tail)
+_PF = 32  # pages ahead the chain loop prefetches (8-64: about the same, none: +0.3 us per tail; docs/DESIGN.md)
 _FREE_PARENT = FREE_PARENT  # a numba global constant
 
 # Hot loops never pass the state namedtuple to a helper: each such call increments and decrements
@@ -215,83 +211,6 @@ def _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out, k0, no
 
 
 @numba.njit(inline="always")
-def _probe(table, hcol, parent, depth, tokens, q, ps, k, hb, root_code):
-    """Gallop predicate for page k: a node with hash hb[k], depth k, page-k tokens, parent hash hb[k-1]."""
-    h = hb[k]
-    hi = np.int64(h)
-    tag = tb_tag(h)
-    tmask = table.shape[0] - 1
-    i = tb_home(tag, tmask)
-    while True:
-        e = table[i]
-        if e == EMPTY:
-            return -1
-        x = tb_node(e)
-        if (np.uint64(e) >> np.uint64(32)) == tag and hcol[x] == hi and depth[x] == k \
-                and _page_diff(tokens, x, q, k * ps, ps) == 0:
-            p = parent[x]
-            if k == 0:
-                if p == root_code:
-                    return x
-            elif p >= 0 and hcol[p] == np.int64(hb[k - 1]):
-                return x
-        i = (i + 1) & tmask
-
-
-@numba.njit(cache=NUMBA_CACHE)
-def _gallop(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out):
-    """Gallop + binary search, verified; falls back to ``_walk`` on a failed verification.
-
-    Lazy indexing: only indexed pages are in the table (first pages, pages with siblings and their
-    ancestors), so "page k is found in the table" is not the monotone "page k is cached";
-    the verified prefix found by the search is a lower bound, and ``_walk`` continues from it."""
-    parent = i32[PARENT]
-    depth = i32[DEPTH]
-    hcol = i64[HASH]
-    block = i64[BLOCK]
-    mask = np.uint64(meta[M_MASK])
-    root_code = -1 - ns_id
-    hb = np.empty(n, dtype=np.uint64)
-    done = 0  # pages hashed so far
-    h = np.uint64(meta[NS_BASE + 2 * ns_id + 1])
-    lo, lo_node, hi = 0, -1, n + 1  # lo pages known cached, hi pages known not (n + 1: none known)
-    c = 1
-    while c <= n:
-        while done < c:
-            h = xxh64_token_range(q, done * ps, (done + 1) * ps, h) & mask
-            hb[done] = h
-            done += 1
-        x = _probe(table, hcol, parent, depth, tokens, q, ps, c - 1, hb, root_code)
-        if x < 0:
-            hi = c
-            break
-        lo, lo_node = c, x
-        if c == n:
-            break
-        c = min(2 * c, n)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        x = _probe(table, hcol, parent, depth, tokens, q, ps, mid - 1, hb, root_code)  # mid-1 < done
-        if x >= 0:
-            lo, lo_node = mid, x
-        else:
-            hi = mid
-    # verify the whole path once: every page's tokens and depth, and the namespace root
-    x = lo_node
-    ok = True
-    for j in range(lo - 1, -1, -1):
-        if x < 0 or depth[x] != j or _page_diff(tokens, x, q, j * ps, ps) != 0:
-            ok = False
-            break
-        blocks_out[j] = block[x]
-        x = parent[x]
-    if not ok or (lo > 0 and x != root_code):
-        meta[M_FALLBACK] += 1
-        return _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out, 0, -1)
-    return _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out, lo, lo_node)
-
-
-@numba.njit(inline="always")
 def _match_end(i32, i64, q, meta, ps, m, node, flags):
     """Range check of the unmatched tail, then the touch; returns (pages or status, node, gen)."""
     # The matched pages equal stored ones, so only the unmatched tail needs the range check, unless the trie holds
@@ -324,15 +243,6 @@ def tr_match(blob, q, ns_id, flags, blocks_out):
     ps = tokens.shape[1]
     n = blocks_out.shape[0]
     m, node = _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out, 0, -1)
-    return _match_end(i32, i64, q, meta, ps, m, node, flags)
-
-
-@numba.njit(cache=NUMBA_CACHE)
-def tr_match_gallop(i32, i64, i8, tokens, table, meta, q, ns_id, flags, blocks_out):
-    """``tr_match`` by gallop + binary search (verified, see ``_gallop``)."""
-    ps = tokens.shape[1]
-    n = blocks_out.shape[0]
-    m, node = _gallop(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out)
     return _match_end(i32, i64, q, meta, ps, m, node, flags)
 
 
@@ -391,13 +301,13 @@ def _index(i64, i8, tokens, table, meta, x, seed):
 
 
 @numba.njit(inline="always")
-def _write_fresh_chain(parent, depth, nchild, hint, lock, hits, block, tick_arr, tier, flags, tokens, meta, q,
-                       blocks, m, want, code, tick, nsh):
+def _write_fresh_chain(parent, depth, nchild, hint, block, tick_arr, tokens, meta, q, blocks, m, want, code, tick,
+                       nsh):
     """Pages ``m .. m + want`` of q as a chain in the fresh slots from ``meta[M_HIGH]`` on, below ``code`` (a
     node, or ``-1 - ns`` for a namespace root): what the per-node loop of ``tr_insert`` writes, one array at a
-    time (each loop vectorizes). Slots from ``M_HIGH`` on have never been used, so their lock, hits, tier and
-    flags still hold ``_init_nodes``' zeros and are not written again (four fewer cold streams). Returns
-    (first node, last node)."""
+    time (each loop vectorizes). Slots from ``M_HIGH`` on have never been used, so their lock, hits and flags still
+    hold ``_init_nodes``' zeros and are not written again (three fewer cold streams). Returns (first node, last
+    node)."""
     x0 = meta[M_HIGH]
     meta[M_HIGH] = x0 + want
     last = x0 + want - 1
@@ -435,8 +345,8 @@ def tr_insert(blob, q, ns_id, blocks, new_mask):
     """Store the pages of q not yet held, page k -> blocks[k]; ``new_mask[k]`` (bool, one per block)
     is set to whether page k was stored by this call.
 
-    Returns (status, pages already held, pages stored, deepest node of the path, its gen). With a
-    page limit only the first pages that fit are stored. NEED_NODES / NEED_TABLE: nothing changed,
+    Returns (status, pages already held, pages stored, deepest node of the path, its gen). NEED_NODES /
+    NEED_TABLE: nothing changed,
     grow and call again (the count needed is in the third field). NEED_HASH: nothing changed, the
     deepest held page (fourth field) must be indexed first (``tr_index_path``), then call again.
 
@@ -459,9 +369,6 @@ def tr_insert(blob, q, ns_id, blocks, new_mask):
     if not in_range_from(q, m * ps * (1 - meta[M_WIDE])):
         return BAD_TOKENS, 0, 0, -1, 0
     want = n - m
-    limit = meta[M_LIMIT]
-    if limit >= 0:
-        want = min(want, max(limit - meta[M_TOTAL], 0))
     free_slots = i32.shape[1] - meta[M_HIGH] + meta[M_NFREE]
     if want > free_slots:
         return NEED_NODES, m, want - free_slots, -1, 0
@@ -476,7 +383,6 @@ def tr_insert(blob, q, ns_id, blocks, new_mask):
     hpos = i32[HPOS]
     tick_arr = i64[TICK]
     block = i64[BLOCK]
-    tier = i8[TIER]
     flags = i8[FLAGS]
     # the new first page goes into the table iff it gets a sibling (I3), which needs its parent indexed (I2)
     branch = want > 0 and node >= 0 and nchild[node] > 0
@@ -504,8 +410,8 @@ def tr_insert(blob, q, ns_id, blocks, new_mask):
             if u >= 0 and (flags[u] & FL_INDEXED) == 0:
                 _index(i64, i8, tokens, table, meta, u, i64[HASH, node])
     if meta[M_FREE] < 0:  # no freed slot to reuse: the chain takes fresh consecutive slots
-        first, code = _write_fresh_chain(parent, depth, nchild, hint, lock, hits, block, tick_arr, tier, flags,
-                                         tokens, meta, q, blocks, m, want, code, tick, nsh)
+        first, code = _write_fresh_chain(parent, depth, nchild, hint, block, tick_arr, tokens, meta, q, blocks, m,
+                                         want, code, tick, nsh)
         want_loop = 0
     else:
         first = -1
@@ -522,7 +428,6 @@ def tr_insert(blob, q, ns_id, blocks, new_mask):
         hits[x] = 0
         block[x] = blocks[k]
         tick_arr[x] = tick
-        tier[x] = 0
         flags[x] = 0
         su = np.uint64(k * ps)  # unsigned indices: no wraparound select, the copy vectorizes
         for j in range(np.uint64(ps)):
@@ -618,28 +523,6 @@ def tr_evict(i32, i64, i8, table, meta, n):
         if p >= 0 and i32[NCHILD, p] == 0 and i32[LOCK, p] == 0:
             hp_push(i32, i64, meta, p)
     return out[:k]
-
-
-@numba.njit(cache=NUMBA_CACHE)
-def tr_remove(i32, i64, i8, tokens, table, meta, q, ns_id):
-    """Drop the held pages of q from the deepest up while they are unlocked leaves: (status, block ids)."""
-    ps = tokens.shape[1]
-    n = len(q) // ps
-    out = np.empty(n, dtype=np.int64)
-    m, x = _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, out, 0, -1)
-    if not in_range_from(q, m * ps * (1 - meta[M_WIDE])):
-        return BAD_TOKENS, out[:0]
-    hpos = i32[HPOS]
-    k = 0
-    while x >= 0 and i32[NCHILD, x] == 0 and i32[LOCK, x] == 0:
-        out[k] = i64[BLOCK, x]
-        k += 1
-        if hpos[x] >= 0:
-            hp_remove(i32, i64, meta, x)
-        p = i32[PARENT, x]
-        _free(i32, i64, i8, table, meta, x)
-        x = p
-    return OK, out[:k]
 
 
 @numba.njit(cache=NUMBA_CACHE)

@@ -1,0 +1,134 @@
+"""The tier's tasks as the engine sees them (:class:`TierTask`, its kind and status), and the records the tier
+keeps of each copy in flight until it is finalized.
+
+Kinds and statuses are string enums: a task's ``kind == "store"`` and ``status == "done"`` still hold, and they
+print as their values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["TaskKind", "TaskStatus", "TierTask", "CopyRecord", "LoadRecord", "InsertRecord", "COMPLETED"]
+
+
+class _Named(str, enum.Enum):
+    """A string enum that prints (and formats) as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TaskKind(_Named):
+    """What a task copies."""
+
+    STORE = "store"  # device slots to new CPU blocks
+    LOAD = "load"  # CPU blocks to device slots, all layers at once
+    LOAD_LAYERWISE = "load_layerwise"  # the same, layer by layer through the LayerDoneCounter
+    PROMOTE = "promote"  # SSD blocks read into new CPU blocks
+    FETCH = "fetch"  # remote blocks read into new CPU blocks
+
+    @property
+    def reads_lower_tier(self) -> bool:
+        """Whether the task reads a lower tier (IO jobs, not copies on a stream)."""
+        return self in (TaskKind.PROMOTE, TaskKind.FETCH)
+
+    @property
+    def inserts(self) -> bool:
+        """Whether its blocks enter the CPU index when it is finalized (a store, a promotion, a fetch)."""
+        return self not in (TaskKind.LOAD, TaskKind.LOAD_LAYERWISE)
+
+
+class TaskStatus(_Named):
+    """Where a task stands."""
+
+    INFLIGHT = "inflight"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"  # issuing its copy raised: nothing was stored or loaded, and what it took is given back
+
+
+@dataclasses.dataclass
+class TierTask:
+    """A store or load handed back to the engine.
+
+    Attributes:
+        id: task id (reported once by ``poll``).
+        kind: a :class:`TaskKind`.
+        num_pages: pages this task copies (store: new pages; load: hit pages loaded; promote: pages read; fetch:
+            0 until its probe has returned, then the pages it reads).
+        num_held: store, promote and fetch: leading pages already held on the CPU, not copied.
+        producer_index: layerwise loads: the LayerDoneCounter slot to set as consumer (-1: nothing to wait for).
+        status: a :class:`TaskStatus` (``failed``: ``num_pages`` is 0).
+    """
+
+    id: int
+    kind: TaskKind
+    num_pages: int
+    num_held: int = 0
+    producer_index: int = -1
+    status: TaskStatus = TaskStatus.INFLIGHT
+
+    @property
+    def done(self) -> bool:
+        return self.status != TaskStatus.INFLIGHT
+
+
+@dataclasses.dataclass
+class CopyRecord:
+    """What the tier keeps of a task until it is finalized.
+
+    Attributes:
+        task: the task.
+        completion: an executor's fence, the SSD read (IoJob) of a promotion, the RemoteJob of a fetch.
+        block_ids: a load's blocks read; a store's, promotion's or fetch's new blocks, owned by the task.
+        handle: the locked index path (a MatchResult) or None.
+        nbytes: bytes the copy moves.
+        ns: the namespace of its pages.
+    """
+
+    task: TierTask
+    completion: object
+    block_ids: np.ndarray
+    handle: object
+    nbytes: int
+    ns: Optional[object] = None
+
+
+@dataclasses.dataclass
+class LoadRecord(CopyRecord):
+    """A load in flight: its path stays locked until it is finalized."""
+
+
+@dataclasses.dataclass
+class InsertRecord(CopyRecord):
+    """A store, promotion or fetch in flight: its new blocks enter the index behind the held prefix when it is
+    finalized.
+
+    Attributes:
+        tokens: tokens of the held prefix and the new blocks.
+        prefix_ids: blocks of the held prefix.
+    """
+
+    tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
+    prefix_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
+
+
+class _Completed:
+    """The completion of a copy that has nothing left to run (a failed issue kept for ordered finalization)."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+    def seconds(self) -> Optional[float]:
+        return None
+
+
+COMPLETED = _Completed()
