@@ -17,9 +17,10 @@ runs it:
   (``batch_is_exist``); :meth:`RemoteTier.get` then reads them into CPU blocks the caller owns. Every block is
   checked before it counts (value size, header checksum, fingerprint, chain hash, namespace, tokens, payload
   checksum); reading stops at the first that fails, which is counted as missing or corrupt.
-* The owner never blocks on the network except in :meth:`RemoteTier.wait`, bounded by ``timeout_s`` per call. A call that
-  outlasts it, or that finds the master unreachable, marks the tier down: no probes, puts dropped (counted), until
-  a health probe (every :data:`RETRY_S`) finds the master again. Mooncake's client reconnects by itself.
+* The owner never blocks on the network except in :meth:`RemoteTier.wait`, bounded by ``timeout_s`` per call. A
+  call that outlasts it, or that finds the master unreachable, marks the tier down: no probes, puts dropped
+  (counted), until a health probe (every :data:`RETRY_S`) finds the master again. Mooncake's client reconnects by
+  itself.
 
 A job's blocks stay the job's until its calls have returned (:meth:`RemoteJob.finished`), also when the owner
 stopped waiting for it. Single-owner: every method except the workers' is called under the owner's lock.
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RemoteTier", "RemoteJob", "RemoteStats", "RETRY_S", "BATCH_BYTES"]
 
+# Tuned constants: docs/DESIGN.md, "Tuned constants".
 BATCH_BYTES = 64 << 20  # one put or get call per this many bytes
 MAX_BATCH_BLOCKS = 256  # and at most this many blocks (the header buffer)
 STAGE_RANGES = 1  # a block in more ranges than this is staged: copied, header first, into one range per value

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SsdTier", "IoJob", "SsdStats", "BATCH_BYTES", "MAX_PENDING_BYTES"]
 
+# Tuned constants: docs/DESIGN.md, "Tuned constants".
 BATCH_BYTES = 64 << 20  # one durable put (two syncs per file) or one read round per this many bytes
 MAX_PENDING_BYTES = 8 << 30  # writes queued beyond this are dropped (they hold CPU blocks until written)
 
