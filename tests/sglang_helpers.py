@@ -34,17 +34,20 @@ class Setup:
     page_size: int
     mla: bool
     device: torch.device
+    start_layer: int = 0  # a pipeline stage's first layer: the pool holds layers start_layer.. (KV values use it)
 
 
 def build(*, mla: bool = False, page_size: int = 4, kv_size: int = 64, layers: int = 2, host_blocks_kb: float = 64,
           layerwise: bool = False, max_reqs: int = 8, max_context: int = 64, device="cpu",
           transfer_mode: Optional[str] = None, tokens_per_block: Optional[int] = None, ssd_dir: Optional[str] = None,
-          remote_master: Optional[str] = None, kv_events: bool = False, **cache_kw) -> Setup:
+          remote_master: Optional[str] = None, kv_events: bool = False, start_layer: int = 0,
+          **cache_kw) -> Setup:
     """Real sglang pools, allocator and req-to-token pool on ``device`` ("cpu", "cuda", "cuda:1", ...) and a
     KVTierRadixCache over them (pinned host pool and CUDA streams when the device is CUDA). Host blocks of
     ``tokens_per_block`` tokens (default: one engine page; 0: the config's default for the page size). With
     ``ssd_dir``, an SSD tier of 1 MiB there (every hit admitted); with ``remote_master``, a remote tier on that
-    Mooncake master (a 64 MiB segment, every hit admitted)."""
+    Mooncake master (a 64 MiB segment, every hit admitted). ``start_layer``: a pipeline stage's pool, holding
+    ``layers`` layers from that one."""
     set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=page_size))
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -52,10 +55,12 @@ def build(*, mla: bool = False, page_size: int = 4, kv_size: int = 64, layers: i
     dtype = torch.float16
     if mla:
         kv_pool = MLATokenToKVPool(size=kv_size, page_size=page_size, dtype=dtype, kv_lora_rank=8, qk_rope_head_dim=8,
-                                   layer_num=layers, device=str(dev), enable_memory_saver=False)
+                                   layer_num=layers, device=str(dev), enable_memory_saver=False,
+                                   start_layer=start_layer)
     else:
         kv_pool = MHATokenToKVPool(size=kv_size, page_size=page_size, dtype=dtype, head_num=2, head_dim=8,
-                                   layer_num=layers, device=str(dev), enable_memory_saver=False)
+                                   layer_num=layers, device=str(dev), enable_memory_saver=False,
+                                   start_layer=start_layer)
     allocator = PagedTokenToKVPoolAllocator(size=kv_size, page_size=page_size, dtype=dtype, device=str(dev),
                                             kvcache=kv_pool, need_sort=False)
     r2t = ReqToTokenPool(size=max_reqs, max_context_len=max_context, device=str(dev), enable_memory_saver=False)
@@ -72,7 +77,7 @@ def build(*, mla: bool = False, page_size: int = 4, kv_size: int = 64, layers: i
         cache_kw.setdefault("model_identity", {"model": "sglang-helpers", "mla": mla})
     config = TierConfig(cpu_cache_gb=host_blocks_kb / (1 << 20), page_size=page_size, layerwise=layerwise, **extra)
     cache = KVTierRadixCache(params, config, **cache_kw)
-    return Setup(cache, allocator, r2t, kv_pool, page_size, mla, dev)
+    return Setup(cache, allocator, r2t, kv_pool, page_size, mla, dev, start_layer)
 
 
 def kv_value(token: int, pos: int, layer: int, ns_tag: int, kind: int) -> float:
@@ -85,10 +90,10 @@ def layer_buffers(s: Setup, *, via_pool: bool = False) -> list[list[torch.Tensor
     """Per layer, the K and V buffers (MHA) or the latent buffer (MLA). ``via_pool``: read them through the pool's
     ``get_key_buffer`` / ``get_value_buffer``, as attention does, so a layerwise load's per-layer wait runs."""
     if via_pool:
+        layers = range(s.start_layer, s.start_layer + s.kv_pool.layer_num)  # the pool's getters take global ids
         if s.mla:
-            return [[s.kv_pool.get_key_buffer(layer)] for layer in range(s.kv_pool.layer_num)]
-        return [[s.kv_pool.get_key_buffer(layer), s.kv_pool.get_value_buffer(layer)]
-                for layer in range(s.kv_pool.layer_num)]
+            return [[s.kv_pool.get_key_buffer(layer)] for layer in layers]
+        return [[s.kv_pool.get_key_buffer(layer), s.kv_pool.get_value_buffer(layer)] for layer in layers]
     if s.mla:
         return [[b] for b in s.kv_pool.kv_buffer]
     return [[k, v] for k, v in zip(s.kv_pool.k_buffer, s.kv_pool.v_buffer)]
@@ -112,7 +117,7 @@ def kv_writer(s: Setup, slots: torch.Tensor, tokens, start: int, ns_tag: int) ->
     if len(slots) == 0:
         return lambda: None
     idx = slots.to(device=s.device, dtype=torch.int64)
-    writes = [(buf, _as_rows(kv_values(tokens, start, len(slots), layer, ns_tag, kind), buf))
+    writes = [(buf, _as_rows(kv_values(tokens, start, len(slots), s.start_layer + layer, ns_tag, kind), buf))
               for layer, bufs in enumerate(layer_buffers(s)) for kind, buf in enumerate(bufs)]
 
     def write() -> None:
@@ -132,7 +137,7 @@ def check_kv(s: Setup, slots: torch.Tensor, tokens, start: int, ns_tag: int, *, 
     if len(slots) == 0:
         return
     idx = slots.to(device=s.device, dtype=torch.int64)
-    for layer, bufs in enumerate(layer_buffers(s, via_pool=via_pool)):
+    for layer, bufs in enumerate(layer_buffers(s, via_pool=via_pool), start=s.start_layer):
         for kind, buf in enumerate(bufs):
             want = _as_rows(kv_values(tokens, start, len(slots), layer, ns_tag, kind), buf)
             got = buf[idx]
@@ -295,31 +300,41 @@ def tree_digest(s: Setup) -> list:
 
 
 def tp_skew_worker(rank: int, world: int, init_file: str, out_dir: str, device: str = "cpu",
-                   page_size: int = 4) -> None:
-    """One TP rank (torch.multiprocessing.spawn target) whose copies complete at other moments than the other
-    rank's: rank 0's finish at once, rank 1's only later. After each scheduling round (flush_pending_backups) and
-    eviction both ranks must hold identical trees. Writes ``rank<r>.json`` (the digests, the host hit, what was
-    loaded, the KV check, no leak, or the error); the parent compares them. ``device="cuda"``: rank r on cuda:r."""
+                   page_size: int = 4, tp: Optional[int] = None, pp: int = 1, mla: bool = False) -> None:
+    """One rank (torch.multiprocessing.spawn target) whose copies complete at other moments than the others':
+    rank 0's finish at once, the last rank's only later. After each scheduling round (flush_pending_backups) and
+    eviction every rank must hold the same tree. Writes ``rank<r>.json`` (the digests, the host hit, what was
+    loaded, the KV check, no leak, the shared pool's inode, or the error); the parent compares them.
+    ``device="cuda"``: rank r on cuda:r, or every rank on cuda:0 when there is one GPU. The ranks are ``tp`` TP
+    ranks (default: all) of ``pp`` pipeline stages (:class:`tests.tp_ranks.Topology`), MHA or MLA pools."""
     import json
     import traceback
 
     import torch.distributed as dist
 
     from kvtier.tier import DeferredExecutor
+    from tests.tp_ranks import Topology, _agreement
 
     seen = {"rank": rank, "device": device, "digests": []}
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # tests talk over loopback only
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    s = None
     try:
+        topo = Topology(tp=tp or world // pp, pp=pp, mla=mla)
+        start, layers = topo.stage_layers(topo.coords(rank)[0])
         if device.startswith("cuda"):
-            torch.cuda.set_device(rank)
-            device = f"cuda:{rank}"
+            gpu = rank % torch.cuda.device_count()
+            torch.cuda.set_device(gpu)
+            device = f"cuda:{gpu}"
         ex = DeferredExecutor() if device == "cpu" else None
-        s = build(kv_size=16 * page_size, page_size=page_size, device=device, tp_group=dist.group.WORLD,
-                  executor=ex)
+        s = build(kv_size=16 * page_size, page_size=page_size, device=device, agreement=_agreement(topo, rank),
+                  executor=ex, mla=mla, layers=layers, start_layer=start)
+        shared = s.cache.shared
+        seen["shared_inode"] = list(shared.segment.inode()) if shared is not None else None
         free0 = s.allocator.available_size()
         P = page_size
-        if ex is None and rank == 1:  # CUDA: rank 1's copies start 50 ms late on its copy streams
+        late = rank == world - 1
+        if ex is None and late:  # CUDA: the last rank's copies start 50 ms late on its copy streams
             executor = s.cache.tier.executor
             begin = executor.begin
 
@@ -331,7 +346,7 @@ def tp_skew_worker(rank: int, world: int, init_file: str, out_dir: str, device: 
             executor.begin = late_begin
 
         def skewed_round(first_rank_done: bool) -> None:
-            if ex is not None and (rank == 0) == first_rank_done:
+            if ex is not None and (not late) == first_rank_done:
                 ex.release_all()
             s.cache.flush_pending_backups()  # the round's agreement
             s.cache.evict(EvictParams(num_tokens=10**6))
@@ -366,4 +381,6 @@ def tp_skew_worker(rank: int, world: int, init_file: str, out_dir: str, device: 
     finally:
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(seen, f, indent=1)
+        if s is not None:
+            s.cache.release_host_resources()  # lets the next stage receive what this one sent before the group goes
         dist.destroy_process_group()

@@ -57,11 +57,11 @@ def test_unsupported_sglang_version(monkeypatch, caplog):
         ks.factory(None)
 
 
-def _ctx(s, tp_size: int = 1, **flags):
+def _ctx(s, tp_size: int = 1, server_args=None, **flags):
     base = dict(is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=False)
     base.update(flags)
-    return registry.TreeCacheBuildContext(server_args=None, params=s.cache_params, tp_worker=None, model_config=None,
-                                          tp_size=tp_size, tp_rank=0, tp_group=None, **base)
+    return registry.TreeCacheBuildContext(server_args=server_args, params=s.cache_params, tp_worker=None,
+                                          model_config=None, tp_size=tp_size, tp_rank=0, tp_group=None, **base)
 
 
 @pytest.fixture
@@ -85,6 +85,32 @@ def test_factory_rejects_unsupported_setups(built):
         ks.factory(_ctx(built, is_hybrid_swa=True, enable_hierarchical_cache=True, is_hybrid_ssm=True))
     msg = str(e.value)
     assert "SWA" in msg and "Mamba" in msg and "--enable-hierarchical-cache" in msg
+
+
+def test_pipeline_and_context_parallelism_are_supported_and_decode_attention_tp_is_refused(built):
+    """PP stages and attention-CP ranks agree through kvtier.sglang.agreement (tests/test_sglang_parallel.py); what
+    stays refused says why."""
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    built.cache_params = dataclasses.replace(built.cache_params, pp_size=2, pp_rank=1, attn_cp_size=2)
+    assert ks.unsupported_reasons(_ctx(built)) == []
+    args = ServerArgs(model_path="dummy")
+    args.enable_cp_decode_attn_tp = True
+    reasons = ks.unsupported_reasons(_ctx(built, server_args=args))
+    assert len(reasons) == 1 and "--enable-cp-decode-attn-tp" in reasons[0]
+
+
+def test_factory_refuses_an_ssd_tier_with_pipeline_stages(built, tmp_path, monkeypatch):
+    import dataclasses
+
+    built.cache_params = dataclasses.replace(built.cache_params, pp_size=2)
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text(f"page_size: 4\nssd_cache_gb: 0.001\nssd_cache_dir: {tmp_path}\n")
+    monkeypatch.setenv("KVTIER_CONFIG", str(cfg))
+    with pytest.raises(ValueError, match=r"SSD tier .* does not run with several ranks yet \(--pp-size 2\)"):
+        ks.factory(_ctx(built))
 
 
 def test_factory_rejects_page_size_mismatch(built, tmp_path, monkeypatch):
@@ -158,7 +184,7 @@ def test_factory_refuses_an_ssd_tier_with_tp_ranks(built, tmp_path, monkeypatch)
     cfg = tmp_path / "kvtier.yaml"
     cfg.write_text(f"page_size: 4\nssd_cache_gb: 0.001\nssd_cache_dir: {tmp_path}\n")
     monkeypatch.setenv("KVTIER_CONFIG", str(cfg))
-    with pytest.raises(ValueError, match="SSD tier .* does not run with TP ranks"):
+    with pytest.raises(ValueError, match=r"SSD tier .* does not run with several ranks yet \(--tp-size 2\)"):
         ks.factory(_ctx(built, tp_size=2))
 
 

@@ -157,3 +157,45 @@ def test_tp2_ranks_with_skewed_copies_keep_identical_trees_on_two_gpus(tmp_path)
     assert r0["digests"] == r1["digests"]
     assert (r0["host_hit"], r0["loaded"]) == (r1["host_hit"], r1["loaded"]) == (3 * P, 3 * P)
     assert r0["kv_ok"] and r1["kv_ok"] and r0["no_leak"] and r1["no_leak"]
+
+
+def _two_ranks_on_cuda(tmp_path, P: int, **topo) -> list[dict]:
+    """Two rank processes on CUDA (one GPU each, or both on the one there is), the last rank's copies 50 ms late;
+    their reports."""
+    import torch.multiprocessing as mp
+
+    try:
+        mp.spawn(h.tp_skew_worker, args=(2, str(tmp_path / "pg"), str(tmp_path), "cuda", P, topo.get("tp"),
+                                         topo.get("pp", 1), topo.get("mla", False)), nprocs=2, join=True)
+    finally:
+        for r in range(2):
+            f = tmp_path / f"rank{r}.json"
+            print(f"rank {r}: {f.read_text() if f.exists() else '(no report)'}", file=sys.stderr)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in reports:
+        assert "error" not in r, r["error"]
+    return reports
+
+
+def test_pp2_stages_with_skewed_copies_keep_identical_trees_on_cuda(tmp_path):
+    """Two pipeline stages (layers 0-1 and 2-3), each its own process on CUDA; stage 1's copies start 50 ms late:
+    the first stage decides, stage 1 waits for its own copies, and both hold the same tree after every round, load
+    the same pages with the exact KV of their layers, and leak nothing."""
+    P = 16
+    r0, r1 = _two_ranks_on_cuda(tmp_path, P, tp=1, pp=2)
+    assert r0["digests"] == r1["digests"]
+    assert (r0["host_hit"], r0["loaded"]) == (r1["host_hit"], r1["loaded"]) == (3 * P, 3 * P)
+    assert r0["kv_ok"] and r1["kv_ok"] and r0["no_leak"] and r1["no_leak"]
+
+
+def test_mla_tp2_ranks_share_one_pinned_pool_on_cuda(tmp_path):
+    """MLA under TP=2, each rank its own process on CUDA: one host pool in shared memory, registered with CUDA by
+    both processes, each rank's stores copying half the layers (rank 1's 50 ms late); both load every layer with
+    the exact KV, hold the same tree after every round, and leak nothing."""
+    P = 16
+    r0, r1 = _two_ranks_on_cuda(tmp_path, P, tp=2, mla=True)
+    assert r0["shared_inode"] is not None and r0["shared_inode"] == r1["shared_inode"]
+    assert r0["digests"] == r1["digests"]
+    assert (r0["host_hit"], r0["loaded"]) == (r1["host_hit"], r1["loaded"]) == (3 * P, 3 * P)
+    assert r0["kv_ok"] and r1["kv_ok"] and r0["no_leak"] and r1["no_leak"]
+

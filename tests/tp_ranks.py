@@ -1,6 +1,13 @@
-"""TP ranks as real processes for stateful tests: each rank runs the SGLang backend over a gloo group and executes,
-in lockstep, the operations a test sends to every rank; each rank's copies complete when the test says so for that
-rank, so the ranks' GPUs (deferred CPU executors here) finish at different moments.
+"""Ranks as real processes for stateful tests: each rank runs the SGLang backend over gloo groups and executes the
+operations a test sends to every rank; each rank's copies complete when the test says so for that rank, so the ranks'
+GPUs (deferred CPU executors here) finish at different moments.
+
+A :class:`Topology` lays the ranks out as SGLang does: ``pp`` pipeline stages (global rank = stage * tp_size +
+TP rank), each of ``dp`` DP-attention ranks times ``tp`` attention-TP ranks. Each rank's cache agrees within its
+attention-TP group and along its PP group (:func:`kvtier.sglang.rank_agreement`'s groups). The ranks of a stage run
+an operation in lockstep; the stages run it one after another, first stage first, as a pipeline's stages reach the
+same scheduling step one behind the other (nothing may make an earlier stage wait for a later one). DP ranks run
+their own requests (an operation may apply to some of them only): they must never wait for each other.
 
 :class:`Ranks` (the test side) spawns the ranks once and sends each operation to all of them; :class:`RankState`
 (the rank side) holds one rank's backend and runs the operations. A rank's error is returned with its traceback;
@@ -9,7 +16,9 @@ the ranks are then restarted for the next example, since a rank left in a collec
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import types
 import os
 import queue
 import tempfile
@@ -26,30 +35,146 @@ class RankError(AssertionError):
     """An operation raised on a rank (the message carries that rank's traceback)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """How the ranks are laid out (see the module docstring); ``mla``: MLA pools instead of MHA."""
+
+    tp: int = 2  # attention-TP ranks of one DP rank
+    dp: int = 1  # DP-attention ranks
+    pp: int = 1  # pipeline stages
+    mla: bool = False
+    layers: tuple = (2,)  # layers of each stage (cycled: stages may hold different counts)
+
+    @property
+    def tp_size(self) -> int:  # SGLang's --tp-size (DP attention splits it)
+        return self.tp * self.dp
+
+    @property
+    def world(self) -> int:
+        return self.tp_size * self.pp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(stage, DP rank, attention-TP rank) of a global rank."""
+        stage, tp_rank = divmod(rank, self.tp_size)
+        return stage, tp_rank // self.tp, tp_rank % self.tp
+
+    def stage_layers(self, stage: int) -> tuple[int, int]:
+        """(first layer, layer count) of a stage."""
+        counts = [self.layers[p % len(self.layers)] for p in range(stage + 1)]
+        return sum(counts[:-1]), counts[-1]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return list(range(stage * self.tp_size, (stage + 1) * self.tp_size))
+
+
+class TransientFailingExecutor:
+    """A :class:`~kvtier.tier.executor.FailingExecutor` whose faults are transient: a copy a later pipeline stage
+    issues again (``KVTierRadixCache._repair``, wrapped by :meth:`attach`) goes through."""
+
+    def __init__(self, inner, rate: float, seed: int) -> None:
+        from kvtier.tier import FailingExecutor
+
+        self._failing = FailingExecutor(inner, rate, seed)
+        self._repairing = False
+
+    def attach(self, cache) -> None:
+        """Let ``cache``'s repairs issue without faults."""
+        repair = cache._repair
+
+        def reliable_repair(*args, **kwargs):
+            self._repairing = True
+            try:
+                return repair(*args, **kwargs)
+            finally:
+                self._repairing = False
+
+        cache._repair = reliable_repair
+
+    def run(self, name: str, fn, own_stream: bool = False) -> None:
+        (self._failing.inner if self._repairing else self._failing).run(name, fn, own_stream)
+
+    def __getattr__(self, name: str):
+        return getattr(self._failing.inner, name)
+
+
+def _agreement(topo: Topology, rank: int):
+    """This rank's :class:`~kvtier.sglang.agreement.RankAgreement`, as the factory builds it
+    (:func:`kvtier.sglang.rank_agreement`) from SGLang's cache groups: the TP group of a stage, the attention-TP
+    group of a DP rank (SGLang's ``tp_cache_group`` with DP attention), an attention-CP group (one rank here) and the
+    PP group. Every rank creates every group, in one order."""
+    import torch.distributed as dist
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+    from sglang.srt.server_args import ServerArgs
+
+    import kvtier.sglang as ks
+
+    def group(ranks):
+        g = dist.new_group(ranks, backend="gloo")
+        return g if rank in ranks else None
+
+    stage, dp, _ = topo.coords(rank)
+    tp = attn_tp = attn_cp = pp = None
+    for p in range(topo.pp):
+        tp = group(topo.stage_ranks(p)) or tp
+        for d in range(topo.dp):
+            attn_tp = group([p * topo.tp_size + d * topo.tp + i for i in range(topo.tp)]) or attn_tp
+    for r in range(topo.world):
+        attn_cp = group([r]) or attn_cp
+    for t in range(topo.tp_size):
+        pp = group([p * topo.tp_size + t for p in range(topo.pp)]) or pp
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=4,
+                             tp_cache_group=attn_tp if topo.dp > 1 else tp, attn_tp_cache_group=attn_tp,
+                             attn_cp_cache_group=attn_cp, pp_cache_group=pp, pp_rank=stage, pp_size=topo.pp)
+    ctx = TreeCacheBuildContext(server_args=ServerArgs(model_path="dummy", page_size=4), params=params,
+                                is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False,
+                                disable_radix_cache=False, tp_worker=None, model_config=None, tp_size=topo.tp_size,
+                                tp_rank=rank % topo.tp_size, tp_group=types.SimpleNamespace(cpu_group=tp))
+    return ks.rank_agreement(ctx)
+
+
 class RankState:
     """One rank's backend (``tests.sglang_helpers.build`` over the TP group) and the operations a test runs on it.
 
     Args:
         rank: this rank.
-        fail_rate: fraction of copies that fail while being issued (0: none); each rank draws its own failures.
+        fail_rate: fraction of copies that fail while being issued (0: none), or one per pipeline stage; each
+            rank draws its own failures.
         seed: the failure draws' seed (each rank adds its rank: the ranks fail different copies).
+        topo: the layout of the ranks (default: two TP ranks).
+        lasting: failures on a later pipeline stage recur when the copy is issued again (default: transient).
+
+    A DP rank's requests use tokens of its own (``dp_rank * 100000`` added), so two DP ranks never hold alike.
+    Failures on a later pipeline stage are transient (:class:`TransientFailingExecutor`): the stage issues the copy
+    again when the first stage's went through.
     """
 
     BASES = [list(range(1000 * b + 1, 1000 * b + 17)) for b in range(2)]  # 16 tokens each
     NAMESPACES = [None, "lora-a"]
 
-    def __init__(self, rank: int, fail_rate: float, seed: int) -> None:
-        import torch.distributed as dist
-
+    def __init__(self, rank: int, fail_rate: float, seed: int, lasting: bool = False, *,
+                 topo: Optional[Topology] = None) -> None:
         from kvtier.tier import DeferredExecutor, FailingExecutor
         from tests import sglang_helpers as h
 
-        self.h, self.rank = h, rank
+        topo = topo or Topology()
+        self.h, self.rank, self.topo = h, rank, topo
+        self.stage, self.dp_rank, _ = topo.coords(rank)
+        agreement = _agreement(topo, rank)
         self.deferred = DeferredExecutor()
-        executor = FailingExecutor(self.deferred, fail_rate, seed + rank) if fail_rate else self.deferred
-        # 16 device pages of 4 tokens; 8 host blocks, so the host evicts too
+        executor = self.deferred
+        if isinstance(fail_rate, (tuple, list)):
+            fail_rate = fail_rate[self.stage]
+        if fail_rate:
+            failing = TransientFailingExecutor if self.stage > 0 and not lasting else FailingExecutor
+            executor = failing(self.deferred, fail_rate, seed + rank)
+        # 16 device pages of 4 tokens; 4 KiB of host blocks on every rank (8 blocks of 2 MHA layers, fewer of more
+        # layers: the ranks agree on the smallest count), so the host evicts too
+        start, layers = topo.stage_layers(self.stage)
         self.s = h.build(kv_size=64, page_size=4, host_blocks_kb=4, max_reqs=8, executor=executor,
-                         tp_group=dist.group.WORLD)
+                         agreement=agreement, mla=topo.mla, layers=layers, start_layer=start)
+        if isinstance(executor, TransientFailingExecutor):
+            executor.attach(self.s.cache)
         self.free0 = self.s.allocator.available_size()
         self.host_free0 = self.s.cache.tier.pool.num_free
         self.running = []
@@ -57,8 +182,11 @@ class RankState:
 
     # --- operations (the same on every rank, in the same order) ---
 
+    def _tokens(self, tokens) -> list:
+        return [t + 100000 * self.dp_rank for t in tokens]
+
     def _admit_and_forward(self, tokens, ns):
-        req, a = self.h.admit_checked(self.s, tokens, extra_key=self.NAMESPACES[ns], ns_tag=ns)
+        req, a = self.h.admit_checked(self.s, self._tokens(tokens), extra_key=self.NAMESPACES[ns], ns_tag=ns)
         self.kv_checks += a.device_len + a.loaded > 0
         self.host_loads += a.loaded > 0
         return req
@@ -92,6 +220,12 @@ class RankState:
     def evict_host(self, n):
         self.s.cache.tier.evict(n)
 
+    def on_dp(self, dp_rank, op, *args):
+        """``op(*args)`` on the ranks of DP rank ``dp_rank`` only (None: on every rank); None elsewhere."""
+        if dp_rank is None or dp_rank == self.dp_rank:
+            return getattr(self, op)(*args)
+        return None
+
     def complete(self, per_rank):
         """This rank's GPU finishes its next ``per_rank[rank]`` copies on each stream (no agreement)."""
         for name in ("store", "load"):
@@ -110,7 +244,8 @@ class RankState:
         from array import array
 
         calls = []
-        real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast", "barrier")}
+        real = {name: getattr(dist, name)
+                for name in ("all_reduce", "all_gather", "broadcast", "barrier", "send", "recv", "isend", "irecv")}
 
         def counted(name):
             def call(*a, **k):
@@ -118,22 +253,33 @@ class RankState:
                 return real[name](*a, **k)
             return call
 
-        req = self.h.make_req(self.s, self.BASES[base][:n], extra_key=self.NAMESPACES[ns])
+        tokens = self._tokens(self.BASES[base][:n])
+        req = self.h.make_req(self.s, tokens, extra_key=self.NAMESPACES[ns])
         for name in real:
             setattr(dist, name, counted(name))
         try:
             m = self.s.cache.match_prefix(MatchPrefixParams(
-                key=RadixKey(array("q", self.BASES[base][:n]), req.extra_key), req=req))
+                key=RadixKey(array("q", tokens), req.extra_key), req=req))
         finally:
             for name, fn in real.items():
                 setattr(dist, name, fn)
         self.s.req_to_token_pool.free(req)
         return [m.host_hit_length, len(calls)]
 
+    def pool_memory(self) -> dict:
+        """Where this rank's host pool lives: shared or private, the segment's (device, inode) as this process maps
+        it, bytes, blocks, and the layers its stores copy."""
+        tier, shared = self.s.cache.tier, self.s.cache.shared
+        return {"shared": shared is not None, "inode": list(shared.segment.inode()) if shared else None,
+                "nbytes": tier.pool.nbytes, "num_blocks": tier.pool.num_blocks, "block_bytes": tier.pool.block_bytes,
+                "store_layers": [tier.store_layers.start, tier.store_layers.stop],
+                "bytes_stored": tier.stats()["bytes_d2h"]}
+
     def digest(self) -> list:
         """What every rank must hold alike: the device tree, its sizes and locks, the host index, tracked copies."""
         s = self.s
-        return [self.h.tree_digest(s), s.allocator.available_size(), s.cache.num_inflight, len(self.running)]
+        return [self.h.tree_digest(s), s.allocator.available_size(), s.cache.num_inflight, len(self.running),
+                s.cache.tier.pool.num_blocks]
 
     def teardown(self) -> dict:
         """Release everything and report the leaks (each must be 0) and the KV checks made."""
@@ -148,10 +294,10 @@ class RankState:
                 "slots_leaked": self.free0 - s.allocator.available_size(),
                 "host_blocks_leaked": self.host_free0 - s.cache.tier.pool.num_free,
                 "host_pages": s.cache.tier.index.total_pages, "kv_checks": self.kv_checks,
-                "host_loads": self.host_loads}
+                "host_loads": self.host_loads, "repairs": s.cache.repairs}
 
 
-def _rank_main(rank: int, world: int, init_file: str, commands, replies) -> None:
+def _rank_main(rank: int, world: int, init_file: str, commands, replies, topo: Topology) -> None:
     """A rank's process: join the gloo group, then run the commands it receives until ``stop``."""
     import torch.distributed as dist
 
@@ -167,7 +313,7 @@ def _rank_main(rank: int, world: int, init_file: str, commands, replies) -> None
                 break
             try:
                 if op == "new":
-                    state = RankState(rank, *args)
+                    state = RankState(rank, *args, topo=topo)
                     out = None
                 else:
                     out = getattr(state, op)(*args)
@@ -179,10 +325,12 @@ def _rank_main(rank: int, world: int, init_file: str, commands, replies) -> None
 
 
 class Ranks:
-    """``world`` rank processes; :meth:`call` runs one operation on all of them and returns each rank's result."""
+    """The rank processes of ``topo`` (default: ``world`` TP ranks); :meth:`call` runs one operation on all of them
+    and returns each rank's result."""
 
-    def __init__(self, world: int = 2) -> None:
-        self.world = world
+    def __init__(self, world: int = 2, topo: Optional[Topology] = None) -> None:
+        self.topo = topo or Topology(tp=world)
+        self.world = self.topo.world
         self.procs = []
 
     def _start(self) -> None:
@@ -191,30 +339,37 @@ class Ranks:
         self.commands = [ctx.Queue() for _ in range(self.world)]
         self.replies = ctx.Queue()
         self.procs = [ctx.Process(target=_rank_main, daemon=True,
-                                  args=(r, self.world, os.path.join(self.dir, "pg"), self.commands[r], self.replies))
+                                  args=(r, self.world, os.path.join(self.dir, "pg"), self.commands[r], self.replies,
+                                        self.topo))
                       for r in range(self.world)]
         for p in self.procs:
             p.start()
 
-    def call(self, op: str, *args) -> list:
+    def call(self, op: str, *args, lockstep: bool = False) -> list:
+        """Run ``op(*args)`` on every rank: the stages one after another, first stage first (``lockstep``: every
+        rank at once, for operations that are collective across the stages, such as building the caches)."""
         if not self.procs:
             self._start()
-        for q in self.commands:
-            q.put((op, args))
+        if op == "new":
+            lockstep = True
+        waves = [list(range(self.world))] if lockstep else [self.topo.stage_ranks(p) for p in range(self.topo.pp)]
         out, errors = [None] * self.world, []
-        for _ in range(self.world):
-            try:
-                rank, ok, value = self.replies.get(timeout=REPLY_TIMEOUT_S)
-            except queue.Empty:
-                errors.append(f"no reply to {op}{args} within {REPLY_TIMEOUT_S} s")
-                break
-            if ok:
-                out[rank] = value
-            else:
-                errors.append(f"rank {rank}, {op}{args}:\n{value}")
-        if errors:
-            self.close()  # a rank may be left inside a collective: start afresh next time
-            raise RankError("\n".join(errors))
+        for ranks in waves:
+            for r in ranks:
+                self.commands[r].put((op, args))
+            for _ in ranks:
+                try:
+                    rank, ok, value = self.replies.get(timeout=REPLY_TIMEOUT_S)
+                except queue.Empty:
+                    errors.append(f"no reply to {op}{args} within {REPLY_TIMEOUT_S} s")
+                    break
+                if ok:
+                    out[rank] = value
+                else:
+                    errors.append(f"rank {rank}, {op}{args}:\n{value}")
+            if errors:
+                self.close()  # a rank may be left inside a collective: start afresh next time
+                raise RankError("\n".join(errors))
         return out
 
     def close(self) -> None:

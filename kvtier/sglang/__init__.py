@@ -25,7 +25,7 @@ BACKEND_NAME = "kvtier"
 logger = logging.getLogger(__name__)
 
 __all__ = ["SUPPORTED_SGLANG_VERSION", "BACKEND_NAME", "installed_sglang_version", "check_sglang_version",
-           "register", "factory", "unsupported_reasons", "model_identity", "metrics_labels"]
+           "register", "factory", "unsupported_reasons", "model_identity", "metrics_labels", "rank_agreement"]
 
 
 def installed_sglang_version() -> str | None:
@@ -96,10 +96,9 @@ def unsupported_reasons(ctx) -> list[str]:
         reasons.append("EAGLE speculative decoding (bigram radix keys) is not supported yet")
     if getattr(params, "enable_session_radix_cache", False):
         reasons.append("--enable-session-radix-cache needs UnifiedRadixCache")
-    if getattr(params, "attn_cp_size", 1) > 1:
-        reasons.append("attention context parallelism (attn_cp_size > 1) is not supported yet")
-    if getattr(params, "pp_size", 1) > 1:
-        reasons.append("pipeline parallelism (pp_size > 1) is not supported yet")
+    if getattr(ctx.server_args, "enable_cp_decode_attn_tp", False):
+        reasons.append("--enable-cp-decode-attn-tp splits a context-parallel rank's heads at decode time; kvtier "
+                       "needs every CP rank to hold the full KV of its heads (as SGLang's CP prefill leaves it)")
     mode = getattr(ctx.server_args, "disaggregation_mode", "null") if ctx.server_args is not None else "null"
     if mode not in (None, "null"):
         reasons.append(f"prefill/decode disaggregation (--disaggregation-mode {mode}) is not supported yet: the "
@@ -137,12 +136,13 @@ def factory(ctx):
 
     params = ctx.params
     config = _config_for(params)
-    if config.ssd_cache_gb > 0 and ctx.tp_size > 1:
+    ranks = _ranks_text(ctx)
+    if config.ssd_cache_gb > 0 and ranks:
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: the SSD tier (ssd_cache_gb > 0) does not run with "
-                         f"TP ranks yet (--tp-size {ctx.tp_size}); set ssd_cache_gb: 0 or run one TP rank")
-    if config.remote_backend is not None and ctx.tp_size > 1:
+                         f"several ranks yet ({ranks}); set ssd_cache_gb: 0 or run one rank")
+    if config.remote_backend is not None and ranks:
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: the remote tier (remote_backend) does not run with "
-                         f"TP ranks yet (--tp-size {ctx.tp_size}); set remote_backend: null or run one TP rank")
+                         f"several ranks yet ({ranks}); set remote_backend: null or run one rank")
     budget = host_budget(config.cpu_cache_bytes)
     if budget is not None and config.cpu_cache_bytes > budget and not os.environ.get(ENV_VAR, "").strip():
         # no kvtier config: the default pool shrinks to this rank's share (an explicit size that does not fit
@@ -151,33 +151,62 @@ def factory(ctx):
         logger.info("kvtier: default host pool of %.1f GiB per rank exceeds this rank's share of host memory; "
                     "using %.2f GiB (set cpu_cache_gb in $%s to choose)", config.cpu_cache_gb, gb, ENV_VAR)
         config = dataclasses.replace(config, cpu_cache_gb=gb)
-    tp_group = params.tp_cache_group
-    if tp_group is None and ctx.tp_size > 1 and ctx.tp_group is not None:
-        tp_group = getattr(ctx.tp_group, "cpu_group", None)
     forward_stream = None
     try:
         forward_stream = ctx.tp_worker.model_runner.forward_stream
     except AttributeError:
         pass
-    return KVTierRadixCache(params, config, tp_group=tp_group if ctx.tp_size > 1 else None,
-                            forward_stream=forward_stream, host_budget_bytes=budget, model_identity=model_identity(ctx),
+    return KVTierRadixCache(params, config, agreement=rank_agreement(ctx), forward_stream=forward_stream,
+                            host_budget_bytes=budget, model_identity=model_identity(ctx),
                             metrics_labels=metrics_labels(ctx))
+
+
+def _ranks_text(ctx) -> str:
+    """The server's ranks besides this one, in words (empty for a one-rank server)."""
+    parts = [f"--{name}-size {size}" for name, size in (("tp", ctx.tp_size),
+                                                        ("pp", getattr(ctx.params, "pp_size", 1))) if size > 1]
+    return ", ".join(parts)
+
+
+def _world(group) -> int:
+    import torch.distributed as dist
+
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def rank_agreement(ctx):
+    """The :class:`~kvtier.sglang.agreement.RankAgreement` of this rank's cache, from SGLang's cache groups: within
+    a stage the attention-CP and attention-TP groups when either has several ranks (with DP attention the TP group
+    of this DP rank only), else the TP group; across stages the PP group (SGLang's HiCache agrees over the same)."""
+    from kvtier.sglang.agreement import RankAgreement
+
+    params = ctx.params
+    attn = [g for g in (params.attn_cp_cache_group, params.attn_tp_cache_group) if _world(g) > 1]
+    tp_group = params.tp_cache_group
+    if tp_group is None and ctx.tp_size > 1 and ctx.tp_group is not None:
+        tp_group = getattr(ctx.tp_group, "cpu_group", None)
+    return RankAgreement(attn or [tp_group], pp_group=params.pp_cache_group if params.pp_size > 1 else None,
+                         pp_rank=params.pp_rank, pp_size=params.pp_size)
 
 
 def metrics_labels(ctx) -> dict:
     """kvtier's metric labels, as SGLang labels its own: the served model name and the TP rank."""
     args = ctx.server_args
     name = getattr(args, "served_model_name", None) or getattr(args, "model_path", None) or ""
-    return {"model_name": str(name), "tp_rank": str(ctx.tp_rank)}
+    return {"model_name": str(name), "tp_rank": str(ctx.tp_rank), "pp_rank": str(getattr(ctx.params, "pp_rank", 0))}
 
 
 def model_identity(ctx) -> dict:
     """What this rank's KV belongs to, as the SSD and remote tiers' blocks record it: the model and tokenizer, their
-    revision, quantization and KV dtype, and the TP layout (another value of any of them never reads the blocks)."""
+    revision, quantization and KV dtype, and the TP and PP layout (another value of any of them never reads the
+    blocks; a pipeline stage holds other layers)."""
     args = ctx.server_args
     keys = ("model_path", "tokenizer_path", "revision", "quantization", "kv_cache_dtype", "dtype")
     out = {k: getattr(args, k, None) for k in keys}
     out.update(tp_size=ctx.tp_size, tp_rank=ctx.tp_rank)
+    pp_size = getattr(ctx.params, "pp_size", 1)
+    if pp_size > 1:  # one-stage identities stay as they were, so existing SSD caches keep their fingerprint
+        out.update(pp_size=pp_size, pp_rank=ctx.params.pp_rank)
     return out
 
 

@@ -5,12 +5,16 @@ What the subclass adds to ``RadixCache`` (every override calls ``super()`` first
 * ``match_prefix``: the device match, plus ``host_hit_length`` = tokens past the device match that kvtier holds
   (full pages, only when ``params.req`` is given, i.e. a scheduler match). The hit is remembered per request for
   ``init_load_back``. No collective: with TP every rank's host index evolves identically (below).
-* TP > 1: every store and load is tracked in issue order and its node stays locked, whatever this rank's outcome,
-  until the ranks agree that every rank has completed it (``_sync``: one all-reduce MIN of the completed count and
-  one MAX of failure flags, in ``flush_pending_backups``, which SGLang calls once per batch, in ``evict`` and in
-  ``wait_all``); then each rank finalizes exactly those, in order (a store failed on any rank is dropped on all).
-  With equal pools (agreed at construction) host indexes, locks and device trees stay identical on every rank
-  whatever each GPU's timing. A load that fails on one rank only is caught by the one MIN of ``init_load_back``.
+* Several ranks (TP, attention CP, pipeline stages; :mod:`kvtier.sglang.agreement`): every store and load is
+  tracked in issue order and its node stays locked, whatever this rank's outcome, until the ranks agree that it has
+  completed (``_sync``: the MIN of the completed count and the MAX of failure flags, in ``flush_pending_backups``,
+  which SGLang calls once per batch on every rank, in ``evict`` and in ``wait_all``); then each rank finalizes
+  exactly those, in order (a store failed on a deciding rank is dropped on all). With pools of one block count
+  (agreed at construction) host indexes, locks and device trees stay identical on every rank whatever each GPU's
+  timing. A load that fails on one rank only is caught by the one agreement of ``init_load_back``. Under PP the
+  first stage decides and later stages follow; a later stage whose own copy failed where the first stage's
+  succeeded issues it again, synchronously, and raises if that fails too (its KV would differ from what every
+  other stage serves).
 * ``init_load_back``: allocates slots for the host hit (evicting device pages if needed), loads through
   ``KVTier.load`` / ``load_layerwise``, grafts a ``TreeNode`` holding the new slots under the device match and
   returns ``(loaded_len, node)``. SGLang 0.5.23 requires all promised tokens or none: when fewer pages arrive
@@ -31,8 +35,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -41,7 +46,7 @@ from kvtier.config import TierConfig
 from kvtier.index import Namespace
 from kvtier.kernels import PagedKV
 from kvtier.observe.attach import Observability, attach
-from kvtier.tier import CudaExecutor, KVTier, TierTask
+from kvtier.tier import CudaExecutor, KVTier, TaskStatus, TierTask
 
 _kvtier_sglang.check_sglang_version()
 
@@ -55,6 +60,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode  # noqa: E402
 
+from kvtier.sglang.agreement import RankAgreement  # noqa: E402
+from kvtier.sglang.shared_pool import SharedPool, share_pool  # noqa: E402
 from kvtier.sglang.kv_events import HostKvEvents  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -99,7 +106,9 @@ class KVTierRadixCache(RadixCache):
     Args:
         params: SGLang's ``CacheInitParams`` (its allocator's KV pool must be an MHA or MLA pool).
         config: kvtier settings (default :meth:`TierConfig.from_env`); ``page_size`` must equal ``params.page_size``.
-        tp_group: the TP CPU (gloo) process group when TP > 1, else None.
+        tp_group: the TP CPU (gloo) process group when TP > 1, else None (shorthand for an ``agreement`` over it).
+        agreement: how this cache's ranks agree (TP, attention CP, pipeline stages); the factory builds it from
+            SGLang's cache groups. Default: over ``tp_group``.
         forward_stream: the CUDA stream the forward pass runs on: stores and loads are ordered after it, whole
             loads make it wait; None: the current stream only.
         executor / counter_backend / pool: passed to :class:`KVTier` (tests).
@@ -115,45 +124,70 @@ class KVTierRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, config: Optional[TierConfig] = None, *, tp_group=None,
                  forward_stream=None, executor=None, counter_backend: str = "auto", pool=None,
                  host_budget_bytes: Optional[int] = None, model_identity: Optional[dict] = None,
-                 metrics_labels: Optional[dict] = None) -> None:
+                 metrics_labels: Optional[dict] = None, agreement: Optional[RankAgreement] = None) -> None:
         super().__init__(params)
         self.tier_config = config if config is not None else TierConfig.from_env()
-        self.tp_group = tp_group
+        self.agreement = agreement if agreement is not None else RankAgreement([tp_group])
+        self.multi_rank = self.agreement.active
         self.forward_stream = forward_stream
         self._markers: dict[Any, _LoadMarker] = {}  # cache_request_handle -> host hit found by match_prefix
-        # task id -> (node locked for the task, the device slot tensor its copy reads). The slot tensor is kept
-        # referenced until the copy completes: on CUDA it was allocated on the engine's stream and the copy reads
-        # it on kvtier's stream, so dropping it early would let the caching allocator hand its memory to the next
-        # allocation on the engine's stream while the copy may not have read it yet.
-        self._inflight: dict[int, tuple[TreeNode, Optional[torch.Tensor]]] = {}
+        # task id -> (node locked for the task, the device slot tensor its copy reads, a call issuing the same copy
+        # again). The slot tensor is kept referenced until the copy completes: on CUDA it was allocated on the
+        # engine's stream and the copy reads it on kvtier's stream, so dropping it early would let the caching
+        # allocator hand its memory to the next allocation on the engine's stream while the copy may not have read
+        # it yet.
+        self._inflight: dict[int, tuple[TreeNode, Optional[torch.Tensor], Callable[[], TierTask]]] = {}
         # Chunked prefill checkpoints a request several times: one store per request in flight at a time.
         self._store_of_req: dict[str, int] = {}  # request id -> its store in flight
         self._req_of_store: dict[int, str] = {}  # the reverse
         self._held_store: dict[str, tuple] = {}  # request id -> (tokens, ns, slots, locked node) of a later checkpoint
-        # TP: every store and load in issue order, released only as far as every rank has completed (_sync)
+        # several ranks: every store and load in issue order, released only as far as the ranks agree (_sync)
         self._order: collections.deque[TierTask] = collections.deque()
         self.tier: Optional[KVTier] = None
         self.observability = Observability()
         self.layerwise = False
+        self.repairs = 0  # copies this later pipeline stage issued again (failed here only)
+        self.shared: Optional[SharedPool] = None  # the stage's one pool when its ranks' KV is the same (MLA)
         if self.disable:
             return
         self.kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         kv = paged_kv_from_pool(self.kv_pool, self.page_size)
         if executor is None and kv.is_cuda and forward_stream is not None:
             executor = CudaExecutor(kv.device, order_after=[forward_stream])  # copies fenced on the forward stream
-        if tp_group is not None:  # every rank's pool holds as many blocks: the host indexes evolve identically
-            agreed = self._tp_min(self.tier_config.cpu_cache_bytes)
-            if agreed < self.tier_config.cpu_cache_bytes:
-                self.tier_config = dataclasses.replace(self.tier_config, cpu_cache_gb=agreed / (1 << 30))
+        store_layers = None
+        if self.multi_rank:  # every rank's pool holds as many blocks: the host indexes evolve identically
+            self.tier_config = self._agreed_pool(kv)
+            if kv.geometry.is_mla and pool is None:
+                self.shared = self._share_pool(kv, host_budget_bytes)
+            if self.shared is not None:
+                pool, store_layers = self.shared.pool, self.shared.store_layers
         self.tier = KVTier(kv, self.tier_config, executor=executor, counter_backend=counter_backend, pool=pool,
-                           host_budget_bytes=host_budget_bytes, finalize="auto" if tp_group is None else "ordered",
-                           model_identity=model_identity)
-        rank = torch.distributed.get_rank(tp_group) if tp_group is not None else 0
+                           host_budget_bytes=host_budget_bytes, finalize="ordered" if self.multi_rank else "auto",
+                           model_identity=model_identity, store_layers=store_layers)
+        if self.multi_rank:
+            self.agreement.check_same([self.tier.pool.num_blocks], "the host pool's block count")
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.observability = attach(self.tier, labels=metrics_labels, multiprocess=bool(params.enable_metrics),
                                     port_offset=rank)
         if self.kv_events.enabled:  # --kv-events-config: the CPU tier's blocks are published too
             self.tier.add_observer(HostKvEvents(self.kv_events, self.page_size, self.tier.block_tokens))
         self.set_layerwise(self.tier_config.layerwise)
+
+    def _agreed_pool(self, kv: PagedKV) -> TierConfig:
+        """The config with a pool of as many blocks as the smallest of every rank's (pipeline stages hold other
+        layers, so their blocks differ in bytes: the block count is what must agree)."""
+        config = self.tier_config
+        block_bytes = kv.with_page_size(config.block_tokens).geometry.block_bytes
+        local = config.cpu_cache_bytes // block_bytes
+        agreed = self.agreement.startup_reduce([local], torch.distributed.ReduceOp.MIN)[0]
+        if agreed >= local:
+            return config
+        return dataclasses.replace(config, cpu_cache_gb=(agreed * block_bytes + 1) / (1 << 30))
+
+    def _share_pool(self, kv: PagedKV, budget: Optional[int]) -> Optional[SharedPool]:
+        config = self.tier_config
+        geo = kv.with_page_size(config.block_tokens).geometry
+        return share_pool(self.agreement, geo, config.host_layout, config.cpu_cache_bytes // geo.block_bytes, budget)
 
     @classmethod
     def create_for_test(cls, params: CacheInitParams, config: Optional[TierConfig] = None, **kw) -> KVTierRadixCache:
@@ -210,7 +244,7 @@ class KVTierRadixCache(RadixCache):
             self._markers.pop(req.cache_request_handle, None)
             return base
         ns = _namespace(key.extra_key, key.cache_salt)
-        pages = self.tier.lookup(tokens, ns)  # TP: the same on every rank (see _sync), no collective needed
+        pages = self.tier.lookup(tokens, ns)  # several ranks: the same on every rank (see _sync), no collective
         host_len = pages * self.page_size - device_len
         if host_len <= 0:
             self._markers.pop(req.cache_request_handle, None)
@@ -246,18 +280,26 @@ class KVTierRadixCache(RadixCache):
         rest = marker.device_len + need - start
         if rest == 0:
             return need, parent
-        new_slots = self._alloc_slots(rest, parent)  # TP: device trees and allocators are identical on every rank
+        new_slots = self._alloc_slots(rest, parent)  # device trees and allocators are identical on every rank
         if new_slots is None:
             return 0, last_node
         new_slots = new_slots.to(torch.int64)
         new_slots_all = new_slots  # the copy writes through these (see _inflight)
         start_page = start // self.page_size  # the device-held pages are not copied again
+        ns = marker.ns
         if self.layerwise:
-            task = self.tier.load_layerwise(tokens, marker.ns, new_slots, start_page=start_page)
+            task = self.tier.load_layerwise(tokens, ns, new_slots, start_page=start_page)
         else:
-            task = self.tier.load(tokens, marker.ns, new_slots, start_page=start_page)
+            task = self.tier.load(tokens, ns, new_slots, start_page=start_page)
+        reissue = functools.partial(self.tier.load, tokens, ns, new_slots, start_page=start_page)
         local = min(rest, task.num_pages * self.page_size)
-        loaded = self._tp_min(local)  # a load can fail on one rank only: every rank grafts the same length
+        loaded = self.agreement.min(local)  # a load can fail on one rank only: every rank grafts the same length
+        if local < loaded:  # a later pipeline stage: the first stage loaded what failed here
+            task = self._repair(task, reissue, "load")
+            local = min(rest, task.num_pages * self.page_size)
+            if local < loaded:
+                raise RuntimeError(f"kvtier: pipeline stage {self.agreement.pp_rank} loaded {local} tokens where "
+                                   f"the first stage loaded {loaded}: its host tier no longer matches the others'")
         if local > loaded:
             self.tier.wait(task)  # the slots past `loaded` are being written: free them only after the copy
         if loaded < rest:
@@ -270,7 +312,7 @@ class KVTierRadixCache(RadixCache):
         node = parent
         if loaded > 0:
             node = self._graft(parent, key, start, new_slots)
-        self._track(task, node, new_slots_all)
+        self._track(task, node, new_slots_all, reissue)
         if loaded < rest:  # SGLang 0.5.23: all promised tokens or none
             return 0, last_node
         return need, node
@@ -333,24 +375,43 @@ class KVTierRadixCache(RadixCache):
         self._store(req.rid, tokens, ns, slots, req.last_node)
 
     def _store(self, rid, tokens, ns, slots: torch.Tensor, node: TreeNode) -> None:
-        task = self.tier.store(tokens, ns, slots)
-        if self._track(task, node, slots):
+        reissue = functools.partial(self.tier.store, tokens, ns, slots)
+        task = reissue()
+        if self._track(task, node, slots, reissue):
             self._store_of_req[rid] = task.id
             self._req_of_store[task.id] = rid
 
     # --- completions / eviction ---
 
-    def _track(self, task: TierTask, node: TreeNode, slots: Optional[torch.Tensor]) -> bool:
+    def _track(self, task: TierTask, node: TreeNode, slots: Optional[torch.Tensor],
+               reissue: Callable[[], TierTask]) -> bool:
         """Keep ``node`` locked (and ``slots`` referenced) until ``task`` is released; True when it is tracked.
-        One rank alone: only tasks still in flight. TP: every task, in issue order, whatever this rank's outcome
-        (a copy may be done or failed here and in flight on another rank: the locks must not differ)."""
-        if self.tp_group is None and task.done:
+        One rank alone: only tasks still in flight. Several ranks: every task, in issue order, whatever this rank's
+        outcome (a copy may be done or failed here and in flight on another rank: the locks must not differ).
+        ``reissue`` issues the same copy again (a later pipeline stage's repair, see :meth:`_repair`)."""
+        if not self.multi_rank and task.done:
             return False
         self.inc_lock_ref(node)
-        self._inflight[task.id] = (node, slots)
-        if self.tp_group is not None:
+        self._inflight[task.id] = (node, slots, reissue)
+        if self.multi_rank:
             self._order.append(task)
         return True
+
+    def _repair(self, task: TierTask, reissue: Callable[[], TierTask], what: str) -> TierTask:
+        """A later pipeline stage: the first stage completed a copy that failed here, and every stage acts on its
+        verdict. Give the failed copy back, issue it again and wait for it (the device slots it reads or writes are
+        still locked); raise if it fails again: this stage's KV would differ from the other stages'."""
+        self.tier.finalize(task, keep=False)
+        again = reissue()
+        self.tier.wait(again)
+        if again.status is TaskStatus.FAILED:
+            raise RuntimeError(f"kvtier: a host-tier {what} failed on pipeline stage {self.agreement.pp_rank} and "
+                               f"again when issued a second time, where the first stage's succeeded: this stage can "
+                               f"no longer hold the same KV as the others")
+        self.repairs += 1
+        logger.warning("kvtier: a %s failed on pipeline stage %d only; issued again and completed",
+                       what, self.agreement.pp_rank)
+        return again
 
     def _release(self, task_id: int) -> None:
         """``task_id`` is finalized: unlock its node; a held checkpoint of its request is stored now."""
@@ -366,34 +427,45 @@ class KVTierRadixCache(RadixCache):
                 self.dec_lock_ref(held[3])
 
     def _drain(self) -> None:
-        """One rank: release what has completed. TP: nothing (completions are released by :meth:`_sync`)."""
-        if self.tier is None or self.tp_group is not None:
+        """One rank: release what has completed. Several: nothing (completions are released by :meth:`_sync`)."""
+        if self.tier is None or self.multi_rank:
             return
         for tid in self.tier.poll():
             self._release(tid)
 
     def _sync(self) -> None:
-        """Release completed transfers. TP: the ranks agree on how many of the oldest transfers every rank has
-        completed (one all-reduce MIN) and on which of those failed on any rank (one all-reduce MAX); each rank then
-        finalizes exactly those, in issue order (a store failed anywhere is dropped everywhere), so host indexes,
-        locks and device trees stay identical whatever each GPU's timing. SGLang's HiCache drains the same way."""
+        """Release completed transfers. Several ranks: they agree on how many of the oldest transfers every rank
+        has completed (an all-reduce MIN) and on which of those failed on any rank (an all-reduce MAX); each rank
+        then finalizes exactly those, in issue order (a store failed anywhere is dropped everywhere), so host
+        indexes, locks and device trees stay identical whatever each GPU's timing. SGLang's HiCache drains the same
+        way. Under PP the first stage decides; a later stage waits for its own copies of what was decided
+        (``finalize`` blocks) and issues again what failed only here (:meth:`_repair`)."""
         if self.tier is None:
             return
-        if self.tp_group is None:
+        if not self.multi_rank:
             self._drain()
             return
+        if self.shared is not None:  # one pool's memory: every rank must have handed out the same blocks
+            self.agreement.check_stage_same([self.tier.pool.block_digest], "the shared host pool's blocks")
         local = 0
-        for task in self._order:
-            if not self.tier.completed(task):
-                break
-            local += 1
-        n = self._tp_min(local)
-        if n == 0:
-            return
-        batch = [self._order.popleft() for _ in range(n)]
-        failed = self._tp_max([int(t.status == "failed") for t in batch])
-        for task, bad in zip(batch, failed):
-            self.tier.finalize(task, keep=not bad)
+        if self.agreement.decides:
+            for task in self._order:
+                if not self.tier.completed(task):
+                    break
+                local += 1
+        order = self._order
+        n, failed = self.agreement.completed(
+            local, lambda k: [int(order[i].status is TaskStatus.FAILED) for i in range(k)])
+        if n > len(order):
+            raise RuntimeError(f"kvtier: pipeline stage {self.agreement.pp_rank} tracks {len(order)} copies, the "
+                               f"first stage finalized {n}: the stages' scheduling sequences drifted apart")
+        for bad in failed:
+            task = order.popleft()
+            if not bad and task.status is TaskStatus.FAILED:  # a later stage: failed here only
+                reissue = self._inflight[task.id][2]
+                self.tier.finalize(self._repair(task, reissue, task.kind), keep=True)
+            else:
+                self.tier.finalize(task, keep=not bad)
             self._release(task.id)
         self.tier.poll()  # the tier's reports: every finalized task was released above
 
@@ -421,6 +493,7 @@ class KVTierRadixCache(RadixCache):
         """SGLang's graceful shutdown: wait for kvtier's copies, then unpin and free the host pool (idempotent)."""
         super().release_host_resources()
         self.observability.close()
+        self.agreement.close()
         if self.tier is not None:
             self.tier.destroy()
 
@@ -436,19 +509,6 @@ class KVTierRadixCache(RadixCache):
     def num_inflight(self) -> int:
         return len(self._inflight)
 
-    # --- TP ---
-
-    def _tp_min(self, value: int) -> int:
-        if self.tp_group is None:
-            return int(value)
-        t = torch.tensor([int(value)], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
-        return int(t.item())
-
-    def _tp_max(self, values: list[int]) -> list[int]:
-        t = torch.tensor(values, dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
-        return t.tolist()
 
 
 _kvtier_sglang.register()  # importing the backend registers it too (idempotent), as SGLang's own backends do

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from kvtier._checks import check_count
 from kvtier.geometry import KVGeometry, check_layout
@@ -103,6 +104,9 @@ class HostBlockPool:
         reserve_gb: host memory to leave free; the pool is refused if it would not.
         budget_bytes: this process's share of host memory, given by the engine (SGLang splits what is available,
             less a reserve, between the ranks of a host); checked instead of the machine's available memory.
+        memory: host memory to cut the pool from instead of allocating it: a CPU uint8 tensor of at least
+            ``num_blocks * block_bytes`` bytes, page aligned (a segment several processes map,
+            :class:`~kvtier.tier.shared_memory.SharedSegment`); registered with CUDA in chunks when pinning.
 
     Raises:
         ValueError: the pool is empty, or bigger than the available host memory minus ``reserve_gb``.
@@ -118,7 +122,8 @@ class HostBlockPool:
 
     def __init__(self, geometry: KVGeometry, num_blocks: Optional[int] = None, *,
                  cpu_cache_gb: Optional[float] = None, layout: str = "layer_first", pin: Optional[bool] = None,
-                 reserve_gb: float = DEFAULT_RESERVE_GB, budget_bytes: Optional[int] = None) -> None:
+                 reserve_gb: float = DEFAULT_RESERVE_GB, budget_bytes: Optional[int] = None,
+                 memory: Optional[torch.Tensor] = None) -> None:
         check_layout(layout)
         self._lock = threading.RLock()
         self.geometry, self.layout = geometry, layout
@@ -138,14 +143,23 @@ class HostBlockPool:
             pin = cuda
         if pin and not cuda:
             raise RuntimeError("cannot pin host memory: CUDA is not available (use pin=False or pin=None)")
-        self._check_memory(reserve_gb, budget_bytes)
+        if memory is not None:
+            if memory.dtype != torch.uint8 or memory.device.type != "cpu" or memory.dim() != 1:
+                raise ValueError("memory must be a 1-D CPU uint8 tensor")
+            if memory.numel() < self.nbytes or memory.data_ptr() % PAGE_ALIGN:
+                raise ValueError(f"memory of {memory.numel()} bytes at {memory.data_ptr():#x} cannot hold a page "
+                                 f"aligned pool of {self.nbytes} bytes")
+        if memory is None or budget_bytes is not None:  # memory given exists already: nothing more to check
+            self._check_memory(reserve_gb, budget_bytes)
 
         self._registered: list[int] = []  # data pointers of cudaHostRegister'ed chunks, unregistered by destroy()
         self.pinned_bytes = 0
         self.pin_seconds = 0.0
         self.chunks: list[tuple[int, int]] = [(0, self.nbytes)]
         t0 = time.perf_counter()
-        if pin and self.nbytes <= self.pin_memory_max_bytes:
+        if memory is not None:
+            raw = memory
+        elif pin and self.nbytes <= self.pin_memory_max_bytes:
             try:
                 raw = torch.empty(self.nbytes + PAGE_ALIGN, dtype=torch.uint8, pin_memory=True)
             except RuntimeError as e:
@@ -174,6 +188,7 @@ class HostBlockPool:
         self._free = np.ones(self.num_blocks, dtype=bool)  # block id -> free?
         self._num_free = self.num_blocks
         self._cursor = 0  # where the next contiguous run is tried first
+        self._block_digest = 0  # rolling hash of every alloc and free, in order (see block_digest)
         self._destroyed = False
 
     # --- sizing and pinning ---
@@ -268,6 +283,7 @@ class HostBlockPool:
             ids = np.flatnonzero(self._free)[:n].astype(np.int64)
         self._free[ids] = False
         self._num_free -= n
+        self._block_digest = xxhash.xxh64_intdigest(b"A" + ids.tobytes(), seed=self._block_digest) >> 1
         self._cursor = int(ids[-1]) + 1
         if self._cursor >= self.num_blocks:
             self._cursor = 0
@@ -309,6 +325,7 @@ class HostBlockPool:
             raise ValueError(f"double free of host blocks {already.tolist()}")
         self._free[a] = True
         self._num_free += a.size
+        self._block_digest = xxhash.xxh64_intdigest(b"F" + a.tobytes(), seed=self._block_digest) >> 1
 
     @synchronized
     def reset(self) -> None:
@@ -344,6 +361,13 @@ class HostBlockPool:
     @property
     def num_free(self) -> int:
         return self._num_free
+
+    @property
+    def block_digest(self) -> int:
+        """A hash (>= 0, < 2**63) of the ids every :meth:`alloc` handed out and every :meth:`free` took back, in
+        order: pools that went through the same allocations and frees have the same digest (processes sharing one
+        pool's memory compare it)."""
+        return self._block_digest
 
     @property
     def num_used(self) -> int:

@@ -165,11 +165,14 @@ class KVTier(HostTier):
         model_identity: what the engine's KV belongs to (model path and revision, TP rank and size, ...): the
             SSD tier's blocks carry it, and blocks written under another identity are never read. Required with an
             SSD tier.
+        store_layers: the layers this tier's stores copy (default: all). Processes whose KV is the same (MLA under
+            TP) share one pool's memory and split the layers of every store between them; each loads all layers.
     """
 
     def __init__(self, kv: PagedKV, config: Optional[TierConfig] = None, *, pool: Optional[HostBlockPool] = None,
                  executor=None, counter_backend: str = "auto", host_budget_bytes: Optional[int] = None,
-                 finalize: str = "auto", model_identity: Optional[Mapping] = None) -> None:
+                 finalize: str = "auto", model_identity: Optional[Mapping] = None,
+                 store_layers: Optional[range] = None) -> None:
         self._lock = threading.RLock()
         self.config = config if config is not None else TierConfig.from_env()
         lower = [name for name, on in (("an SSD", self.config.ssd_cache_gb > 0),
@@ -191,6 +194,14 @@ class KVTier(HostTier):
             kv = kv.with_page_size(self.block_tokens)
             geo = kv.geometry
         self.kv, self.geometry = kv, geo
+        all_layers = range(geo.num_layers)
+        if store_layers is None:
+            store_layers = all_layers
+        if not isinstance(store_layers, range) or store_layers.step != 1 or (
+                len(store_layers) and (store_layers.start < 0 or store_layers.stop > geo.num_layers)):
+            raise ValueError(f"store_layers must be a range of consecutive layers within {all_layers}, "
+                             f"got {store_layers!r}")
+        self.store_layers = store_layers
         if pool is None:
             pool = HostBlockPool(geo, cpu_cache_gb=self.config.cpu_cache_gb, layout=self.config.host_layout,
                                  budget_bytes=host_budget_bytes)
@@ -250,6 +261,10 @@ class KVTier(HostTier):
                  f"page {self.page_size} tokens", f"transfer {c.transfer_mode}",
                  "layerwise loads" if c.layerwise else "whole loads",
                  f"finalize {'auto' if self._auto_finalize else 'ordered'}"]
+        if len(self.store_layers) != geo.num_layers:
+            parts.append(f"stores copy layers {self.store_layers.start}..{self.store_layers.stop - 1} (the pool is "
+                         f"shared with other processes)" if self.store_layers else
+                         "stores copy no layer (the pool is shared with other processes)")
         if self.ssd is not None:
             parts.append(f"SSD tier {c.ssd_cache_gb:g} GiB on {';'.join(c.ssd_dirs)} ({c.ssd_write_policy}, "
                          f"admission {c.ssd_admission})")
@@ -376,8 +391,9 @@ class KVTier(HostTier):
             completion = self._launch("store", lambda: self._copy(True, new_slots, ids))
         except Exception as e:
             return self._failed(task, "store", e, ids=ids, handle=m if held else None)
-        self._inflight[task.id] = InsertRecord(task, completion, ids, m if held else None,
-                                               int(ids.size) * self.pool.block_bytes, tokens=toks[:end * B].copy(),
+        share = int(ids.size) * self.pool.block_bytes * len(self.store_layers) // self.geometry.num_layers
+        self._inflight[task.id] = InsertRecord(task, completion, ids, m if held else None, share,
+                                               tokens=toks[:end * B].copy(),
                                                ns=ns, prefix_ids=np.array(m.block_ids[:held], dtype=np.int64))
         return task
 
@@ -737,11 +753,16 @@ class KVTier(HostTier):
         stream = self.executor.stream("store" if to_host else "load")
         block_ids = torch.from_numpy(ids)
         check = _range_check(slots)
-        path = self.policy.path(CopyPlan(to_host=to_host, block_ids=ids, layers=self.geometry.num_layers))
+        layers = self.store_layers if to_host else range(self.geometry.num_layers)
+        if not layers:  # a store whose layers other processes sharing the pool copy
+            return
+        whole = len(layers) == self.geometry.num_layers
+        path = self.policy.path(CopyPlan(to_host=to_host, block_ids=ids, layers=len(layers)))
         if path is Path.STAGED:
             st = self._staged()
             fn = st.store if to_host else st.load
-            ev = fn(slots, block_ids, stream=stream, check=check, skip_tokens=skip)
+            ev = fn(slots, block_ids, layers=None if whole else layers, stream=stream, check=check,
+                    skip_tokens=skip)
             if ev is not None:
                 stream.wait_event(ev)  # the task's completion is fenced on this stream
         elif path is Path.DIRECT_LAYERS:  # a load: checked once, launched per layer
@@ -751,7 +772,7 @@ class KVTier(HostTier):
                 copy.launch(layer, stream=stream)
         else:
             fn = store_pages if to_host else load_pages
-            fn(self.kv, self.pool.host, slots, block_ids, layout=self.layout,
+            fn(self.kv, self.pool.host, slots, block_ids, layout=self.layout, layers=None if whole else layers,
                num_programs=self.config.num_programs, stream=stream, check=check, skip_tokens=skip)
 
     def _evict_blocks(self, n: int) -> int:
