@@ -76,6 +76,9 @@ def test_a_later_stage_follows_the_first_stages_verdicts_and_waits_for_its_own_c
     R = ranks(topo)
     R.call("new", 0.0, 0)
     w = topo.world
+    lines = R.call("describe_ranks")
+    want = f"pp_rank 1; pipeline stage 1 of 2 (layers from 2); agrees with {w - 1} other rank(s) ({topo.tp} per stage)"
+    assert want in lines[-1], lines
     R.call("finished_request", 0, 16, [], 0, False)  # its store is in flight everywhere
     R.call("round")  # nothing completed anywhere: nothing released
     d = R.call("digest")
@@ -132,6 +135,7 @@ def test_mla_ranks_hold_one_copy_of_each_page_and_split_its_stores():
     mem = R.call("pool_memory")
     assert all(m["shared"] for m in mem) and mem[0]["inode"] == mem[1]["inode"]  # one memory, mapped twice
     assert [m["store_layers"] for m in mem] == [[0, 1], [1, 3]]
+    assert R.call("describe_ranks")[1].endswith("host pool shared by the stage's 2 ranks, stores copy layers 1..2")
     block = mem[0]["block_bytes"]
     assert mem[0]["num_blocks"] == 2 * (4096 // block)  # both ranks' host memory, in one pool
     host_bytes_per_page = mem[0]["nbytes"] / mem[0]["num_blocks"]  # one segment for both ranks

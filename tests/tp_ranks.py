@@ -172,7 +172,8 @@ class RankState:
         # layers: the ranks agree on the smallest count), so the host evicts too
         start, layers = topo.stage_layers(self.stage)
         self.s = h.build(kv_size=64, page_size=4, host_blocks_kb=4, max_reqs=8, executor=executor,
-                         agreement=agreement, mla=topo.mla, layers=layers, start_layer=start)
+                         agreement=agreement, mla=topo.mla, layers=layers, start_layer=start,
+                         metrics_labels={"tp_rank": str(rank % topo.tp_size), "pp_rank": str(self.stage)})
         if isinstance(executor, TransientFailingExecutor):
             executor.attach(self.s.cache)
         self.free0 = self.s.allocator.available_size()
@@ -265,6 +266,9 @@ class RankState:
                 setattr(dist, name, fn)
         self.s.req_to_token_pool.free(req)
         return [m.host_hit_length, len(calls)]
+
+    def describe_ranks(self) -> str:
+        return self.s.cache.describe_ranks()
 
     def pool_memory(self) -> dict:
         """Where this rank's host pool lives: shared or private, the segment's (device, inode) as this process maps

@@ -166,12 +166,28 @@ class KVTierRadixCache(RadixCache):
                            model_identity=model_identity, store_layers=store_layers)
         if self.multi_rank:
             self.agreement.check_same([self.tier.pool.num_blocks], "the host pool's block count")
+        self.rank_labels = dict(metrics_labels or {})
+        logger.info("kvtier: %s", self.describe_ranks())
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.observability = attach(self.tier, labels=metrics_labels, multiprocess=bool(params.enable_metrics),
                                     port_offset=rank)
         if self.kv_events.enabled:  # --kv-events-config: the CPU tier's blocks are published too
             self.tier.add_observer(HostKvEvents(self.kv_events, self.page_size, self.tier.block_tokens))
         self.set_layerwise(self.tier_config.layerwise)
+
+    def describe_ranks(self) -> str:
+        """This rank's place and whom it agrees with, in one line (the start-up log, beside the tier's)."""
+        a = self.agreement
+        where = ", ".join(f"{k} {v}" for k, v in self.rank_labels.items() if k != "model_name") or "one rank"
+        parts = [where]
+        if a.pp_size > 1:
+            parts.append(f"pipeline stage {a.pp_rank} of {a.pp_size} (layers from {self.kv_pool.start_layer})")
+        if a.active:
+            parts.append(f"agrees with {a.world - 1} other rank(s) ({a.stage_size} per stage)")
+        if self.shared is not None:
+            parts.append(f"host pool shared by the stage's {self.shared.ranks} ranks, stores copy layers "
+                         f"{self.shared.store_layers.start}..{self.shared.store_layers.stop - 1}")
+        return "; ".join(parts)
 
     def _agreed_pool(self, kv: PagedKV) -> TierConfig:
         """The config with a pool of as many blocks as the smallest of every rank's (pipeline stages hold other
