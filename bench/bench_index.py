@@ -15,8 +15,8 @@ Reported: medians over repeats of per-call medians (and means), tokens/s, bytes 
 compile time apart (fresh process without cache vs with cache), and the memory of 10M pages (page 16).
 
 Run (SGLang must import in the same interpreter; see bench/results/index_notes.md for the venv):
-    /work/venv-sgl/bin/python bench/bench_index.py            # full run, writes bench/results/index_cpu.json
-    /work/venv-sgl/bin/python bench/bench_index.py --quick    # smaller, for a smoke test
+    .venv-sglang/bin/python bench/bench_index.py            # full run, writes bench/results/index_cpu.json
+    .venv-sglang/bin/python bench/bench_index.py --quick    # smaller, for a smoke test
 """
 from __future__ import annotations
 
