@@ -1,15 +1,19 @@
-"""The SSD store against the same disk's raw bandwidth, in one run (issue 18, part 9; the tier's data path is next).
+"""The SSD tier's data path against the same disk's raw bandwidth, in one run (issue 18, part 9).
 
 For each directory (a disk, and a RAM-backed one for the software's own ceiling):
-* raw: sequential O_DIRECT writes then reads of one file in 16 MiB requests from ``--io-threads`` threads (each
-  thread its own region), fdatasync at the end of the writes; buffered where the file system refuses O_DIRECT;
-* store: :class:`kvtier.storage.SsdStore` puts of Qwen3-8B-sized blocks (16 tokens x 36 layers x 8 KV heads x 128 x
-  bf16 = 2.25 MiB) in batches of ``--batch`` (payloads, sync, records, headers, sync: durable on return), then gets of
-  every block (checksums verified), on the same number of IO threads;
+* raw: sequential O_DIRECT writes then reads of one new preallocated file in 16 MiB requests from ``--io-threads``
+  threads, fdatasync at the end of the writes; buffered where the file system refuses O_DIRECT; in two orders (each
+  thread its own region; all threads taking the next request of one pass), the better one's GB/s;
+* tier: :class:`kvtier.tier.ssd_tier.SsdTier` over :class:`kvtier.storage.SsdStore`, as the CPU tier drives it: one
+  write job of ``--bytes`` of Qwen3-8B-sized blocks (16 tokens x 36 layers x 2 x 8 KV heads x 128 x bf16 = 2.25
+  MiB) from a CPU pool (durable batches: payloads, sync, records, headers, sync), then one read job of them into
+  other CPU blocks (header, checksum, chain hash, namespace and tokens checked per block), on the same number of IO
+  threads; once per CPU pool layout (``--layouts``); the bytes read back are compared with those written;
 * recovery: the SSD tier's restart path (open the store, replay its journal: one sequential read, fill the slot
   index) over ``--recovery-blocks`` records, per million blocks (median of ``--reps``).
-Summary: ``ssd_write_over_raw``, ``ssd_read_over_raw`` (the disk), ``ram_write_over_raw``, ``ram_read_over_raw``,
-``recovery_s_per_million_blocks``.
+Raw and tier runs alternate; figures are medians of ``--reps``, each layout's over the raw one, and a directory's
+``write_over_raw`` / ``read_over_raw`` are the slower layout's. Summary: ``ssd_write_over_raw``,
+``ssd_read_over_raw`` (the disk), ``ram_write_over_raw``, ``ram_read_over_raw``, ``recovery_s_per_million_blocks``.
 
 Run: ``python bench/bench_ssd.py --dir /var/tmp/kvtier-ssd --ram-dir /dev/shm/kvtier-ssd --out bench/results/ssd_cpu.json``
 """
@@ -24,7 +28,9 @@ import platform
 import shutil
 import statistics
 import sys
+import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -32,22 +38,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from kvtier.storage import Block, SsdStore, fingerprint  # noqa: E402
+from kvtier.storage import SsdStore, fingerprint  # noqa: E402
 from kvtier.storage.ssd_store import FILE_NAME  # noqa: E402
 from kvtier.storage.aligned_io import aligned as _aligned  # noqa: E402
 from kvtier.storage.block_format import ALIGN, padded  # noqa: E402
 from kvtier.storage.journal import BLOCK, Record  # noqa: E402
 from kvtier.tier.slot_index import SlotIndex  # noqa: E402
+from kvtier.tier.ssd_tier import SsdTier  # noqa: E402
 from bench import progress  # noqa: E402
 
 MiB = 1 << 20
-BLOCK_BYTES = 16 * 36 * 2 * 8 * 128 * 2  # 2.25 MiB
+TOKENS, PLANES = 16, 36 * 2  # a block: 16 tokens; a row per (layer, K/V) of 8 KV heads x 128 x bf16 each
+BLOCK_BYTES = TOKENS * PLANES * 8 * 128 * 2  # 2.25 MiB
 
 
 def raw_bandwidth(directory: str, nbytes: int, threads: int, request: int = 16 * MiB) -> dict:
-    """Sequential write then read GB/s of one file, O_DIRECT where taken, ``threads`` regions at once."""
+    """Sequential write then read GB/s of one file in ``request``-sized IOs from ``threads`` threads, O_DIRECT where
+    taken, in two orders: each thread through its own region (``regions``), and every thread taking the next
+    request of one sequential pass (``shared``: the order the tier's IO threads take runs of slots in); the raw
+    figures are the better order's (the disk's best)."""
     path = os.path.join(directory, "raw.bin")
     per = nbytes // threads // request * request
+    total = per * threads
     bufs = [_aligned(request) for _ in range(threads)]
     for b in bufs:
         b[:] = np.random.default_rng(0).integers(0, 256, request, np.uint8)
@@ -58,58 +70,99 @@ def raw_bandwidth(directory: str, nbytes: int, threads: int, request: int = 16 *
     except OSError:
         direct = False
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    os.posix_fallocate(fd, 0, per * threads)
 
-    def run(write: bool) -> float:
+    def run(write: bool, order: str) -> float:
+        offsets = iter(range(0, total, request))
+        lock = threading.Lock()
+
         def part(i: int) -> None:
-            for off in range(i * per, (i + 1) * per, request):
-                (os.pwritev if write else os.preadv)(fd, [bufs[i]], off)
+            io = os.pwritev if write else os.preadv
+            if order == "regions":
+                for off in range(i * per, (i + 1) * per, request):
+                    io(fd, [bufs[i]], off)
+                return
+            while True:
+                with lock:
+                    off = next(offsets, None)
+                if off is None:
+                    return
+                io(fd, [bufs[i]], off)
+        if not direct:  # buffered: drop the file's pages so reads come from the medium where there is one
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         t = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(threads) as ex:
             list(ex.map(part, range(threads)))
         if write:
             os.fdatasync(fd)
-        return per * threads / (time.perf_counter() - t) / 1e9
-    if not direct:  # buffered: drop the file's pages so reads come from the medium where there is one
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    w = run(True)
-    if not direct:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    r = run(False)
+        return total / (time.perf_counter() - t) / 1e9
+    out = {"direct": direct, "bytes": total}
+    for order in ("regions", "shared"):
+        os.ftruncate(fd, 0)  # a new file's blocks each time, as the tier's preallocated new store has
+        os.posix_fallocate(fd, 0, total)
+        out[f"write_gbps_{order}"] = run(True, order)
+        out[f"read_gbps_{order}"] = run(False, order)
     os.close(fd)
     os.unlink(path)
-    return {"direct": direct, "bytes": per * threads, "write_gbps": w, "read_gbps": r}
+    out["write_gbps"] = max(out["write_gbps_regions"], out["write_gbps_shared"])
+    out["read_gbps"] = max(out["read_gbps_regions"], out["read_gbps_shared"])
+    return out
 
 
-def store_bandwidth(directory: str, nbytes: int, threads: int, batch: int) -> dict:
-    n = max(batch, nbytes // BLOCK_BYTES // batch * batch)
+def host_pool(n: int, layout: str) -> tuple[np.ndarray, Callable[[int], np.ndarray]]:
+    """A page-aligned CPU pool of ``n`` blocks in ``layout`` (as :class:`kvtier.tier.HostBlockPool` lays it out),
+    and its ``block_rows``: a block's rows, one (layer, K/V) page each, contiguous in ``page_first``, one strided
+    row per plane in ``layer_first``."""
+    flat = _aligned(n * BLOCK_BYTES)
+    flat.fill(0)  # every page mapped, as in a pinned pool
+    if layout == "page_first":
+        rows = flat.reshape(n, PLANES, -1)
+        return flat, lambda b: rows[b]
+    rows = flat.reshape(PLANES, n, -1)
+    return flat, lambda b: rows[:, b]
+
+
+def tier_bandwidth(directory: str, nbytes: int, threads: int, layout: str) -> dict:
+    """GB/s of the SSD tier's data path (:class:`kvtier.tier.ssd_tier.SsdTier`): one write job of the first half of
+    a CPU pool in ``layout`` (durable on completion), then one read job of those blocks into its second half (every
+    block checked); the bytes read back are compared with those written."""
+    n = max(1, nbytes // BLOCK_BYTES)
+    flat, rows = host_pool(2 * n, layout)
+    blocks = flat.reshape(PLANES, 2 * n, -1) if layout == "layer_first" else flat.reshape(2 * n, -1)
+    written = blocks[:, :n] if layout == "layer_first" else blocks[:n]
+    read = blocks[:, n:] if layout == "layer_first" else blocks[n:]
+    for i in range(0, n, 64):  # distinct bytes per block, cheaply
+        k = min(64, n - i)
+        chunk = np.random.default_rng(i).integers(0, 256, (k, BLOCK_BYTES), np.uint8)
+        if layout == "layer_first":
+            written[:, i:i + k] = chunk.reshape(k, PLANES, -1).transpose(1, 0, 2)
+        else:
+            written[i:i + k] = chunk
     fp = fingerprint(model="bench", block_bytes=BLOCK_BYTES)
-    slot_bytes = ALIGN + padded(BLOCK_BYTES)
-    payloads = [_aligned(BLOCK_BYTES) for _ in range(batch)]
-    for i, p in enumerate(payloads):
-        p[:] = np.random.default_rng(i).integers(0, 256, BLOCK_BYTES, np.uint8)
-    toks = np.arange(16, dtype=np.int64)
-    with SsdStore(directory, capacity_bytes=n * slot_bytes, block_bytes=BLOCK_BYTES, fingerprint=fp,
-                  io_threads=threads, wipe_mismatch=True, tokens_per_block=16) as s:
+    hashes = np.arange(1, n + 1, dtype=np.uint64)
+    tokens = np.arange(n * TOKENS, dtype=np.int64).reshape(n, TOKENS)
+    store = SsdStore(directory, capacity_bytes=n * (ALIGN + padded(BLOCK_BYTES)), block_bytes=BLOCK_BYTES,
+                     fingerprint=fp, io_threads=threads, wipe_mismatch=True, tokens_per_block=TOKENS)
+    tier = SsdTier(store, block_tokens=TOKENS, block_view=rows)
+    try:
         t = time.perf_counter()
-        for first in range(0, n, batch):
-            s.put(range(first, first + batch), [Block(0, first + i, toks, payloads[i]) for i in range(batch)])
+        job = tier.write(hashes, 0, tokens, np.arange(n))
+        job.wait()
         w = n * BLOCK_BYTES / (time.perf_counter() - t) / 1e9
-        outs = [_aligned(padded(BLOCK_BYTES)) for _ in range(batch)]
+        tier.finish(job)
+        assert job.error is None and job.ok == n, (job.error, job.ok)
         t = time.perf_counter()
-        bad = 0
-        for first in range(0, n, batch):
-            got = s.get(range(first, first + batch), outs)
-            bad += sum(h is None for h in got)
+        job = tier.read(tier.match(hashes), hashes, 0, tokens, np.arange(n, 2 * n))
+        job.wait()
         r = n * BLOCK_BYTES / (time.perf_counter() - t) / 1e9
-        t = time.perf_counter()
-        found = len(s.recover())
-        scan_s = time.perf_counter() - t
-        direct = s.direct
+        tier.finish(job)
+        assert job.error is None and job.ok == n, (job.error, job.ok)
+        direct = store.direct
+    finally:
+        tier.close()
     for name in ("kvtier_blocks.bin", "kvtier_blocks.bin.journal"):
         os.unlink(os.path.join(directory, name))
-    return {"direct": direct, "blocks": n, "write_gbps": w, "read_gbps": r, "read_misses": bad,
-            "recovered": found, "recovery_s": scan_s, "recovery_s_per_million_blocks": scan_s / n * 1e6}
+    assert np.array_equal(written, read), "the bytes read back differ from those written"
+    return {"direct": direct, "layout": layout, "blocks": n, "write_gbps": w, "read_gbps": r}
 
 
 def recovery(directory: str, n: int) -> dict:
@@ -120,7 +173,7 @@ def recovery(directory: str, n: int) -> dict:
     os.makedirs(directory, exist_ok=True)
     kw = dict(capacity_bytes=n * (ALIGN + ALIGN), block_bytes=ALIGN, fingerprint=fingerprint(model="bench-recovery"),
               tokens_per_block=16, wipe_mismatch=True)
-    toks = np.arange(16, dtype=np.int64)
+    toks = np.arange(TOKENS, dtype=np.int64)
     with SsdStore(directory, **kw) as s:
         s.files[0].journal.rewrite(Record(BLOCK, i, 0, i * 0x9E3779B97F4A7C15 % 2**64, ALIGN, i, toks)
                                    for i in range(n))
@@ -147,25 +200,37 @@ def median_recovery(directory: str, n: int, reps: int) -> dict:
 
 def measure(directory: str, args) -> dict:
     os.makedirs(directory, exist_ok=True)
-    raws, stores = [], []
+    raws: list[dict] = []
+    tiers: dict[str, list[dict]] = {layout: [] for layout in args.layouts}
     for _ in range(args.reps):  # alternating, medians: the disk's speed drifts
         raws.append(raw_bandwidth(directory, args.bytes, args.io_threads))
         progress.step(f"{directory}: raw")
-        stores.append(store_bandwidth(directory, args.bytes, args.io_threads, args.batch))
-        progress.step(f"{directory}: store")
+        for layout in args.layouts:
+            tiers[layout].append(tier_bandwidth(directory, args.bytes, args.io_threads, layout))
+            progress.step(f"{directory}: tier, {layout}")
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
-    out = {"dir": directory, "raw": raws, "store": stores,
-           "raw_write_gbps": med(raws, "write_gbps"), "raw_read_gbps": med(raws, "read_gbps"),
-           "store_write_gbps": med(stores, "write_gbps"), "store_read_gbps": med(stores, "read_gbps"),
-           "recovery": median_recovery(directory, args.recovery_blocks, args.reps)}
+    out = {"dir": directory, "raw": raws, "tier": tiers,
+           "raw_write_gbps": med(raws, "write_gbps"), "raw_read_gbps": med(raws, "read_gbps"), "layouts": {}}
+    for layout, rows in tiers.items():
+        out["layouts"][layout] = {
+            "write_gbps": med(rows, "write_gbps"), "read_gbps": med(rows, "read_gbps"),
+            "write_over_raw": med(rows, "write_gbps") / out["raw_write_gbps"],
+            "read_over_raw": med(rows, "read_gbps") / out["raw_read_gbps"],
+            # each run over the raw run just before it: the spread of the disk's drift
+            "write_over_raw_runs": [t["write_gbps"] / r["write_gbps"] for t, r in zip(rows, raws)],
+            "read_over_raw_runs": [t["read_gbps"] / r["read_gbps"] for t, r in zip(rows, raws)]}
+    worst = lambda k: min(out["layouts"].values(), key=lambda m: m[k])  # noqa: E731
+    out["store_write_gbps"] = worst("write_gbps")["write_gbps"]  # the slower layout's: what the bars take
+    out["store_read_gbps"] = worst("read_gbps")["read_gbps"]
+    out["recovery"] = median_recovery(directory, args.recovery_blocks, args.reps)
     progress.step(f"{directory}: recovery")
     out["recovery_s_per_million_blocks"] = out["recovery"]["s_per_million_blocks"]
     out["write_over_raw"] = out["store_write_gbps"] / out["raw_write_gbps"]
     out["read_over_raw"] = out["store_read_gbps"] / out["raw_read_gbps"]
-    print(f"{directory}: raw write {out['raw_write_gbps']:.3f} read {out['raw_read_gbps']:.3f} GB/s; store write "
-          f"{out['store_write_gbps']:.3f} ({out['write_over_raw']:.3f}) read {out['store_read_gbps']:.3f} "
-          f"({out['read_over_raw']:.3f}); recovery {out['recovery_s_per_million_blocks']:.2f} s per 1M blocks",
-          flush=True)
+    lines = ", ".join(f"{k} write {m['write_gbps']:.3f} ({m['write_over_raw']:.3f}) read {m['read_gbps']:.3f} "
+                      f"({m['read_over_raw']:.3f})" for k, m in out["layouts"].items())
+    print(f"{directory}: raw write {out['raw_write_gbps']:.3f} read {out['raw_read_gbps']:.3f} GB/s; tier {lines}; "
+          f"recovery {out['recovery_s_per_million_blocks']:.2f} s per 1M blocks", flush=True)
     return out
 
 
@@ -175,12 +240,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ram-dir", default="", help="a RAM-backed directory (e.g. under /dev/shm)")
     ap.add_argument("--bytes", type=int, default=1 << 30, help="bytes per measurement")
     ap.add_argument("--io-threads", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=32, help="blocks per durable put")
+    ap.add_argument("--layouts", default="layer_first,page_first", type=lambda v: v.split(","),
+                    help="CPU pool layouts to move blocks from and to (comma separated)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--recovery-blocks", type=int, default=200_000, help="journal records for the recovery time")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "ssd_cpu.json"))
     args = ap.parse_args(argv)
-    progress.plan((2 * args.reps + 1) * (2 if args.ram_dir else 1))
+    progress.plan(((1 + len(args.layouts)) * args.reps + 1) * (2 if args.ram_dir else 1))
     res = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "block_bytes": BLOCK_BYTES,
            "args": vars(args), "disk": measure(args.dir, args)}
     if args.ram_dir:

@@ -261,15 +261,15 @@ def test_bench_runs_the_ssd_bench_with_progress_and_writes_json_and_png(tmp_path
     out = tmp_path / "results"
     r = subprocess.run([sys.executable, "-m", "kvtier", "bench", "ssd", "--out", str(out), "--", "--dir",
                         str(tmp_path / "disk"), "--bytes", str(32 << 20), "--reps", "1", "--recovery-blocks", "500",
-                        "--batch", "2", "--io-threads", "2"], capture_output=True, text=True, timeout=300,
-                       cwd=tmp_path)
+                        "--layouts", "page_first", "--io-threads", "2"], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads((out / "ssd.json").read_text())
     assert result["args"]["reps"] == 1 and result["summary"]["raw_write_gbps"] > 0
-    assert result["disk"]["store"][0]["read_misses"] == 0
+    assert result["disk"]["tier"]["page_first"][0]["blocks"] == 14  # 32 MiB of 2.25 MiB blocks, read back equal
     assert min(_png_size(out / "ssd.png")) > 100
     assert "raw write" in (out / "ssd.log").read_text()  # the bench's own output
-    assert "ssd: 3/3" in r.stdout  # its three steps (raw, store, recovery) reached the runner through the pipe
+    assert "ssd: 3/3" in r.stdout  # its three steps (raw, tier, recovery) reached the runner through the pipe
 
 
 def test_bench_requests_refused_before_anything_runs(tmp_path):

@@ -28,14 +28,15 @@ P = TINY.page_size  # tokens per page = per block here
 
 
 def make_ssd_tier(ssd_dir, *, layout: str = "layer_first", num_blocks: int = 8, seed: int = 0, identity=ID,
-                  ssd_slots: int = 64, **cfg) -> KVTier:
-    """A tier over a tiny random KV pool (128 slots), CPU blocks of one page, an SSD tier of ``ssd_slots`` slots."""
-    kv = make_kv(TINY, 128, "cpu", torch.Generator().manual_seed(seed))
-    slot_bytes_on_disk = 4096 + 4096  # a header and a padded payload
+                  ssd_slots: int = 64, geo=TINY, **cfg) -> KVTier:
+    """A tier over a small random KV pool (64 pages), CPU blocks of one page, an SSD tier of ``ssd_slots`` slots."""
+    kv = make_kv(geo, 64 * geo.page_size, "cpu", torch.Generator().manual_seed(seed))
+    pool = HostBlockPool(geo, num_blocks, layout=layout)
+    slot_bytes_on_disk = 4096 + -(-pool.block_bytes // 4096) * 4096  # a header and a padded payload
     cfg.setdefault("ssd_admission", "always")
-    config = TierConfig(page_size=P, tokens_per_block=P, host_layout=layout, cpu_cache_gb=1.0,
-                        ssd_cache_gb=ssd_slots * slot_bytes_on_disk / 2**30, ssd_cache_dir=str(ssd_dir), **cfg)
-    pool = HostBlockPool(dataclasses.replace(TINY, page_size=P), num_blocks, layout=layout)
+    config = TierConfig(page_size=geo.page_size, tokens_per_block=geo.page_size, host_layout=layout,
+                        cpu_cache_gb=1.0, ssd_cache_gb=ssd_slots * slot_bytes_on_disk / 2**30,
+                        ssd_cache_dir=str(ssd_dir), **cfg)
     return KVTier(kv, config, pool=pool, model_identity=identity)
 
 
@@ -62,6 +63,29 @@ def test_pages_round_trip_device_cpu_ssd_cpu_device_across_layouts(tmp_path, src
     assert pages == 6 and same(got, want, 6)
     s = b.stats()
     assert s["pages_promoted"] == 6 and s["ssd_blocks_read"] == 6 and s["ssd_blocks_corrupt"] == 0
+    b.destroy()
+
+
+PAGE_ROWS = dataclasses.replace(TINY, num_kv_heads=2, head_dim=128, page_size=8)  # a row per (layer, K/V): 4 KiB
+
+
+@pytest.mark.parametrize("src,dst", [("layer_first", "page_first"), ("page_first", "layer_first")])
+def test_blocks_of_whole_page_rows_go_between_the_pinned_pool_and_the_disk_where_they_are(tmp_path, src, dst):
+    """Rows of whole 4 KiB pages: the SSD tier reads and writes the CPU blocks in place (a block's rows are one
+    request with its header, in either layout); the bytes come back exactly after a restart in the other layout."""
+    a = make_ssd_tier(tmp_path, layout=src, geo=PAGE_ROWS)
+    assert a.pool.block_rows(0).shape[1] * a.pool.block_rows(0).itemsize == 4096
+    toks = prompt(1, 6, PAGE_ROWS.page_size)
+    slots = page_slots(0, 6, PAGE_ROWS.page_size)
+    a.wait(a.store(toks, None, slots))
+    a.flush_ssd()
+    want = slot_bytes(a, slots)
+    assert a.stats()["ssd_blocks_written"] == 6
+    a.destroy()
+    b = make_ssd_tier(tmp_path, layout=dst, geo=PAGE_ROWS, seed=1)
+    pages, got = promote_and_load(b, toks)
+    assert pages == 6 and same(got, want, 6, PAGE_ROWS.page_size)
+    assert b.stats()["ssd_blocks_read"] == 6 and b.stats()["ssd_blocks_corrupt"] == 0
     b.destroy()
 
 

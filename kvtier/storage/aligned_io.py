@@ -1,15 +1,24 @@
-"""Page-aligned buffers and whole-buffer positional reads and writes: what O_DIRECT file IO needs."""
+"""Page-aligned buffers and whole-buffer positional reads and writes: what O_DIRECT file IO needs.
+
+The vectored forms move a list of buffers to or from consecutive file bytes in as few system calls as the kernel
+allows (one request for the disk where it completes them), so that a run of blocks and their headers is one IO.
+"""
 
 from __future__ import annotations
 
 import mmap
 import os
+import threading
+from typing import Sequence
 
 import numpy as np
 
 from kvtier.storage.block_format import ALIGN
 
-__all__ = ["aligned", "write_all", "read_all"]
+__all__ = ["aligned", "write_all", "read_all", "write_all_v", "read_all_v", "scratch", "IOV_MAX"]
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers one vectored call takes
+_local = threading.local()  # per thread: scratch buffers by name
 
 
 def aligned(nbytes: int) -> np.ndarray:
@@ -17,20 +26,51 @@ def aligned(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, max(nbytes, ALIGN)), dtype=np.uint8)[:nbytes]
 
 
+def scratch(name: str, nbytes: int) -> np.ndarray:
+    """This thread's page-aligned buffer ``name`` of ``nbytes`` (reused by its next call with that name; grown when
+    a call needs more)."""
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    buf = bufs.get(name)
+    if buf is None or buf.size < nbytes:
+        buf = bufs[name] = aligned(nbytes)
+    return buf[:nbytes]
+
+
 def write_all(fd: int, buf: np.ndarray, offset: int) -> None:
     """Write all of ``buf`` at ``offset`` (retrying short writes)."""
-    mv = memoryview(buf)
-    while len(mv):
-        n = os.pwritev(fd, [mv], offset)
-        mv, offset = mv[n:], offset + n
+    write_all_v(fd, [buf], offset)
 
 
 def read_all(fd: int, buf: np.ndarray, offset: int) -> None:
     """Fill ``buf`` from ``offset`` (retrying short reads); bytes past the end of the file read as zeros."""
-    mv = memoryview(buf)
-    while len(mv):
-        n = os.preadv(fd, [mv], offset)
-        if n == 0:
-            mv[:] = b"\0" * len(mv)
+    read_all_v(fd, [buf], offset)
+
+
+def write_all_v(fd: int, bufs: Sequence, offset: int) -> None:
+    """Write ``bufs`` one after another from ``offset`` (retrying short writes)."""
+    _all_v(os.pwritev, fd, bufs, offset)
+
+
+def read_all_v(fd: int, bufs: Sequence, offset: int) -> None:
+    """Fill ``bufs`` one after another from ``offset`` (retrying short reads); bytes past the end of the file read
+    as zeros."""
+    _all_v(os.preadv, fd, bufs, offset)
+
+
+def _all_v(call, fd: int, bufs: Sequence, offset: int) -> None:
+    views = [v for v in (memoryview(b).cast("B") for b in bufs) if len(v)]
+    i = 0
+    while i < len(views):
+        n = call(fd, views[i:i + IOV_MAX], offset)
+        if n == 0 and call is os.preadv:  # the end of the file: the rest reads as zeros
+            for v in views[i:]:
+                v[:] = b"\0" * len(v)
             return
-        mv, offset = mv[n:], offset + n
+        offset += n
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]

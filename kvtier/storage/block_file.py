@@ -1,11 +1,11 @@
 """One preallocated file of fixed-size block slots, read and written with O_DIRECT where the file system takes it.
 
 Layout (:mod:`kvtier.storage.block_format`): a file header, then ``num_slots`` slots of a block header and a padded
-payload. Durability is the caller's protocol, in this order: :meth:`BlockFile.write_payload` for each block,
-:meth:`BlockFile.sync`, :meth:`BlockFile.commit` (the journal records, then the headers), :meth:`BlockFile.sync`; a
-header therefore never names a payload that is not on disk. A crash in between leaves slots whose header is old or
-missing: an old header over a new payload fails the payload checksum, a missing header is an empty slot; neither is
-ever read back as KV.
+payload. Durability is the caller's protocol, in this order: :meth:`BlockFile.write_payloads` (a run of consecutive
+slots in one request), :meth:`BlockFile.sync`, :meth:`BlockFile.commit` (the journal records, then the headers),
+:meth:`BlockFile.sync`; a header therefore never names a payload that is not on disk. A crash in between leaves slots whose header is old or
+missing: an old header over a new payload fails the payload checksum, a missing header (a run's payload write
+zeroes the headers between its payloads) is an empty slot; neither is ever read back as KV.
 
 Errors at open are :class:`BlockFileError` with what to do; a block that fails a check on read is a miss (None).
 """
@@ -15,19 +15,21 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from kvtier.storage import payload
 from kvtier.storage.block_format import (ALIGN, BlockHeader, FileHeader, pack_block_header, pack_file_header,
-                                         padded, payload_checksum, unpack_block_header, unpack_file_header)
-from kvtier.storage.aligned_io import aligned as _aligned, read_all, write_all
+                                         padded, unpack_block_header, unpack_file_header)
+from kvtier.storage.aligned_io import aligned as _aligned, read_all, read_all_v, scratch, write_all, write_all_v
 from kvtier.storage.journal import BLOCK, FREE, Journal, Record
 
 __all__ = ["BlockFile", "BlockFileError"]
 
 logger = logging.getLogger(__name__)
+
+_ZERO_PAGE = _aligned(ALIGN)  # an empty header (never written into)
 
 
 class BlockFileError(Exception):
@@ -68,7 +70,6 @@ class BlockFile:
             self._create(want)
         self.direct = False
         self._fd = self._open(direct)
-        self._local = threading.local()  # per thread: reads and writes of several slots may run at once
         self.journal: Optional[Journal] = None
         if journal_tokens is not None:
             self.journal = Journal(path + ".journal", fingerprint=fingerprint, tokens=journal_tokens,
@@ -157,50 +158,63 @@ class BlockFile:
         except OSError as e:
             raise BlockFileError(f"cannot open {self.path}: {e.strerror}") from e
 
-    def _buffers(self) -> tuple[np.ndarray, np.ndarray]:
-        """This thread's aligned header buffer and payload bounce buffer (made on first use)."""
-        bufs = getattr(self._local, "bufs", None)
-        if bufs is None:
-            bufs = self._local.bufs = (_aligned(ALIGN), _aligned(padded(self.slot_payload_bytes)))
-        return bufs
-
     # --- blocks ---
 
     def _slot_offset(self, slot: int) -> int:
-        if not 0 <= slot < self.num_slots:
-            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+        return self._run_offset(slot, 1)
+
+    def _run_offset(self, slot: int, n: int) -> int:
+        """The file offset of ``slot``, the first of ``n`` consecutive slots (all in range)."""
+        if not (0 <= slot and slot + n <= self.num_slots and n >= 1):
+            raise IndexError(f"slots {slot}..{slot + n - 1} out of range [0, {self.num_slots})")
         return ALIGN + slot * self.stride
 
-    def write_payload(self, slot: int, payload: np.ndarray) -> int:
-        """Write a block's payload (contiguous bytes, at most ``slot_payload_bytes``) into ``slot``; returns its
-        checksum (for the header). Not durable until :meth:`sync`."""
-        data = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
-        if data.size > self.slot_payload_bytes:
-            raise ValueError(f"payload of {data.size} B exceeds the slot's {self.slot_payload_bytes} B")
-        check = payload_checksum(data)
-        n = padded(data.size)
-        if data.ctypes.data % ALIGN == 0 and data.size == n:
-            buf = data
-        else:  # unaligned or short: through the aligned bounce buffer
-            buf = self._buffers()[1][:n]
-            buf[:data.size] = data
-            buf[data.size:] = 0
-        self._write_all(buf, self._slot_offset(slot) + ALIGN)
-        return check
+    def write_payload(self, slot: int, data: np.ndarray) -> int:
+        """Write a block's payload (at most ``slot_payload_bytes``) into ``slot``; returns its checksum (for the
+        header). Not durable until :meth:`sync`."""
+        return self.write_payloads(slot, [data])[0]
+
+    def write_payloads(self, slot: int, payloads: Sequence[np.ndarray]) -> list[int]:
+        """Write payloads into the consecutive slots ``slot, slot + 1, ...`` in one request, the headers between
+        them zeroed (those slots are being rewritten: empty until their new headers); returns the checksums. A
+        payload (at most ``slot_payload_bytes``) is any array; one of whole aligned pages
+        (:mod:`kvtier.storage.payload`) goes to the disk from where it is, others through this thread's aligned
+        buffer. Not durable until :meth:`sync`."""
+        payloads = [np.asarray(p) for p in payloads]
+        for p in payloads:
+            if p.nbytes > self.slot_payload_bytes:
+                raise ValueError(f"payload of {p.nbytes} B exceeds the slot's {self.slot_payload_bytes} B")
+        offset = self._run_offset(slot, len(payloads))
+        span = self.stride - ALIGN
+        bounce = None
+        iov: list = []
+        checks = []
+        for i, p in enumerate(payloads):
+            if i:
+                iov.append(_ZERO_PAGE)
+            segs = list(payload.byte_rows(p)) if payload.in_place(p, span) else None
+            if segs is None:
+                if bounce is None:  # unaligned, strided or short: gathered into the buffer, zero padded
+                    bounce = scratch("payloads", len(payloads) * span).reshape(len(payloads), span)
+                payload.gather(p, bounce[i])
+                bounce[i][p.nbytes:] = 0
+                segs = [bounce[i]]
+            iov += segs
+            checks.append(payload.checksum(segs, p.nbytes))
+        write_all_v(self._fd, iov, offset + ALIGN)
+        return checks
 
     def write_header(self, slot: int, header: BlockHeader) -> None:
         """Write ``slot``'s header (after its payload is durable: see the module docstring)."""
         if header.fingerprint != self.fingerprint:
             raise ValueError("the header's fingerprint is not this file's")
-        buf = self._buffers()[0]
+        buf = scratch("header", ALIGN)
         buf[:] = np.frombuffer(pack_block_header(header), dtype=np.uint8)
-        self._write_all(buf, self._slot_offset(slot))
+        write_all(self._fd, buf, self._slot_offset(slot))
 
     def clear(self, slot: int) -> None:
         """Mark ``slot`` empty (its header zeroed); durable with the next :meth:`sync`."""
-        buf = self._buffers()[0]
-        buf[:] = 0
-        self._write_all(buf, self._slot_offset(slot))
+        write_all(self._fd, _ZERO_PAGE, self._slot_offset(slot))
 
     def commit(self, entries: list[tuple[int, BlockHeader]]) -> None:
         """Write the journal records of slots whose payloads are durable, then their headers (durable with
@@ -227,10 +241,10 @@ class BlockFile:
         if self.journal is not None:
             self.journal.append(Record(FREE, s, 0, 0, 0, 0, np.empty(0, np.int64)) for s in slots)
 
-    def sync(self) -> None:
-        """Make every write so far durable (fdatasync of the file and its journal)."""
+    def sync(self, journal: bool = True) -> None:
+        """Make every write so far durable (fdatasync of the file and, unless ``journal`` is False, its journal)."""
         os.fdatasync(self._fd)
-        if self.journal is not None:
+        if journal and self.journal is not None:
             self.journal.sync()
 
     def recover(self) -> list[tuple[int, BlockHeader]]:
@@ -255,27 +269,54 @@ class BlockFile:
         """Read ``slot`` into ``out`` (uint8, at least the payload's length); its header, or None when the slot is
         empty, its header or payload fails its checksum, or it belongs to another fingerprint (``out`` is then
         unspecified and must not be used)."""
-        off = self._slot_offset(slot)
-        n = padded(min(out.size, self.slot_payload_bytes))
-        direct_ok = out.ctypes.data % ALIGN == 0 and out.size >= n
-        header, bounce = self._buffers()
-        buf = out[:n] if direct_ok else bounce[:n]
-        self._read_all_v([header, buf], off)  # header and payload in one request
-        h = unpack_block_header(header)
-        if h is None or h.fingerprint != self.fingerprint or h.payload_len > n:
-            return None
-        if not direct_ok:
-            out[:h.payload_len] = buf[:h.payload_len]
-        if payload_checksum(out[:h.payload_len]) != h.payload_checksum:
-            return None
-        return h
+        return self.read_run(slot, [out])[0]
+
+    def read_run(self, slot: int, outs: Sequence[np.ndarray],
+                 accept: Optional[Callable[[int, BlockHeader], bool]] = None) -> list[Optional[BlockHeader]]:
+        """:meth:`read` of the consecutive slots ``slot, slot + 1, ...`` into ``outs``, their headers and payloads
+        in one request. An out is an array that is contiguous or has contiguous rows, of at least the payload's
+        length (its first ``payload_len`` bytes are filled); one of whole aligned pages
+        (:mod:`kvtier.storage.payload`) is read into where it is, others through this thread's aligned buffer.
+        ``accept(i, header)``, when given, is asked about each block that passes the file's checks, before it is
+        copied into its out; a False makes it None too."""
+        offset = self._run_offset(slot, len(outs))
+        span = self.stride - ALIGN
+        heads = scratch("run_headers", len(outs) * ALIGN).reshape(len(outs), ALIGN)
+        bounce = None
+        iov: list = []
+        lands: list[list] = []  # per out: where its payload is read to (its own pages, or a row of the buffer)
+        bounced: list[bool] = []
+        for i, out in enumerate(outs):
+            rows = payload.byte_rows(out)
+            if rows is None:
+                raise ValueError("an out buffer must be contiguous or have contiguous rows")
+            bounced.append(not payload.in_place(out, span, exact=False))
+            if bounced[-1]:
+                if bounce is None:
+                    bounce = scratch("payloads", len(outs) * span).reshape(len(outs), span)
+                lands.append([bounce[i]])
+            else:
+                lands.append(payload.first_bytes(list(rows), span))
+            iov += [heads[i], *lands[-1]]
+        read_all_v(self._fd, iov, offset)
+        got: list[Optional[BlockHeader]] = []
+        for i, land in enumerate(lands):
+            h = unpack_block_header(heads[i])
+            ok = (h is not None and h.fingerprint == self.fingerprint
+                  and h.payload_len <= min(outs[i].nbytes, self.slot_payload_bytes)
+                  and payload.checksum(land, h.payload_len) == h.payload_checksum
+                  and (accept is None or accept(i, h)))
+            if ok and bounced[i]:
+                payload.scatter(land[0][:h.payload_len], outs[i])
+            got.append(h if ok else None)
+        return got
 
     def scan(self) -> Iterator[tuple[int, BlockHeader]]:
         """Every slot with a valid header of this fingerprint (recovery after a restart; payloads are checked when
         read)."""
-        header = self._buffers()[0]
+        header = scratch("header", ALIGN)
         for slot in range(self.num_slots):
-            self._read_all(header, self._slot_offset(slot))
+            read_all(self._fd, header, self._slot_offset(slot))
             h = unpack_block_header(header)
             if h is not None and h.fingerprint == self.fingerprint:
                 yield slot, h
@@ -292,20 +333,3 @@ class BlockFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # --- IO ---
-
-    def _write_all(self, buf: np.ndarray, offset: int) -> None:
-        write_all(self._fd, buf, offset)
-
-    def _read_all_v(self, bufs: list, offset: int) -> None:
-        """Fill consecutive buffers from ``offset``, in one request where the kernel completes it."""
-        n = os.preadv(self._fd, [memoryview(b) for b in bufs], offset)
-        for b in bufs:
-            if n < b.size:  # a short read: finish this buffer and the next ones piecewise
-                self._read_all(b[n:], offset + n)
-            n = max(n - b.size, 0)
-            offset += b.size
-
-    def _read_all(self, buf: np.ndarray, offset: int) -> None:
-        read_all(self._fd, buf, offset)

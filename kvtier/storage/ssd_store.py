@@ -5,29 +5,35 @@ that pass every check. Which blocks go to disk, when, and which come back is the
 
 A store of ``capacity_bytes`` over directories ``d_0 .. d_{k-1}`` has one :class:`~kvtier.storage.BlockFile` per
 directory (``kvtier_blocks.bin``), its slots dealt round robin (slot ``s`` lives in file ``s % k``), so a batch of
-consecutive slots reads and writes every disk at once. :meth:`SsdStore.put` writes a batch by the durability
-protocol (payloads on IO threads, a sync per file, journal records then headers on IO threads, a sync per file)
-and returns only once the batch is durable; :meth:`SsdStore.recover` lists what a previous process made durable.
+consecutive slots reads and writes every disk at once. A run of consecutive slots of one file is one request (up to
+:data:`RUN_BYTES`), its blocks' payloads read from or written to where the caller holds them when they are whole
+aligned pages. :meth:`SsdStore.put` writes batches by the durability protocol (payloads on the IO threads; per file
+a sync, journal records then headers, a sync), the next batch's payloads while one commits, and returns only once
+every batch is durable; :meth:`SsdStore.read` checks every block on the IO threads; :meth:`SsdStore.recover` lists
+what a previous process made durable.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
+import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from kvtier.storage import payload
 from kvtier.storage.block_file import BlockFile
 from kvtier.storage.block_format import ALIGN, BlockHeader, padded
 
-__all__ = ["SsdStore", "Block", "FILE_NAME"]
+__all__ = ["SsdStore", "Block", "ReadResult", "FILE_NAME", "RUN_BYTES"]
 
 FILE_NAME = "kvtier_blocks.bin"
 
 
 class Block(NamedTuple):
-    """A block to store: its identity and its bytes (any contiguous array)."""
+    """A block to store: its identity and its bytes (an array, read where it is: :mod:`kvtier.storage.payload`)."""
 
     namespace: int
     chain_hash: int
@@ -35,12 +41,53 @@ class Block(NamedTuple):
     payload: np.ndarray
 
 
+# Tuned constants: docs/DESIGN.md, "Tuned constants".
+RUN_BYTES = 16 << 20  # one request reads or writes at most this many bytes of consecutive slots
+MAX_RUN = 256  # and at most this many slots (two buffers each: under the kernel's IOV_MAX of 1024)
+
+
+class _Piece(NamedTuple):
+    """A run of consecutive slots of one file: one request."""
+
+    file: BlockFile
+    local: int  # the file's slot of the first block
+    positions: list  # the blocks' places in the caller's request
+
+
+class ReadResult(NamedTuple):
+    """What :meth:`SsdStore.read` found: a header per block (None: a miss), and the first IO error, if any, with
+    the first block of the run it ended."""
+
+    headers: list
+    error: Optional[BaseException]
+    error_at: int  # -1: no error
+
+
 def _all(pool: concurrent.futures.Executor, fn: Callable[[Any], Any], items: list) -> list:
     """``fn`` of each item on ``pool``, waiting for every one before returning or raising the first error: a
     failed part never leaves the others still writing into buffers or files the caller reuses."""
     futures = [pool.submit(fn, x) for x in items]
-    concurrent.futures.wait(futures)
+    _settle(futures)
     return [f.result() for f in futures]
+
+
+def _settle(futures: list, raise_error: bool = True) -> bool:
+    """Wait for every future; raise the first error (or, without ``raise_error``, return whether none failed)."""
+    concurrent.futures.wait(futures)
+    for f in futures:
+        if f.exception() is not None:
+            if raise_error:
+                raise f.exception()
+            return False
+    return True
+
+
+def _commit(f: BlockFile, entries: list[tuple[int, BlockHeader]]) -> None:
+    """Make a batch's blocks of file ``f`` durable, their payloads written: sync, journal records then headers,
+    sync."""
+    f.sync(journal=False)
+    f.commit(entries)
+    f.sync()
 
 
 class SsdStore:
@@ -76,9 +123,11 @@ class SsdStore:
         self.fingerprint = fingerprint
         self.num_slots = per_dir * len(self.files)
         self._threads = io_threads
-        # reads never queue behind a batch of writes and its syncs
+        # reads never queue behind a batch of writes and its syncs; a batch commits while the next one's payloads
+        # are written
         self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-ssd-w")
         self._read_pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-ssd-r")
+        self._commit_pool = concurrent.futures.ThreadPoolExecutor(len(self.files), thread_name_prefix="kvtier-ssd-c")
 
     @property
     def direct(self) -> bool:
@@ -91,48 +140,141 @@ class SsdStore:
         k = len(self.files)
         return self.files[slot % k], slot // k
 
-    def put(self, slots: Sequence[int], blocks: Sequence[Block]) -> None:
-        """Store ``blocks[i]`` in ``slots[i]`` and return once all are durable (payloads, sync, journal records and
-        headers, sync).
-        An exception (a disk error, the disk full) leaves the batch's slots unspecified: the caller treats them as
-        empty and frees them."""
+    def put(self, slots: Sequence[int], blocks: Sequence[Block], *, batch: Optional[int] = None,
+            on_durable: Optional[Callable[[int], None]] = None) -> None:
+        """Store ``blocks[i]`` in ``slots[i]`` and return once all are durable. Batches of ``batch`` blocks (all of
+        them by default) go by the durability protocol (payloads, sync, journal records and headers, sync); the
+        next batch's payloads are written while one commits. ``on_durable(n)`` is called (on this thread) each time
+        the first ``n`` blocks are durable. A block's payload is read from where it is, on the IO threads, until
+        the call returns.
+        An exception (a disk error, the disk full) ends the call once no IO is left running; the slots past the
+        last ``on_durable`` count are unspecified: the caller treats them as empty and frees them."""
         if len(slots) != len(blocks):
             raise ValueError(f"{len(slots)} slots for {len(blocks)} blocks")
         for b in blocks:
             if np.asarray(b.payload).nbytes > self.block_bytes:
                 raise ValueError(f"a payload of {np.asarray(b.payload).nbytes} B exceeds the {self.block_bytes} B block")
         where = [self._where(s) for s in slots]
-        checks = self._spread(lambda wb: wb[0][0].write_payload(wb[0][1], wb[1].payload), list(zip(where, blocks)))
-        touched = list({id(f): f for f, _ in where}.values())
-        _all(self._pool, BlockFile.sync, touched)
-        headers = [BlockHeader(self.fingerprint, b.namespace, b.chain_hash, np.asarray(b.tokens, dtype=np.int64),
-                               np.asarray(b.payload).nbytes, c) for b, c in zip(blocks, checks)]
-        per_file: dict[int, list] = {}
-        for (f, local), h in zip(where, headers):
-            per_file.setdefault(id(f), [f, []])[1].append((local, h))
-        _all(self._pool, lambda fe: fe[0].record(fe[1]), list(per_file.values()))  # records before headers
-        # a 4 KiB write per slot, io_threads at once: the disks see them together, not one round trip each
-        self._spread(lambda wh: wh[0][0].write_header(wh[0][1], wh[1]), list(zip(where, headers)))
-        _all(self._pool, BlockFile.sync, touched)
+        n = len(slots)
+        step = max(1, batch or n)
+        checks = [0] * n
+        failed = threading.Event()
+
+        def write(piece: _Piece) -> None:
+            if failed.is_set():
+                return
+            try:
+                got = piece.file.write_payloads(piece.local, [blocks[i].payload for i in piece.positions])
+            except BaseException:
+                failed.set()
+                raise
+            for i, c in zip(piece.positions, got):
+                checks[i] = c
+
+        def commit(a: int, b: int) -> list:
+            per_file: dict[int, list] = {}
+            for i in range(a, b):
+                f, local = where[i]
+                blk = blocks[i]
+                h = BlockHeader(self.fingerprint, blk.namespace, blk.chain_hash,
+                                np.asarray(blk.tokens, dtype=np.int64), np.asarray(blk.payload).nbytes, checks[i])
+                per_file.setdefault(id(f), [f, []])[1].append((local, h))
+            return [self._commit_pool.submit(_commit, f, entries) for f, entries in per_file.values()]
+
+        todo = collections.deque((a, min(a + step, n)) for a in range(0, n, step))
+        writing: collections.deque = collections.deque()  # (first, end, payload writes) of batches, 2 at most
+        committing: Optional[tuple[int, list]] = None  # (end, commits) of the batch being made durable
+        try:
+            while todo or writing:
+                while todo and len(writing) < 2:
+                    a, b = todo.popleft()
+                    writing.append((a, b, [self._pool.submit(write, p) for p in self._pieces(where, a, b)]))
+                a, b, futures = writing.popleft()
+                _settle(futures)
+                if committing is not None:
+                    _settle(committing[1])
+                    if on_durable is not None:
+                        on_durable(committing[0])
+                committing = (b, commit(a, b))
+            if committing is not None:
+                _settle(committing[1])
+                if on_durable is not None:
+                    on_durable(committing[0])
+        except BaseException:
+            failed.set()
+            for _, _, futures in writing:
+                concurrent.futures.wait(futures)
+            if committing is not None and _settle(committing[1], raise_error=False) and on_durable is not None:
+                on_durable(committing[0])  # the batch before the failed one became durable all the same
+            raise
+
+    def read(self, slots: Sequence[int], outs: Sequence[np.ndarray], *,
+             accept: Optional[Callable[[int, BlockHeader], bool]] = None, stop_at_bad: bool = False) -> "ReadResult":
+        """Read ``slots[i]`` into ``outs[i]`` (arrays of at least ``block_bytes``, contiguous or with contiguous
+        rows: see :meth:`BlockFile.read_run`), runs of consecutive slots in one request each, on the IO threads.
+        A block that fails a check, or ``accept(i, header)`` (asked on an IO thread), has no header; with
+        ``stop_at_bad`` the runs after the first such block are not read. An IO error ends its run (its blocks
+        have no header) and is returned with the run's first block. Returns once no read is running."""
+        if len(slots) != len(outs):
+            raise ValueError(f"{len(slots)} slots for {len(outs)} buffers")
+        for o in outs:
+            if payload.byte_rows(o) is None or o.nbytes < self.block_bytes:
+                raise ValueError(f"an out buffer must hold {self.block_bytes} B, contiguous or in contiguous rows")
+        where = [self._where(s) for s in slots]
+        n = len(slots)
+        headers: list[Optional[BlockHeader]] = [None] * n
+        lock = threading.Lock()
+        first_bad = [n]  # the first block without a header so far
+        errors: list[tuple[int, BaseException]] = []
+
+        def read(piece: _Piece) -> None:
+            pos = piece.positions
+            if stop_at_bad and pos[0] > first_bad[0]:
+                return
+            check = None if accept is None else (lambda j, h: accept(pos[j], h))
+            try:
+                got = piece.file.read_run(piece.local, [outs[i] for i in pos], check)
+            except Exception as e:  # noqa: BLE001 - any error ends the run; the caller sees it
+                with lock:
+                    errors.append((pos[0], e))
+                    first_bad[0] = min(first_bad[0], pos[0])
+                return
+            for i, h in zip(pos, got):
+                headers[i] = h
+            bad = [i for i, h in zip(pos, got) if h is None]
+            if bad:
+                with lock:
+                    first_bad[0] = min(first_bad[0], bad[0])
+
+        _settle([self._read_pool.submit(read, p) for p in self._pieces(where, 0, n)])
+        error_at, error = min(errors, key=lambda e: e[0]) if errors else (-1, None)
+        return ReadResult(headers, error, error_at)
 
     def get(self, slots: Sequence[int], outs: Sequence[np.ndarray]) -> list[Optional[BlockHeader]]:
         """Read ``slots[i]`` into ``outs[i]`` (uint8 buffers of at least ``block_bytes``); each one's header, or
-        None where the slot is empty or fails a check (the caller also compares the tokens with its own)."""
-        if len(slots) != len(outs):
-            raise ValueError(f"{len(slots)} slots for {len(outs)} buffers")
-        return self._spread(lambda so: self._read(so[0], so[1]), list(zip(slots, outs)), self._read_pool)
+        None where the slot is empty or fails a check (the caller also compares the tokens with its own). Raises
+        the first IO error, once no read is running."""
+        got = self.read(slots, outs)
+        if got.error is not None:
+            raise got.error
+        return got.headers
 
-    def _spread(self, fn: Callable[[Any], Any], items: list, pool=None) -> list:
-        """``fn`` of each item, in order, on the IO threads: a contiguous share of the items per thread (a task per
-        thread, not per item: fewer handoffs)."""
-        n = max(1, -(-len(items) // self._threads))
-        shares = _all(pool or self._pool, lambda share: [fn(x) for x in share],
-                      [items[i:i + n] for i in range(0, len(items), n)])
-        return [r for share in shares for r in share]
-
-    def _read(self, slot: int, out: np.ndarray) -> Optional[BlockHeader]:
-        f, local = self._where(slot)
-        return f.read(local, out)
+    def _pieces(self, where: list[tuple[BlockFile, int]], a: int, b: int) -> list["_Piece"]:
+        """Blocks ``a..b`` of a request as runs of consecutive slots of one file (one IO each), at most
+        :data:`RUN_BYTES` and an even share of the IO threads' work each, ordered by their first block."""
+        stride = ALIGN + padded(self.block_bytes)
+        cap = max(1, min(MAX_RUN, RUN_BYTES // stride, -(-(b - a) // self._threads)))
+        pieces: list[_Piece] = []
+        open_run: dict[int, _Piece] = {}  # file -> its run being extended
+        for i in range(a, b):
+            f, local = where[i]
+            run = open_run.get(id(f))
+            if run is not None and local == run.local + len(run.positions) and len(run.positions) < cap:
+                run.positions.append(i)
+                continue
+            run = open_run[id(f)] = _Piece(f, local, [i])
+            pieces.append(run)
+        return pieces
 
     def free(self, slots: Sequence[int]) -> None:
         """Mark slots empty (durable with the next :meth:`put` or :meth:`sync`); a slot may also simply be
@@ -166,6 +308,7 @@ class SsdStore:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._read_pool.shutdown(wait=True)
+        self._commit_pool.shutdown(wait=True)
         for f in self.files:
             f.close()
 

@@ -116,9 +116,7 @@ class SsdLink:
             raise BlockFileError(f"{e} (kvtier config: ssd_wipe_mismatch: true wipes it; a change of "
                                  f"ssd_cache_gb changes the slot geometry)") from None
         try:
-            ssd = SsdTier(store, block_tokens=block_tokens,
-                          copy_out=lambda b, buf: np.copyto(buf.reshape(pool.block_rows(b).shape), pool.block_rows(b)),
-                          copy_in=lambda b, buf: np.copyto(pool.block_rows(b), buf.reshape(pool.block_rows(b).shape)),
+            ssd = SsdTier(store, block_tokens=block_tokens, block_view=pool.block_rows,
                           max_pending_bytes=min(MAX_PENDING_BYTES, max(pool.nbytes // 2, 64 * pool.block_bytes)))
         except BaseException:
             store.close()

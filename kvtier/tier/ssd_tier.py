@@ -11,9 +11,10 @@ The tier's owner (:class:`kvtier.tier.KVTier`) decides what to write and what to
   namespace, tokens. Reading stops at the first block that fails; that slot is removed and counted. The slots
   stay locked (never evicted, never rewritten) until :meth:`finish`.
 
-Both threads move data in batches of at most :data:`BATCH_BYTES` through their own aligned buffers; the copies
-between those buffers and the CPU blocks are the owner's functions (``copy_out``, ``copy_in``), so this module
-knows neither torch nor the pool's layout. Single-owner: every method except the workers' is called under the
+Each thread hands a whole job to the store (:meth:`SsdStore.put` in durable batches of :data:`BATCH_BYTES`, the next
+one written while one commits; :meth:`SsdStore.read`), whose IO threads move the bytes straight between the disk
+and the CPU blocks, seen through the owner's ``block_view`` (so this module knows neither torch nor the pool's
+layout), and check each block as it arrives. Single-owner: every method except the workers' is called under the
 owner's lock; the workers touch only their job and the store.
 """
 
@@ -29,8 +30,6 @@ from typing import Callable, Optional
 import numpy as np
 
 from kvtier.storage import Block, SsdStore
-from kvtier.storage.aligned_io import aligned
-from kvtier.storage.block_format import padded
 from kvtier.tier.room_advice import RoomAdvice
 from kvtier.tier.slot_index import SlotIndex
 
@@ -39,10 +38,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["SsdTier", "IoJob", "SsdStats", "BATCH_BYTES", "MAX_PENDING_BYTES"]
 
 # Tuned constants: docs/DESIGN.md, "Tuned constants".
-BATCH_BYTES = 64 << 20  # one durable put (two syncs per file) or one read round per this many bytes
+BATCH_BYTES = 64 << 20  # one durable batch (two syncs per file) per this many bytes written
 MAX_PENDING_BYTES = 8 << 30  # writes queued beyond this are dropped (they hold CPU blocks until written)
 
-CopyFn = Callable[[int, np.ndarray], None]  # (CPU block id, contiguous uint8 buffer of block_bytes)
+BlockView = Callable[[int], np.ndarray]  # CPU block id -> its bytes (see SsdTier)
 
 
 def signed64(x: int) -> int:
@@ -104,11 +103,10 @@ class SsdStats:
 
 
 class _Worker:
-    """A thread running one kind of job, FIFO, with its own aligned batch buffers."""
+    """A thread running one kind of job, FIFO."""
 
-    def __init__(self, name: str, run: Callable[[IoJob, list], None], batch: int, block_bytes: int) -> None:
-        self._run, self._batch, self._block_bytes = run, batch, block_bytes
-        self._bufs: list = []
+    def __init__(self, name: str, run: Callable[[IoJob], None]) -> None:
+        self._run = run
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -121,13 +119,9 @@ class _Worker:
             job = self._q.get()
             if job is None:
                 return
-            if not self._bufs:
-                stride = padded(self._block_bytes)
-                flat = aligned(self._batch * stride)
-                self._bufs = [flat[i * stride:i * stride + self._block_bytes] for i in range(self._batch)]
             t0 = time.perf_counter()
             try:
-                self._run(job, self._bufs)
+                self._run(job)
             except BaseException as e:  # an IO error: the job ends here, counted by finish()
                 job.error = e
             job.io_seconds = time.perf_counter() - t0
@@ -144,16 +138,16 @@ class SsdTier:
     Args:
         store: the block files (its ``block_bytes`` is the CPU pool's block size).
         block_tokens: tokens per block.
-        copy_out: copies a CPU block into a contiguous buffer (writes).
-        copy_in: copies a contiguous buffer into a CPU block (reads).
+        block_view: a CPU block's bytes, in the on-disk order, as an array that is contiguous or has contiguous
+            rows (:mod:`kvtier.storage.payload`): the store's IO threads read and write it in place.
         max_pending_bytes: writes queued beyond this many bytes are dropped.
     """
 
-    def __init__(self, store: SsdStore, *, block_tokens: int, copy_out: CopyFn, copy_in: CopyFn,
+    def __init__(self, store: SsdStore, *, block_tokens: int, block_view: BlockView,
                  max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.store, self.block_tokens = store, block_tokens
         self.block_bytes = store.block_bytes
-        self._copy_out, self._copy_in = copy_out, copy_in
+        self._view = block_view
         self.index = SlotIndex(store.num_slots)
         self.stats = SsdStats()
         self.advice = RoomAdvice()  # warnings for dropped writes
@@ -174,9 +168,9 @@ class SsdTier:
         if self.stats.blocks_recovered:
             logger.info("kvtier: SSD tier recovered %d blocks from %s in %.2f s", self.stats.blocks_recovered,
                         ";".join(store.dirs), self.recovery_seconds)
-        batch = max(1, BATCH_BYTES // self.block_bytes)
-        self._writer = _Worker("kvtier-ssd-write", self._run_write, batch, self.block_bytes)
-        self._reader = _Worker("kvtier-ssd-read", self._run_read, batch, self.block_bytes)
+        self._batch = max(1, BATCH_BYTES // self.block_bytes)
+        self._writer = _Worker("kvtier-ssd-write", self._run_write)
+        self._reader = _Worker("kvtier-ssd-read", self._run_read)
 
     # --- owner's side (under its lock) ---
 
@@ -310,31 +304,27 @@ class SsdTier:
 
     # --- worker side ---
 
-    def _run_write(self, job: IoJob, bufs: list) -> None:
-        step = len(bufs)
-        for a in range(0, job.num_blocks, step):
-            b = min(a + step, job.num_blocks)
-            for i in range(a, b):
-                self._copy_out(int(job.host_ids[i]), bufs[i - a])
-            self.store.put(job.slots[a:b].tolist(),
-                           [Block(job.namespace, int(job.hashes[i]), job.tokens[i], bufs[i - a])
-                            for i in range(a, b)])
-            job.ok = b
+    def _run_write(self, job: IoJob) -> None:
+        blocks = [Block(job.namespace, h, job.tokens[i], self._view(b))
+                  for i, (h, b) in enumerate(zip(job.hashes.tolist(), job.host_ids.tolist()))]
 
-    def _run_read(self, job: IoJob, bufs: list) -> None:
-        step = len(bufs)
-        for a in range(0, job.num_blocks, step):
-            b = min(a + step, job.num_blocks)
-            try:
-                heads = self.store.get(job.slots[a:b].tolist(), bufs[:b - a])
-            except OSError:
-                job.bad = a  # which block failed is unknown: the batch's first is dropped, reading stops
-                raise
-            for i in range(a, b):
-                h = heads[i - a]
-                if (h is None or h.chain_hash != int(job.hashes[i]) or h.namespace != job.namespace
-                        or h.payload_len != self.block_bytes or not np.array_equal(h.tokens, job.tokens[i])):
-                    job.bad = i
-                    return
-                self._copy_in(int(job.host_ids[i]), bufs[i - a])
-                job.ok = i + 1
+        def durable(n: int) -> None:
+            job.ok = n
+
+        self.store.put(job.slots.tolist(), blocks, batch=self._batch, on_durable=durable)
+
+    def _run_read(self, job: IoJob) -> None:
+        hashes = job.hashes.tolist()
+
+        def same_block(i: int, h) -> bool:  # on the store's IO threads
+            return (h.chain_hash == hashes[i] and h.namespace == job.namespace and h.payload_len == self.block_bytes
+                    and np.array_equal(h.tokens, job.tokens[i]))
+
+        got = self.store.read(job.slots.tolist(), [self._view(b) for b in job.host_ids.tolist()],
+                              accept=same_block, stop_at_bad=True)
+        ok = next((i for i, h in enumerate(got.headers) if h is None), job.num_blocks)
+        job.ok = ok
+        if ok < job.num_blocks:
+            job.bad = ok
+            if got.error is not None and got.error_at == ok:  # an IO error, not a failed check
+                raise got.error
