@@ -13,7 +13,7 @@ shm_gb=$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)
 if [ "${shm_gb:-0}" -lt 24 ]; then echo "/dev/shm has ${shm_gb} GiB: no RAM-backed runs"; RAM=""; fi
 status=0
 if [ "$WHAT" = ssd ] || [ "$WHAT" = all ]; then
-  python3 bench/bench_ssd.py --dir /var/tmp/kvtier-ssd ${RAM:+--ram-dir $RAM} --out "$OUT/ssd_h200.json" 2>&1 \
+  python3 bench/bench_ssd.py --dir /var/tmp/kvtier-ssd ${RAM:+--ram-dir $RAM} --reps 5 --out "$OUT/ssd_h200.json" 2>&1 \
     | tee "$OUT/ssd_h200.log" || status=1
 fi
 if [ "$WHAT" = ttft ] || [ "$WHAT" = all ]; then
