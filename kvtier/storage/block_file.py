@@ -275,7 +275,7 @@ class BlockFile:
                  accept: Optional[Callable[[int, BlockHeader], bool]] = None) -> list[Optional[BlockHeader]]:
         """:meth:`read` of the consecutive slots ``slot, slot + 1, ...`` into ``outs``, their headers and payloads
         in one request. An out is an array that is contiguous or has contiguous rows, of at least the payload's
-        length (its first ``payload_len`` bytes are filled); one of whole aligned pages
+        length (its first ``payload_len`` bytes are filled); a contiguous one of whole aligned pages
         (:mod:`kvtier.storage.payload`) is read into where it is, others through this thread's aligned buffer.
         ``accept(i, header)``, when given, is asked about each block that passes the file's checks, before it is
         copied into its out; a False makes it None too."""
@@ -284,30 +284,27 @@ class BlockFile:
         heads = scratch("run_headers", len(outs) * ALIGN).reshape(len(outs), ALIGN)
         bounce = None
         iov: list = []
-        lands: list[list] = []  # per out: where its payload is read to (its own pages, or a row of the buffer)
+        dest: list[np.ndarray] = []  # per out: where its payload is read to (its own pages, or the buffer)
         bounced: list[bool] = []
         for i, out in enumerate(outs):
             rows = payload.byte_rows(out)
             if rows is None:
                 raise ValueError("an out buffer must be contiguous or have contiguous rows")
-            bounced.append(not payload.in_place(out, span, exact=False))
-            if bounced[-1]:
-                if bounce is None:
-                    bounce = scratch("payloads", len(outs) * span).reshape(len(outs), span)
-                lands.append([bounce[i]])
-            else:
-                lands.append(payload.first_bytes(list(rows), span))
-            iov += [heads[i], *lands[-1]]
+            bounced.append(not payload.in_place(out, span, exact=False, rows=False))  # rows: payload.py says why
+            if bounced[-1] and bounce is None:
+                bounce = scratch("payloads", len(outs) * span).reshape(len(outs), span)
+            dest.append(bounce[i] if bounced[-1] else rows[0][:span])
+            iov += [heads[i], dest[-1]]
         read_all_v(self._fd, iov, offset)
         got: list[Optional[BlockHeader]] = []
-        for i, land in enumerate(lands):
+        for i, buf in enumerate(dest):
             h = unpack_block_header(heads[i])
             ok = (h is not None and h.fingerprint == self.fingerprint
                   and h.payload_len <= min(outs[i].nbytes, self.slot_payload_bytes)
-                  and payload.checksum(land, h.payload_len) == h.payload_checksum
+                  and payload.checksum([buf], h.payload_len) == h.payload_checksum
                   and (accept is None or accept(i, h)))
             if ok and bounced[i]:
-                payload.scatter(land[0][:h.payload_len], outs[i])
+                payload.scatter(buf[:h.payload_len], outs[i])
             got.append(h if ok else None)
         return got
 
