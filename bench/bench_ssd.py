@@ -11,9 +11,9 @@ For each directory (a disk, and a RAM-backed one for the software's own ceiling)
   threads; once per CPU pool layout (``--layouts``); the bytes read back are compared with those written;
 * recovery: the SSD tier's restart path (open the store, replay its journal: one sequential read, fill the slot
   index) over ``--recovery-blocks`` records, per million blocks (median of ``--reps``).
-Raw and tier runs alternate (the layouts' order turning each repetition); figures are medians of ``--reps``, each
-layout's over the raw pattern with the best median, and a directory's ``write_over_raw`` / ``read_over_raw`` are
-the slower layout's. Summary: ``ssd_write_over_raw``,
+Each repetition runs every raw pattern and every layout once, in a shuffled order (the disk's speed drifts, and
+jumps between states on the CPU machine's virtual disk); figures are medians of ``--reps``, each layout's over the
+raw pattern with the best median, and a directory's ``write_over_raw`` / ``read_over_raw`` are the slower layout's. Summary: ``ssd_write_over_raw``,
 ``ssd_read_over_raw`` (the disk), ``ram_write_over_raw``, ``ram_read_over_raw``, ``recovery_s_per_million_blocks``.
 
 Run: ``python bench/bench_ssd.py --dir /var/tmp/kvtier-ssd --ram-dir /dev/shm/kvtier-ssd --out bench/results/ssd_cpu.json``
@@ -28,6 +28,7 @@ import gc
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import sys
@@ -61,47 +62,56 @@ GEOMETRY = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.b
 RAW_PATTERNS = ("regions", "shared", "slots")
 
 
-def raw_bandwidth(directory: str, nbytes: int, threads: int) -> dict:
+def raw_bandwidth(directory: str, nbytes: int, threads: int, pattern: str) -> dict:
     """Sequential write then read GB/s of one new preallocated file from ``threads`` threads, O_DIRECT where taken,
-    in three patterns: 16 MiB requests, each thread through its own region (``regions``); 16 MiB requests, every
-    thread taking the next one of one pass (``shared``); and the tier's requests without the tier (``slots``): 7
-    slots' headers and payloads (16.5 MB) in one vectored request, the next one of one pass. :func:`measure` holds
-    the tier to the pattern with the best median: the disk's best of these, not one the tier's own request shape
-    beats."""
+    between the disk and a CPU pool of the tier's kind (:class:`kvtier.tier.HostBlockPool`, ``page_first``: on a
+    virtual disk the request sizes the guest sends, and so its speed, follow how contiguous the memory is), in one of
+    three patterns: 16 MiB requests, each thread through its own region (``regions``); 16 MiB requests, every thread
+    taking the next one of one pass (``shared``); the tier's requests without the tier (``slots``): 7 blocks and
+    their 4 KiB headers (16.5 MB) in one vectored request, the next one of one pass. :func:`measure` holds the tier
+    to the pattern with the best median: the disk's best of these, not one the tier's own request shape beats."""
     path = os.path.join(directory, "raw.bin")
     slot = ALIGN + padded(BLOCK_BYTES)
-    request = {"regions": 16 * MiB, "shared": 16 * MiB, "slots": 7 * slot}
-    bufs = [_aligned(max(request.values())) for _ in range(threads)]
-    for b in bufs:
-        b[:] = np.random.default_rng(0).integers(0, 256, b.size, np.uint8)
+    size = {"regions": 16 * MiB, "shared": 16 * MiB, "slots": 7 * slot}[pattern]
+    total = max(1, nbytes // (threads * size)) * threads * size
+    per = total // threads
+    pool = HostBlockPool(GEOMETRY, -(-total // BLOCK_BYTES), layout="page_first")
+    flat = pool.host.view(torch.uint8).reshape(-1).numpy()
+    flat[:] = np.resize(_random_blocks().reshape(-1), flat.size)
+    heads = [_aligned(7 * ALIGN).reshape(7, ALIGN) for _ in range(threads)]
+
+    def iov(i: int, off: int) -> list:
+        if pattern != "slots":
+            return [flat[off:off + size]]
+        first = off // slot
+        return [x for k in range(7) for x in (heads[i][k], flat[(first + k) * BLOCK_BYTES:(first + k + 1) * BLOCK_BYTES])]
+    if os.path.exists(path):  # left by a run that was stopped
+        os.unlink(path)
     direct = True
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
-        os.pwritev(fd, [bufs[0][:ALIGN]], 0)
+        os.pwritev(fd, [heads[0][0]], 0)
     except OSError:
         direct = False
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    os.posix_fallocate(fd, 0, total)
 
-    def run(write: bool, pattern: str, total: int) -> float:
-        size = request[pattern]
-        per = total // threads
+    def run(write: bool) -> float:
         offsets = iter(range(0, total, size))
         lock = threading.Lock()
 
         def part(i: int) -> None:
             io = os.pwritev if write else os.preadv
-            iov = ([bufs[i][k:k + n] for j in range(0, size, slot) for k, n in ((j, ALIGN), (j + ALIGN, slot - ALIGN))]
-                   if pattern == "slots" else [bufs[i][:size]])
             if pattern == "regions":
                 for off in range(i * per, (i + 1) * per, size):
-                    io(fd, iov, off)
+                    io(fd, iov(i, off), off)
                 return
             while True:
                 with lock:
                     off = next(offsets, None)
                 if off is None:
                     return
-                io(fd, iov, off)
+                io(fd, iov(i, off), off)
         if not direct:  # buffered: drop the file's pages so reads come from the medium where there is one
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         t = time.perf_counter()
@@ -110,16 +120,12 @@ def raw_bandwidth(directory: str, nbytes: int, threads: int) -> dict:
         if write:
             os.fdatasync(fd)
         return total / (time.perf_counter() - t) / 1e9
-    out = {"direct": direct}
-    for pattern in RAW_PATTERNS:
-        total = max(1, nbytes // (threads * request[pattern])) * threads * request[pattern]
-        os.ftruncate(fd, 0)  # a new file's blocks each time, as the tier's preallocated new store has
-        os.posix_fallocate(fd, 0, total)
-        out[f"write_gbps_{pattern}"] = run(True, pattern, total)
-        out[f"read_gbps_{pattern}"] = run(False, pattern, total)
+    w = run(True)
+    r = run(False)
     os.close(fd)
     os.unlink(path)
-    return out
+    pool.destroy()
+    return {"direct": direct, "pattern": pattern, "bytes": total, "write_gbps": w, "read_gbps": r}
 
 
 @functools.lru_cache(maxsize=1)
@@ -209,27 +215,30 @@ def median_recovery(directory: str, n: int, reps: int) -> dict:
 
 def measure(directory: str, args) -> dict:
     os.makedirs(directory, exist_ok=True)
-    raws: list[dict] = []
+    raws: dict[str, list[dict]] = {p: [] for p in RAW_PATTERNS}
     tiers: dict[str, list[dict]] = {layout: [] for layout in args.layouts}
-    for rep in range(args.reps):  # alternating, medians: the disk's speed drifts
-        raws.append(raw_bandwidth(directory, args.bytes, args.io_threads))
-        progress.step(f"{directory}: raw")
-        k = rep % len(args.layouts)  # each layout in turn first after the raw runs
-        for layout in args.layouts[k:] + args.layouts[:k]:
-            tiers[layout].append(tier_bandwidth(directory, args.bytes, args.io_threads, layout))
-            progress.step(f"{directory}: tier, {layout}")
+    rng = random.Random(0)
+    for _ in range(args.reps):  # raw and tier runs interleaved in a new order each repetition: the disk's speed drifts
+        units = [("raw", p) for p in RAW_PATTERNS] + [("tier", layout) for layout in args.layouts]
+        rng.shuffle(units)
+        for kind, what in units:
+            if kind == "raw":
+                raws[what].append(raw_bandwidth(directory, args.bytes, args.io_threads, what))
+            else:
+                tiers[what].append(tier_bandwidth(directory, args.bytes, args.io_threads, what))
+            progress.step(f"{directory}: {kind}, {what}")
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
-    # the raw pattern with the best median (not each run's best pattern: a max of noisy runs would favour raw)
-    best = {d: max(RAW_PATTERNS, key=lambda p: med(raws, f"{d}_gbps_{p}")) for d in ("write", "read")}
+    # the raw pattern with the best median (not each repetition's best pattern: a max of noisy runs favours raw)
+    best = {d: max(RAW_PATTERNS, key=lambda p: med(raws[p], f"{d}_gbps")) for d in ("write", "read")}
     out = {"dir": directory, "raw": raws, "tier": tiers, "raw_write_pattern": best["write"],
-           "raw_read_pattern": best["read"], "raw_write_gbps": med(raws, f"write_gbps_{best['write']}"),
-           "raw_read_gbps": med(raws, f"read_gbps_{best['read']}"), "layouts": {}}
+           "raw_read_pattern": best["read"], "raw_write_gbps": med(raws[best["write"]], "write_gbps"),
+           "raw_read_gbps": med(raws[best["read"]], "read_gbps"), "layouts": {}}
     for layout, rows in tiers.items():
         m = out["layouts"][layout] = {"write_gbps": med(rows, "write_gbps"), "read_gbps": med(rows, "read_gbps")}
         for d in ("write", "read"):
             m[f"{d}_over_raw"] = m[f"{d}_gbps"] / out[f"raw_{d}_gbps"]
-            # each run over the raw run of its repetition: the spread of the disk's drift
-            m[f"{d}_over_raw_runs"] = [t[f"{d}_gbps"] / r[f"{d}_gbps_{best[d]}"] for t, r in zip(rows, raws)]
+            # each run over the best pattern's raw run of its repetition: the spread of the disk's drift
+            m[f"{d}_over_raw_runs"] = [t[f"{d}_gbps"] / r[f"{d}_gbps"] for t, r in zip(rows, raws[best[d]])]
     worst = lambda k: min(m[k] for m in out["layouts"].values())  # noqa: E731
     out["store_write_gbps"] = worst("write_gbps")  # the slower layout's: what the bars take
     out["store_read_gbps"] = worst("read_gbps")
@@ -258,7 +267,7 @@ def main(argv=None) -> int:
     ap.add_argument("--recovery-blocks", type=int, default=200_000, help="journal records for the recovery time")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "ssd_cpu.json"))
     args = ap.parse_args(argv)
-    progress.plan(((1 + len(args.layouts)) * args.reps + 1) * (2 if args.ram_dir else 1))
+    progress.plan(((len(RAW_PATTERNS) + len(args.layouts)) * args.reps + 1) * (2 if args.ram_dir else 1))
     res = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "block_bytes": BLOCK_BYTES,
            "args": vars(args), "disk": measure(args.dir, args)}
     if args.ram_dir:

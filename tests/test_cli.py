@@ -269,7 +269,7 @@ def test_bench_runs_the_ssd_bench_with_progress_and_writes_json_and_png(tmp_path
     assert result["disk"]["tier"]["page_first"][0]["blocks"] == 14  # 32 MiB of 2.25 MiB blocks, read back equal
     assert min(_png_size(out / "ssd.png")) > 100
     assert "raw write" in (out / "ssd.log").read_text()  # the bench's own output
-    assert "ssd: 3/3" in r.stdout  # its three steps (raw, tier, recovery) reached the runner through the pipe
+    assert "ssd: 5/5" in r.stdout  # its steps (3 raw patterns, the tier, recovery) reached the runner through the pipe
 
 
 def test_bench_requests_refused_before_anything_runs(tmp_path):

@@ -71,9 +71,9 @@ PAGE_ROWS = dataclasses.replace(TINY, num_kv_heads=2, head_dim=128, page_size=8)
 
 @pytest.mark.parametrize("src,dst", [("layer_first", "page_first"), ("page_first", "layer_first")])
 def test_blocks_of_whole_page_rows_go_between_the_pinned_pool_and_the_disk_where_they_are(tmp_path, src, dst):
-    """Rows of whole 4 KiB pages: the SSD tier writes a CPU block from where it is (its rows and header in one
-    request, in either layout) and reads a ``page_first`` one into where it is; the bytes come back exactly after a
-    restart in the other layout."""
+    """Blocks of whole 4 KiB pages: the SSD tier reads and writes a ``page_first`` CPU block where it is, and a
+    ``layer_first`` one's rows through its aligned buffer; the bytes come back exactly after a restart in the other
+    layout."""
     a = make_ssd_tier(tmp_path, layout=src, geo=PAGE_ROWS)
     assert a.pool.block_rows(0).shape[1] * a.pool.block_rows(0).itemsize == 4096
     toks = prompt(1, 6, PAGE_ROWS.page_size)

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvtier.storage import payload
 from kvtier.storage.block_format import (ALIGN, BlockHeader, FileHeader, pack_block_header, pack_file_header,
-                                         padded, unpack_block_header, unpack_file_header)
+                                         padded, payload_checksum, unpack_block_header, unpack_file_header)
 from kvtier.storage.aligned_io import aligned as _aligned, read_all, read_all_v, scratch, write_all, write_all_v
 from kvtier.storage.journal import BLOCK, FREE, Journal, Record
 
@@ -177,9 +177,9 @@ class BlockFile:
     def write_payloads(self, slot: int, payloads: Sequence[np.ndarray]) -> list[int]:
         """Write payloads into the consecutive slots ``slot, slot + 1, ...`` in one request, the headers between
         them zeroed (those slots are being rewritten: empty until their new headers); returns the checksums. A
-        payload (at most ``slot_payload_bytes``) is any array; one of whole aligned pages
-        (:mod:`kvtier.storage.payload`) goes to the disk from where it is, others through this thread's aligned
-        buffer. Not durable until :meth:`sync`."""
+        payload (at most ``slot_payload_bytes``) is any array; a contiguous one of whole aligned pages goes to the
+        disk from where it is, others through this thread's aligned buffer (:mod:`kvtier.storage.payload`). Not
+        durable until :meth:`sync`."""
         payloads = [np.asarray(p) for p in payloads]
         for p in payloads:
             if p.nbytes > self.slot_payload_bytes:
@@ -192,15 +192,16 @@ class BlockFile:
         for i, p in enumerate(payloads):
             if i:
                 iov.append(_ZERO_PAGE)
-            segs = list(payload.byte_rows(p)) if payload.in_place(p, span) else None
-            if segs is None:
-                if bounce is None:  # unaligned, strided or short: gathered into the buffer, zero padded
+            if payload.in_place(p, span):
+                buf = p.reshape(-1).view(np.uint8)
+            else:  # rows, unaligned or short: gathered into the buffer, zero padded
+                if bounce is None:
                     bounce = scratch("payloads", len(payloads) * span).reshape(len(payloads), span)
-                payload.gather(p, bounce[i])
-                bounce[i][p.nbytes:] = 0
-                segs = [bounce[i]]
-            iov += segs
-            checks.append(payload.checksum(segs, p.nbytes))
+                buf = bounce[i]
+                payload.gather(p, buf)
+                buf[p.nbytes:] = 0
+            iov.append(buf)
+            checks.append(payload_checksum(buf[:p.nbytes]))
         write_all_v(self._fd, iov, offset + ALIGN)
         return checks
 
@@ -290,7 +291,7 @@ class BlockFile:
             rows = payload.byte_rows(out)
             if rows is None:
                 raise ValueError("an out buffer must be contiguous or have contiguous rows")
-            bounced.append(not payload.in_place(out, span, exact=False, rows=False))  # rows: payload.py says why
+            bounced.append(not payload.in_place(out, span, exact=False))
             if bounced[-1] and bounce is None:
                 bounce = scratch("payloads", len(outs) * span).reshape(len(outs), span)
             dest.append(bounce[i] if bounced[-1] else rows[0][:span])
@@ -301,7 +302,7 @@ class BlockFile:
             h = unpack_block_header(heads[i])
             ok = (h is not None and h.fingerprint == self.fingerprint
                   and h.payload_len <= min(outs[i].nbytes, self.slot_payload_bytes)
-                  and payload.checksum([buf], h.payload_len) == h.payload_checksum
+                  and payload_checksum(buf[:h.payload_len]) == h.payload_checksum
                   and (accept is None or accept(i, h)))
             if ok and bounced[i]:
                 payload.scatter(buf[:h.payload_len], outs[i])
