@@ -15,12 +15,10 @@ import numpy as np
 
 from kvtier.storage.block_format import ALIGN
 
-__all__ = ["aligned", "write_all", "read_all", "write_all_v", "read_all_v", "scratch", "IOV_MAX"]
+__all__ = ["aligned", "write_all", "read_all", "write_all_v", "read_all_v", "scratch", "use_region", "IOV_MAX"]
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers one vectored call takes
 _local = threading.local()  # per thread: scratch buffers by name
-_region: list = [None, 0]  # the region scratch buffers are carved from, and its bytes handed out
-_region_lock = threading.Lock()
 
 
 def aligned(nbytes: int) -> np.ndarray:
@@ -29,33 +27,32 @@ def aligned(nbytes: int) -> np.ndarray:
 
 
 def scratch(name: str, nbytes: int) -> np.ndarray:
-    """This thread's page-aligned buffer ``name`` of ``nbytes`` (reused by its next call with that name; replaced by
-    a bigger one when a call needs more), carved from a region shared with other threads' buffers and mapped in one
-    pass when it is made.
-
-    Why one region: the kernel interleaves the physical pages of buffers that several threads map at once, and an
-    O_DIRECT request from such memory reaches a virtual disk as many small segments. On the CPU machine's virtual
-    disk, ``layer_first`` blocks written through per-thread buffers ran at 0.29 GB/s, through buffers of one region
-    at 0.50 (raw 0.47; ``bench/bench_ssd.py``'s tier runs, medians of 5)."""
+    """This thread's page-aligned buffer ``name`` of ``nbytes``: the one :func:`use_region` gave it, or one mapped on
+    first use (reused by the next call with that name, replaced by a bigger one when a call needs more)."""
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
         bufs = _local.bufs = {}
     buf = bufs.get(name)
     if buf is None or buf.size < nbytes:
-        buf = bufs[name] = _carve(-(-nbytes // ALIGN) * ALIGN)
+        buf = bufs[name] = aligned(nbytes)
     return buf[:nbytes]
 
 
-def _carve(nbytes: int) -> np.ndarray:
-    """``nbytes`` (whole pages) of the current region, or of a new one (room for 8 such buffers, every page
-    mapped now) when it has less left."""
-    with _region_lock:
-        region, used = _region
-        if region is None or region.size - used < nbytes:
-            region, used = aligned(max(8 * nbytes, 2 << 20)), 0
-            region.fill(0)
-        _region[:] = [region, used + nbytes]
-        return region[used:used + nbytes]
+def use_region(region: np.ndarray, sizes: dict[str, int]) -> None:
+    """Make this thread's scratch buffers (name -> bytes, whole pages each) consecutive pieces of ``region``.
+
+    An IO pool gives each of its threads a share of one region mapped in one pass (every page touched) when the pool
+    is made: the kernel interleaves the physical pages of buffers that several threads map at once, and an O_DIRECT
+    request from such memory reaches a virtual disk as many small segments. On the CPU machine's virtual disk,
+    ``layer_first`` blocks written through buffers each thread mapped ran at 0.29 GB/s, through shares of one region
+    at 0.50 (raw 0.47; ``bench/bench_ssd.py``'s tier runs, medians of 5)."""
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    off = 0
+    for name, n in sizes.items():
+        bufs[name] = region[off:off + n]
+        off += n
 
 
 def write_all(fd: int, buf: np.ndarray, offset: int) -> None:

@@ -25,11 +25,17 @@ from kvtier.storage.block_format import (ALIGN, BlockHeader, FileHeader, pack_bl
 from kvtier.storage.aligned_io import aligned as _aligned, read_all, read_all_v, scratch, write_all, write_all_v
 from kvtier.storage.journal import BLOCK, FREE, Journal, Record
 
-__all__ = ["BlockFile", "BlockFileError"]
+__all__ = ["BlockFile", "BlockFileError", "scratch_sizes"]
 
 logger = logging.getLogger(__name__)
 
 _ZERO_PAGE = _aligned(ALIGN)  # an empty header (never written into)
+
+
+def scratch_sizes(run: int, span: int) -> dict[str, int]:
+    """The per-thread scratch buffers (name -> bytes) that reads and writes of runs of up to ``run`` slots of ``span``
+    payload bytes use (:func:`kvtier.storage.aligned_io.use_region`)."""
+    return {"payloads": run * span, "run_headers": run * ALIGN, "header": ALIGN}
 
 
 class BlockFileError(Exception):

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import os
+import queue
 import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from kvtier.storage import payload
-from kvtier.storage.block_file import BlockFile
+from kvtier.storage.aligned_io import aligned, use_region
+from kvtier.storage.block_file import BlockFile, scratch_sizes
 from kvtier.storage.block_format import ALIGN, BlockHeader, padded
 
 __all__ = ["SsdStore", "Block", "ReadResult", "FILE_NAME", "RUN_BYTES"]
@@ -123,10 +126,26 @@ class SsdStore:
         self.fingerprint = fingerprint
         self.num_slots = per_dir * len(self.files)
         self._threads = io_threads
+        self._run_cap = max(1, min(MAX_RUN, RUN_BYTES // (ALIGN + padded(block_bytes))))  # blocks of one request
+        # each IO thread's scratch buffers: its share of one region mapped now (aligned_io.use_region says why)
+        sizes = scratch_sizes(self._run_cap, padded(block_bytes))
+        share = sum(sizes.values())
+        region = aligned(2 * io_threads * share)
+        region.fill(0)
+        shares: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(2 * io_threads):
+            shares.put(region[i * share:(i + 1) * share])
+
+        def take_share() -> None:
+            with contextlib.suppress(queue.Empty):  # (a thread beyond the pools' own maps its buffers itself)
+                use_region(shares.get_nowait(), sizes)
+
+        def pool(prefix: str) -> concurrent.futures.ThreadPoolExecutor:
+            return concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix=prefix, initializer=take_share)
         # reads never queue behind a batch of writes and its syncs; a batch commits while the next one's payloads
         # are written
-        self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-ssd-w")
-        self._read_pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-ssd-r")
+        self._pool = pool("kvtier-ssd-w")
+        self._read_pool = pool("kvtier-ssd-r")
         self._commit_pool = concurrent.futures.ThreadPoolExecutor(len(self.files), thread_name_prefix="kvtier-ssd-c")
 
     @property
@@ -262,8 +281,7 @@ class SsdStore:
     def _pieces(self, where: list[tuple[BlockFile, int]], a: int, b: int) -> list["_Piece"]:
         """Blocks ``a..b`` of a request as runs of consecutive slots of one file (one IO each), at most
         :data:`RUN_BYTES` and an even share of the IO threads' work each, ordered by their first block."""
-        stride = ALIGN + padded(self.block_bytes)
-        cap = max(1, min(MAX_RUN, RUN_BYTES // stride, -(-(b - a) // self._threads)))
+        cap = max(1, min(self._run_cap, -(-(b - a) // self._threads)))
         pieces: list[_Piece] = []
         open_run: dict[int, _Piece] = {}  # file -> its run being extended
         for i in range(a, b):
