@@ -475,6 +475,67 @@ def test_an_ordered_tier_keeps_a_failed_copys_blocks_and_lock_until_it_is_finali
     assert accounted_blocks(tier) == (5, 3, 0)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before_issue", "after_issue"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_retry_issues_a_kept_failed_copy_again_into_the_same_blocks_and_slots(after, layerwise):
+    """A later pipeline stage repairs a copy that failed there only by issuing it again. Issuing a new store at
+    repair time allocated blocks when the pool's state differed from the first stage's at issue time (other stores
+    had taken blocks since): it evicted other pages and the stages' host indexes diverged. ``retry`` issues the
+    kept copy again between the same blocks and slots, so the pool sees nothing new: the same allocations and frees
+    as a tier whose copy went through, and the same pages and bytes."""
+    def run(fail: bool):
+        ex = DeferredExecutor()
+        tier = make_tier(num_blocks=4, executor=ex, finalize="ordered")
+        src = page_slots(0, 4, TINY.page_size)
+        fill_random_(tier, src, seed=5)
+        if fail:
+            tier.executor = _FailOnce(ex, after)
+        first = tier.store(np.arange(6), None, src)  # 3 pages
+        tier.executor = ex
+        other = tier.store(np.arange(100, 102), None, src[6:])  # the last free block, taken before the repair
+        if fail:
+            assert first.status == "failed" and first.num_pages == 0
+            assert tier.retry(first) and first.status == "inflight" and first.num_pages == 3
+        ex.release_all()
+        tier.finalize(first)
+        tier.finalize(other)
+        assert first.status == "done" and tier.lookup(np.arange(6)) == 3 and tier.lookup(np.arange(100, 102)) == 1
+        if fail:
+            tier.executor = _FailOnce(ex, after)
+        dst = page_slots(8, 3, TINY.page_size)
+        load = (tier.load_layerwise if layerwise else tier.load)(np.arange(6), None, dst)
+        tier.executor = ex
+        if fail:
+            assert load.status == "failed" and tier.retry(load)
+        ex.release_all()
+        tier.finalize(load)
+        assert load.status == "done" and load.num_pages == 3
+        return tier.pool.block_digest, slot_bytes(tier, dst), slot_bytes(tier, src[:6])
+
+    (d_ok, loaded_ok, src_ok), (d_rep, loaded_rep, src_rep) = run(False), run(True)
+    assert d_rep == d_ok  # the same blocks handed out and freed, in the same order
+    assert all(torch.equal(a, b) for a, b in zip(loaded_rep, src_rep))
+    assert all(torch.equal(a, b) for a, b in zip(loaded_ok, src_ok))
+
+
+def test_retry_refuses_a_task_that_is_not_a_kept_failed_copy():
+    ex = DeferredExecutor()
+    tier = make_tier(num_blocks=4, executor=ex, finalize="ordered")
+    task = tier.store(np.arange(4), None, page_slots(0, 2, TINY.page_size))
+    with pytest.raises(ValueError, match="not a failed copy"):
+        tier.retry(task)  # in flight
+    tier.executor = _FailOnce(ex, False)
+    bad = tier.store(np.arange(10, 14), None, page_slots(2, 2, TINY.page_size))
+    tier.executor = _FailOnce(ex, False)
+    assert not tier.retry(bad) and bad.status == "failed"  # failed again: still kept, still failed
+    ex.release("store", 1)
+    tier.finalize(task)
+    tier.finalize(bad)
+    with pytest.raises(ValueError, match="not a failed copy"):
+        tier.retry(bad)  # finalized: its blocks are given back
+    assert accounted_blocks(tier) == (2, 2, 0)
+
+
 def test_the_first_lookup_after_start_up_does_not_compile():
     """The index's numba code compiled on the first request (9.05 s for the first lookup of a fresh process
     without numba's disk cache); KVTier now compiles it when it is built, so the first lookup compiles nothing."""

@@ -280,10 +280,12 @@ class RankState:
                 "bytes_stored": tier.stats()["bytes_d2h"]}
 
     def digest(self) -> list:
-        """What every rank must hold alike: the device tree, its sizes and locks, the host index, tracked copies."""
+        """What every rank must hold alike: the device tree, its sizes and locks, the host index, tracked copies,
+        and the host pool's every allocation and free in order (its block digest: the same blocks given to the same
+        copies, whatever failed where)."""
         s = self.s
         return [self.h.tree_digest(s), s.allocator.available_size(), s.cache.num_inflight, len(self.running),
-                s.cache.tier.pool.num_blocks]
+                s.cache.tier.pool.num_blocks, s.cache.tier.pool.block_digest]
 
     def teardown(self) -> dict:
         """Release everything and report the leaks (each must be 0) and the KV checks made."""

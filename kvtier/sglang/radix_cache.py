@@ -35,9 +35,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -136,7 +135,7 @@ class KVTierRadixCache(RadixCache):
         # engine's stream and the copy reads it on kvtier's stream, so dropping it early would let the caching
         # allocator hand its memory to the next allocation on the engine's stream while the copy may not have read
         # it yet.
-        self._inflight: dict[int, tuple[TreeNode, Optional[torch.Tensor], Callable[[], TierTask]]] = {}
+        self._inflight: dict[int, tuple[TreeNode, Optional[torch.Tensor]]] = {}
         # Chunked prefill checkpoints a request several times: one store per request in flight at a time.
         self._store_of_req: dict[str, int] = {}  # request id -> its store in flight
         self._req_of_store: dict[int, str] = {}  # the reverse
@@ -307,11 +306,10 @@ class KVTierRadixCache(RadixCache):
             task = self.tier.load_layerwise(tokens, ns, new_slots, start_page=start_page)
         else:
             task = self.tier.load(tokens, ns, new_slots, start_page=start_page)
-        reissue = functools.partial(self.tier.load, tokens, ns, new_slots, start_page=start_page)
         local = min(rest, task.num_pages * self.page_size)
         loaded = self.agreement.min(local)  # a load can fail on one rank only: every rank grafts the same length
         if local < loaded:  # a later pipeline stage: the first stage loaded what failed here
-            task = self._repair(task, reissue, "load")
+            self._repair(task, "load")
             local = min(rest, task.num_pages * self.page_size)
             if local < loaded:
                 raise RuntimeError(f"kvtier: pipeline stage {self.agreement.pp_rank} loaded {local} tokens where "
@@ -328,7 +326,7 @@ class KVTierRadixCache(RadixCache):
         node = parent
         if loaded > 0:
             node = self._graft(parent, key, start, new_slots)
-        self._track(task, node, new_slots_all, reissue)
+        self._track(task, node, new_slots_all)
         if loaded < rest:  # SGLang 0.5.23: all promised tokens or none
             return 0, last_node
         return need, node
@@ -391,43 +389,39 @@ class KVTierRadixCache(RadixCache):
         self._store(req.rid, tokens, ns, slots, req.last_node)
 
     def _store(self, rid, tokens, ns, slots: torch.Tensor, node: TreeNode) -> None:
-        reissue = functools.partial(self.tier.store, tokens, ns, slots)
-        task = reissue()
-        if self._track(task, node, slots, reissue):
+        task = self.tier.store(tokens, ns, slots)
+        if self._track(task, node, slots):
             self._store_of_req[rid] = task.id
             self._req_of_store[task.id] = rid
 
     # --- completions / eviction ---
 
-    def _track(self, task: TierTask, node: TreeNode, slots: Optional[torch.Tensor],
-               reissue: Callable[[], TierTask]) -> bool:
+    def _track(self, task: TierTask, node: TreeNode, slots: Optional[torch.Tensor]) -> bool:
         """Keep ``node`` locked (and ``slots`` referenced) until ``task`` is released; True when it is tracked.
         One rank alone: only tasks still in flight. Several ranks: every task, in issue order, whatever this rank's
-        outcome (a copy may be done or failed here and in flight on another rank: the locks must not differ).
-        ``reissue`` issues the same copy again (a later pipeline stage's repair, see :meth:`_repair`)."""
+        outcome (a copy may be done or failed here and in flight on another rank: the locks must not differ)."""
         if not self.multi_rank and task.done:
             return False
         self.inc_lock_ref(node)
-        self._inflight[task.id] = (node, slots, reissue)
+        self._inflight[task.id] = (node, slots)
         if self.multi_rank:
             self._order.append(task)
         return True
 
-    def _repair(self, task: TierTask, reissue: Callable[[], TierTask], what: str) -> TierTask:
+    def _repair(self, task: TierTask, what: str) -> None:
         """A later pipeline stage: the first stage completed a copy that failed here, and every stage acts on its
-        verdict. Give the failed copy back, issue it again and wait for it (the device slots it reads or writes are
-        still locked); raise if it fails again: this stage's KV would differ from the other stages'."""
-        self.tier.finalize(task, keep=False)
-        again = reissue()
-        self.tier.wait(again)
-        if again.status is TaskStatus.FAILED:
+        verdict. Issue the same copy again (the CPU blocks and device slots it was given, still held and locked:
+        every stage's host pool and index stay as the first stage's) and wait for it; raise if it fails again:
+        this stage's KV would differ from the other stages'."""
+        if self.tier.retry(task):
+            self.tier.wait(task)
+        if task.status is TaskStatus.FAILED:
             raise RuntimeError(f"kvtier: a host-tier {what} failed on pipeline stage {self.agreement.pp_rank} and "
                                f"again when issued a second time, where the first stage's succeeded: this stage can "
                                f"no longer hold the same KV as the others")
         self.repairs += 1
         logger.warning("kvtier: a %s failed on pipeline stage %d only; issued again and completed",
                        what, self.agreement.pp_rank)
-        return again
 
     def _release(self, task_id: int) -> None:
         """``task_id`` is finalized: unlock its node; a held checkpoint of its request is stored now."""
@@ -478,10 +472,8 @@ class KVTierRadixCache(RadixCache):
         for bad in failed:
             task = order.popleft()
             if not bad and task.status is TaskStatus.FAILED:  # a later stage: failed here only
-                reissue = self._inflight[task.id][2]
-                self.tier.finalize(self._repair(task, reissue, task.kind), keep=True)
-            else:
-                self.tier.finalize(task, keep=not bad)
+                self._repair(task, task.kind)
+            self.tier.finalize(task, keep=not bad)
             self._release(task.id)
         self.tier.poll()  # the tier's reports: every finalized task was released above
 

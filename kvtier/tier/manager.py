@@ -49,7 +49,7 @@ import functools
 import logging
 import threading
 import time
-from typing import Mapping, NamedTuple, Optional, Union
+from typing import Callable, Mapping, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -387,14 +387,18 @@ class KVTier(HostTier):
         task.num_pages = int(ids.size) * G
         end = held + ids.size
         new_slots = slots[held * B:end * B]
-        try:
-            completion = self._launch("store", lambda: self._copy(True, new_slots, ids))
-        except Exception as e:
-            return self._failed(task, "store", e, ids=ids, handle=m if held else None)
         share = int(ids.size) * self.pool.block_bytes * len(self.store_layers) // self.geometry.num_layers
-        self._inflight[task.id] = InsertRecord(task, completion, ids, m if held else None, share,
-                                               tokens=toks[:end * B].copy(),
-                                               ns=ns, prefix_ids=np.array(m.block_ids[:held], dtype=np.int64))
+        prefix_ids = np.array(m.block_ids[:held], dtype=np.int64)
+        stored = toks[:end * B].copy()
+
+        def issue() -> InsertRecord:
+            completion = self._launch("store", lambda: self._copy(True, new_slots, ids))
+            return InsertRecord(task, completion, ids, m if held else None, share, tokens=stored, ns=ns,
+                                prefix_ids=prefix_ids)
+        try:
+            self._inflight[task.id] = issue()
+        except Exception as e:
+            return self._failed(task, "store", e, ids=ids, handle=m if held else None, retry=issue)
         return task
 
     @synchronized
@@ -465,6 +469,29 @@ class KVTier(HostTier):
         if rec is not None:
             self._wait(rec)
             self._finalize(rec, cancelled=not keep)
+
+    @synchronized
+    def retry(self, task: TierTask) -> bool:
+        """Issue again a copy whose issue failed and that is kept for ordered finalization (``finalize="ordered"``):
+        the same copy, between the same CPU blocks and device slots, its path still locked, as if the first issue
+        had gone through; True when it did this time (the task is in flight again), False when it failed again
+        (the task stays failed, still kept). A later pipeline stage repairs this way a copy the first stage
+        completed: the blocks it holds are those every stage allocated at that point of the sequence.
+
+        Raises:
+            ValueError: ``task`` is not a failed copy kept by the tier.
+        """
+        rec = self._inflight.get(task.id)
+        if rec is None or task.status != TaskStatus.FAILED or rec.retry is None:
+            raise ValueError(f"task {task.id} is not a failed copy kept for ordered finalization")
+        task.num_pages, task.status = rec.retry_pages, TaskStatus.INFLIGHT
+        stream = "store" if task.kind == TaskKind.STORE else "load"
+        try:
+            self._inflight[task.id] = rec.retry()
+        except Exception as e:
+            self._failed(task, stream, e, ids=rec.block_ids, handle=rec.handle, retry=rec.retry)
+            return False
+        return True
 
     @synchronized
     def wait_on_current_stream(self, task: TierTask) -> None:
@@ -677,11 +704,14 @@ class KVTier(HostTier):
             self.ssd.used(toks[:m.num_pages * B], ns)
         ids = np.array(m.block_ids[start // B:m.num_pages])
         dst = slots[:copied]
-        try:
+
+        def issue() -> LoadRecord:
             completion = self._issue_load(task, dst, ids, layerwise, skip=start % B)
+            return LoadRecord(task, completion, ids, m, copied * self.geometry.token_bytes, ns=ns)
+        try:
+            self._inflight[task.id] = issue()
         except Exception as e:
-            return self._failed(task, "load", e, handle=m)
-        self._inflight[task.id] = LoadRecord(task, completion, ids, m, copied * self.geometry.token_bytes, ns=ns)
+            return self._failed(task, "load", e, handle=m, retry=issue)
         return task
 
     def _issue_load(self, task: TierTask, dst: torch.Tensor, ids: np.ndarray, layerwise: bool, skip: int):
@@ -715,7 +745,7 @@ class KVTier(HostTier):
         return completion
 
     def _failed(self, task: TierTask, stream: str, error: Exception, *, ids: Optional[np.ndarray] = None,
-                handle=None) -> TierTask:
+                handle=None, retry: Optional[Callable[[], CopyRecord]] = None) -> TierTask:
         """Unwind a copy whose issue raised: wait for whatever of it reached the stream (it may still read or
         write the slots and blocks), give its blocks back, unlock its path, count it; the task fails.
 
@@ -732,11 +762,13 @@ class KVTier(HostTier):
             self._stats.failed_loads += 1
         logger.warning("kvtier: %s of %d pages failed and was unwound (%s: %s)", task.kind, task.num_pages,
                        type(error).__name__, error, exc_info=error)
+        pages = task.num_pages
         task.num_pages, task.producer_index, task.status = 0, -1, TaskStatus.FAILED
         # Recorded as a completed copy: finalizing it (now, or when the engine does in "ordered" mode) frees its
-        # blocks and unlocks its path, as for any discarded copy.
+        # blocks and unlocks its path, as for any discarded copy; until then it can be issued again (retry).
         record = InsertRecord if task.kind.inserts else LoadRecord
-        rec = record(task, COMPLETED, ids if ids is not None else np.empty(0, np.int64), handle, 0)
+        rec = record(task, COMPLETED, ids if ids is not None else np.empty(0, np.int64), handle, 0, retry=retry,
+                     retry_pages=pages)
         self._inflight[task.id] = rec
         if self._auto_finalize:
             self._finalize(rec, cancelled=True)

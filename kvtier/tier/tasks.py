@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -89,6 +89,9 @@ class CopyRecord:
         handle: the locked index path (a MatchResult) or None.
         nbytes: bytes the copy moves.
         ns: the namespace of its pages.
+        retry: a copy whose issue failed, kept for ordered finalization: issues the same copy again (the same
+            blocks and slots) and returns its record (:meth:`~kvtier.tier.KVTier.retry`).
+        retry_pages: the pages that copy moves.
     """
 
     task: TierTask
@@ -97,6 +100,8 @@ class CopyRecord:
     handle: object
     nbytes: int
     ns: Optional[object] = None
+    retry: Optional[Callable[[], "CopyRecord"]] = dataclasses.field(default=None, repr=False)
+    retry_pages: int = 0
 
 
 @dataclasses.dataclass
