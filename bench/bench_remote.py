@@ -3,7 +3,8 @@
 One ``mooncake_master`` (started here, killed by its pid at the end, also on error) and one segment-holder process
 that mounts the store's only segment; every client below mounts none, so every value crosses loopback TCP to the
 holder, the same way for kvtier and for the raw client. For each cell (``--cells``: a host layout, or
-``LAYOUT:zero_copy``, the tier without staging, every block handed to Mooncake in its own ranges, as before it):
+``LAYOUT:zero_copy``, the tier without staging, every block handed to Mooncake in its own ranges, as before it, or
+``LAYOUT:staged``, every block staged, one range per value, whatever the layout):
 
 * kvtier put: instance A (:class:`kvtier.tier.KVTier` with the remote tier) stores ``--blocks`` fresh blocks
   (fresh tokens, so fresh keys) and its remote put job runs; timed from ``store`` to ``remote.drain(wait=True)``
@@ -27,7 +28,8 @@ holder, the same way for kvtier and for the raw client. For each cell (``--cells
 Fresh keys every repetition (removed afterwards); one warm-up repetition, then medians of ``--reps``; kvtier and raw
 alternate within a repetition. GB/s count value bytes (header + block) on every side.
 Summary: ``remote_put_over_raw``, ``remote_get_over_raw`` (median kvtier GB/s over median raw GB/s, the worst of
-the tier's cells; ``:zero_copy`` cells apart), the GB/s, ``hit_8k_ms``; per cell the same and the failures.
+the tier's cells; ``:zero_copy`` and ``:staged`` cells apart), the GB/s, ``hit_8k_ms``; per cell the same and the
+failures.
 
 Run: ``python bench/bench_remote.py --out bench/results/remote_cpu.json`` (about 3 minutes on 2 cores)
 """
@@ -148,20 +150,23 @@ def q(xs, f):
 
 
 class Bench:
-    """One cell: a host layout (and ``zero_copy``: the remote tier hands Mooncake the block's own ranges, as before
-    staging, whatever the layout), instances A (puts) and B (fetches), the raw client's buffers."""
+    """One cell: a host layout (and ``variant``: ``zero_copy``, the remote tier hands Mooncake the block's own ranges,
+    as before staging, or ``staged``, every block staged, whatever the layout), instances A (puts) and B (fetches),
+    the raw client's buffers."""
 
     def __init__(self, args, stores: Stores, geo: KVGeometry, layout: str, max_blocks: int,
-                 zero_copy: bool = False) -> None:
+                 variant: str = "") -> None:
         self.args, self.stores, self.geo, self.layout = args, stores, geo, layout
-        self.name = layout + (":zero_copy" if zero_copy else "")
+        self.name = layout + (f":{variant}" if variant else "")
         self.V = ALIGN + geo.block_bytes  # value bytes: header + block
         self.batch = max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // geo.block_bytes))
         self.n_max = max_blocks
         # Pools of 2x the largest prefix: a put queue holds up to half the pool, a fetch takes up to half of it.
         saved = remote_tier.STAGE_RANGES
-        if zero_copy:
+        if variant == "zero_copy":
             remote_tier.STAGE_RANGES = 1 << 30  # no block is staged
+        elif variant == "staged":
+            remote_tier.STAGE_RANGES = 0  # every block is staged
         try:
             self.a = self._tier(2 * max_blocks + 2, skip_store_copy=True, seed=1)
             self.b = self._tier(2 * max_blocks + 2, skip_store_copy=False, seed=2)
@@ -460,10 +465,10 @@ def plot(res: dict, path: str) -> None:
 
 
 def summarize(res: dict) -> dict:
-    """The worst of the tier's cells (zero-copy cells are the tier before staging: reported apart), every cell's
-    figures, the hit latency of the default host layout."""
+    """The worst of the tier's cells (variant cells, ``:zero_copy`` and ``:staged``, are not the tier as it ships:
+    reported apart), every cell's figures, the hit latency of the default host layout."""
     per = {c: e["throughput"] for c, e in res["cells"].items()}
-    shipped = [c for c in per if not c.endswith(":zero_copy")] or list(per)
+    shipped = [c for c in per if ":" not in c] or list(per)
     worst_put = min(shipped, key=lambda c: per[c]["put_over_raw"])
     worst_get = min(shipped, key=lambda c: per[c]["get_over_raw"])
     s = {"remote_put_over_raw": per[worst_put]["put_over_raw"], "remote_put_worst_cell": worst_put,
@@ -498,7 +503,8 @@ def summarize(res: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", default="layer_first,page_first,layer_first:zero_copy",
-                    help="host layouts, comma-separated; LAYOUT:zero_copy: the tier without staging (as before it)")
+                    help="host layouts, comma-separated; LAYOUT:zero_copy: the tier without staging (as before it);"
+                         " LAYOUT:staged: every block staged")
     ap.add_argument("--hit-cells", default="layer_first,page_first", help="cells of the hit latency")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -548,7 +554,8 @@ def main(argv=None) -> int:
                 "*_over_raw_paired: the median of each repetition's own ratio",
         "bytes": "GB/s = 1e9 bytes/s of value bytes (4 KiB header + block) on every side",
         "zero_copy": "a ':zero_copy' cell builds the tier with remote_tier.STAGE_RANGES out of reach: every block "
-                     "is handed to Mooncake in its own ranges (the tier before staging)"},
+                     "is handed to Mooncake in its own ranges (the tier before staging)",
+        "staged": "a ':staged' cell builds the tier with remote_tier.STAGE_RANGES at 0: every block is staged"},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
         "geometry": {"num_layers": geo.num_layers, "num_kv_heads": geo.num_kv_heads, "head_dim": geo.head_dim,
                      "dtype": "float16", "block_tokens": geo.page_size, "block_bytes": geo.block_bytes,
@@ -573,7 +580,7 @@ def main(argv=None) -> int:
             layout, _, variant = cell.partition(":")
             t = time.perf_counter()
             b = Bench(args, stores, geo, layout, max(args.blocks, hit_blocks if cell in hit_cells else 0),
-                      zero_copy=variant == "zero_copy")
+                      variant=variant)
             try:
                 print(f"{cell}: set up in {time.perf_counter() - t:.1f} s ({b.ranges_per_value} ranges per value, "
                       f"{'staged' if b.staged else 'zero-copy'})", flush=True)
