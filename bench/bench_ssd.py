@@ -6,7 +6,7 @@ For each directory (a disk, and a RAM-backed one for the software's own ceiling)
   (:func:`raw_bandwidth`: 16 MiB per thread region, 16 MiB from one pass, the tier's vectored 7-slot requests);
 * tier: :class:`kvtier.tier.ssd_tier.SsdTier` over :class:`kvtier.storage.SsdStore`, as the CPU tier drives it: one
   write job of ``--bytes`` of Qwen3-8B-sized blocks (16 tokens x 36 layers x 2 x 8 KV heads x 128 x bf16 = 2.25
-  MiB) from a CPU pool (durable batches: payloads, sync, records, headers, sync), then one read job of them into
+  MiB) from a CPU pool (durable batches: headers and payloads, sync, journal records, sync), then one read job into
   other CPU blocks (header, checksum, chain hash, namespace and tokens checked per block), on the same number of IO
   threads; once per CPU pool layout (``--layouts``); the bytes read back are compared with those written;
 * recovery: the SSD tier's restart path (open the store, replay its journal: one sequential read, fill the slot

@@ -149,9 +149,10 @@ def test_the_journal_stays_bounded_under_churn_and_replays_the_last_state(tmp_pa
         assert {slot: h.chain_hash for slot, h in s.recover()} == want
 
 
-def test_a_put_killed_once_a_header_is_written_leaves_every_served_block_recoverable(tmp_path):
-    """A process killed inside a put, its first header just written: every block a read serves (whole on disk) is
-    one the journal lists, so the restarted index finds it (the journal may list more: those cost a miss)."""
+def test_a_put_killed_before_its_journal_records_lists_only_the_durable_blocks(tmp_path):
+    """A process killed inside a put, its blocks written whole and synced but not yet recorded: recovery lists
+    only the blocks of the put before, each read back whole; the unrecorded ones are not findable (their slots are
+    free to the restarted tier) and take new blocks."""
     script = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {ROOT!r})
@@ -159,16 +160,19 @@ def test_a_put_killed_once_a_header_is_written_leaves_every_served_block_recover
         from tests.test_storage_ssd_store import block, make
         s = make([{str(tmp_path)!r}], slots_per_dir=8, tokens_per_block=16, io_threads=1)
         s.put([0, 1], [block(40), block(41)])
-        write_header = BlockFile.write_header
-        def write_header_then_die(self, slot, header):
-            write_header(self, slot, header)
+        def die(self, entries):
             os._exit(0)
-        BlockFile.write_header = write_header_then_die
+        BlockFile.record = die
         s.put([2, 3], [block(42), block(43)])
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     with make([str(tmp_path)], slots_per_dir=8, tokens_per_block=16) as s:
-        got = s.get(list(range(8)), [np.empty(BLOCK, np.uint8) for _ in range(8)])
-        served = {slot: h.chain_hash for slot, h in enumerate(got) if h is not None}
-        assert served == {0: 40, 1: 41, 2: 42}  # slot 2's header and payload are whole
-        assert served.items() <= {slot: h.chain_hash for slot, h in s.recover()}.items()
+        listed = {slot: h.chain_hash for slot, h in s.recover()}
+        assert listed == {0: 40, 1: 41}
+        outs = [np.empty(BLOCK, np.uint8) for _ in range(4)]
+        got = s.get([0, 1, 2, 3], outs)
+        assert [h.chain_hash for h in got] == [40, 41, 42, 43]  # on disk whole, but only 0 and 1 findable
+        assert all(np.array_equal(o, block(c).payload) for o, c in zip(outs, (40, 41)))
+        s.put([2, 3], [block(52), block(53)])
+    with make([str(tmp_path)], slots_per_dir=8, tokens_per_block=16) as s:
+        assert {slot: h.chain_hash for slot, h in s.recover()} == {0: 40, 1: 41, 2: 52, 3: 53}

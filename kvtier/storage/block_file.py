@@ -1,11 +1,13 @@
 """One preallocated file of fixed-size block slots, read and written with O_DIRECT where the file system takes it.
 
 Layout (:mod:`kvtier.storage.block_format`): a file header, then ``num_slots`` slots of a block header and a padded
-payload. Durability is the caller's protocol, in this order: :meth:`BlockFile.write_payloads` (a run of consecutive
-slots in one request), :meth:`BlockFile.sync`, :meth:`BlockFile.commit` (the journal records, then the headers),
-:meth:`BlockFile.sync`; a header therefore never names a payload that is not on disk. A crash in between leaves slots whose header is old or
-missing: an old header over a new payload fails the payload checksum, a missing header (a run's payload write
-zeroes the headers between its payloads) is an empty slot; neither is ever read back as KV.
+payload. Durability is the caller's protocol, in this order: :meth:`BlockFile.write_run` (a run of consecutive
+slots, each one's header and payload, in one request), then :meth:`BlockFile.commit` (sync the file, append the
+journal records, sync the journal); a journal record, the index a restart reads, therefore never names a block that
+is not on disk. A crash in between leaves slots whose header or payload is old, new or torn under the record of
+their old block: the header's checksum, its chain hash against the record's, and the payload checksum make each of
+them a miss or the whole block it names, never other bytes read back as KV. Without a journal (recovery scans the
+headers) a header can be durable before its payload: the payload checksum makes that slot a miss.
 
 Errors at open are :class:`BlockFileError` with what to do; a block that fails a check on read is a miss (None).
 """
@@ -175,29 +177,24 @@ class BlockFile:
             raise IndexError(f"slots {slot}..{slot + n - 1} out of range [0, {self.num_slots})")
         return ALIGN + slot * self.stride
 
-    def write_payload(self, slot: int, data: np.ndarray) -> int:
-        """Write a block's payload (at most ``slot_payload_bytes``) into ``slot``; returns its checksum (for the
-        header). Not durable until :meth:`sync`."""
-        return self.write_payloads(slot, [data])[0]
-
-    def write_payloads(self, slot: int, payloads: Sequence[np.ndarray]) -> list[int]:
-        """Write payloads into the consecutive slots ``slot, slot + 1, ...`` in one request, the headers between
-        them zeroed (those slots are being rewritten: empty until their new headers); returns the checksums. A
-        payload (at most ``slot_payload_bytes``) is any array; a contiguous one of whole aligned pages goes to the
-        disk from where it is, others through this thread's aligned buffer (:mod:`kvtier.storage.payload`). Not
-        durable until :meth:`sync`."""
+    def write_run(self, slot: int, payloads: Sequence[np.ndarray],
+                  header_of: Callable[[int, int, int], BlockHeader]) -> list[BlockHeader]:
+        """Write blocks into the consecutive slots ``slot, slot + 1, ...``, each one's header and payload, in one
+        request; ``header_of(i, payload_len, checksum)`` names block ``i`` (this file's fingerprint). A payload (at
+        most ``slot_payload_bytes``) is any array; a contiguous one of whole aligned pages goes to the disk from
+        where it is, others through this thread's aligned buffer (:mod:`kvtier.storage.payload`). Returns the
+        headers written. Durable and findable after a restart once :meth:`commit` returns."""
         payloads = [np.asarray(p) for p in payloads]
         for p in payloads:
             if p.nbytes > self.slot_payload_bytes:
                 raise ValueError(f"payload of {p.nbytes} B exceeds the slot's {self.slot_payload_bytes} B")
         offset = self._run_offset(slot, len(payloads))
         span = self.stride - ALIGN
+        heads = scratch("run_headers", len(payloads) * ALIGN).reshape(len(payloads), ALIGN)
         bounce = None
         iov: list = []
-        checks = []
+        headers = []
         for i, p in enumerate(payloads):
-            if i:
-                iov.append(_ZERO_PAGE)
             if payload.in_place(p, span):
                 buf = p.reshape(-1).view(np.uint8)
             else:  # rows, unaligned or short: gathered into the buffer, zero padded
@@ -206,34 +203,30 @@ class BlockFile:
                 buf = bounce[i]
                 payload.gather(p, buf)
                 buf[p.nbytes:] = 0
-            iov.append(buf)
-            checks.append(payload_checksum(buf[:p.nbytes]))
-        write_all_v(self._fd, iov, offset + ALIGN)
-        return checks
-
-    def write_header(self, slot: int, header: BlockHeader) -> None:
-        """Write ``slot``'s header (after its payload is durable: see the module docstring)."""
-        if header.fingerprint != self.fingerprint:
-            raise ValueError("the header's fingerprint is not this file's")
-        buf = scratch("header", ALIGN)
-        buf[:] = np.frombuffer(pack_block_header(header), dtype=np.uint8)
-        write_all(self._fd, buf, self._slot_offset(slot))
+            h = header_of(i, p.nbytes, payload_checksum(buf[:p.nbytes]))
+            if h.fingerprint != self.fingerprint:
+                raise ValueError("the header's fingerprint is not this file's")
+            heads[i] = np.frombuffer(pack_block_header(h), dtype=np.uint8)
+            headers.append(h)
+            iov += [heads[i], buf]
+        write_all_v(self._fd, iov, offset)
+        return headers
 
     def clear(self, slot: int) -> None:
         """Mark ``slot`` empty (its header zeroed); durable with the next :meth:`sync`."""
         write_all(self._fd, _ZERO_PAGE, self._slot_offset(slot))
 
     def commit(self, entries: list[tuple[int, BlockHeader]]) -> None:
-        """Write the journal records of slots whose payloads are durable, then their headers (durable with
-        :meth:`sync`)."""
+        """Make blocks that :meth:`write_run` wrote durable, then findable after a restart: sync the file, append
+        their journal records, sync the journal. Returns once all of it is durable."""
+        os.fdatasync(self._fd)
         self.record(entries)
-        for slot, h in entries:
-            self.write_header(slot, h)
+        if self.journal is not None:
+            self.journal.sync()
 
     def record(self, entries: list[tuple[int, BlockHeader]]) -> None:
-        """Append the journal records of slots whose payloads are durable, before their headers are written
-        (:meth:`commit`, or :meth:`write_header` from several threads): a process killed in between leaves records
-        without headers (a miss on read), never a header that recovery does not list. Durable with :meth:`sync`."""
+        """Append the journal records of slots whose headers and payloads are durable (:meth:`commit`); durable
+        with :meth:`sync`."""
         j = self.journal
         if j is None:
             return
@@ -248,10 +241,10 @@ class BlockFile:
         if self.journal is not None:
             self.journal.append(Record(FREE, s, 0, 0, 0, 0, np.empty(0, np.int64)) for s in slots)
 
-    def sync(self, journal: bool = True) -> None:
-        """Make every write so far durable (fdatasync of the file and, unless ``journal`` is False, its journal)."""
+    def sync(self) -> None:
+        """Make every write so far durable (fdatasync of the file and its journal)."""
         os.fdatasync(self._fd)
-        if journal and self.journal is not None:
+        if self.journal is not None:
             self.journal.sync()
 
     def recover(self) -> list[tuple[int, BlockHeader]]:

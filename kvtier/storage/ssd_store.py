@@ -7,9 +7,9 @@ A store of ``capacity_bytes`` over directories ``d_0 .. d_{k-1}`` has one :class
 directory (``kvtier_blocks.bin``), its slots dealt round robin (slot ``s`` lives in file ``s % k``), so a batch of
 consecutive slots reads and writes every disk at once. A run of consecutive slots of one file is one request (up to
 :data:`RUN_BYTES`), its blocks' payloads read from or written to where the caller holds them when they are whole
-aligned pages. :meth:`SsdStore.put` writes batches by the durability protocol (payloads on the IO threads; per file
-a sync, journal records then headers, a sync), the next batch's payloads while one commits, and returns only once
-every batch is durable; :meth:`SsdStore.read` checks every block on the IO threads; :meth:`SsdStore.recover` lists
+aligned pages. :meth:`SsdStore.put` writes batches by the durability protocol (headers and payloads on the IO
+threads; per file a sync, journal records, a sync of the journal: :meth:`BlockFile.commit`), the next batch's blocks
+while one commits, and returns only once every batch is durable; :meth:`SsdStore.read` checks every block on the IO threads; :meth:`SsdStore.recover` lists
 what a previous process made durable.
 """
 
@@ -85,14 +85,6 @@ def _settle(futures: list, raise_error: bool = True) -> bool:
     return True
 
 
-def _commit(f: BlockFile, entries: list[tuple[int, BlockHeader]]) -> None:
-    """Make a batch's blocks of file ``f`` durable, their payloads written: sync, journal records then headers,
-    sync."""
-    f.sync(journal=False)
-    f.commit(entries)
-    f.sync()
-
-
 class SsdStore:
     """Fixed-size block slots on disk.
 
@@ -162,8 +154,8 @@ class SsdStore:
     def put(self, slots: Sequence[int], blocks: Sequence[Block], *, batch: Optional[int] = None,
             on_durable: Optional[Callable[[int], None]] = None) -> None:
         """Store ``blocks[i]`` in ``slots[i]`` and return once all are durable. Batches of ``batch`` blocks (all of
-        them by default) go by the durability protocol (payloads, sync, journal records and headers, sync); the
-        next batch's payloads are written while one commits. ``on_durable(n)`` is called (on this thread) each time
+        them by default) go by the durability protocol (headers and payloads, sync, journal records, sync); the
+        next batch's blocks are written while one commits. ``on_durable(n)`` is called (on this thread) each time
         the first ``n`` blocks are durable. A block's payload is read from where it is, on the IO threads, until
         the call returns.
         An exception (a disk error, the disk full) ends the call once no IO is left running; the slots past the
@@ -176,29 +168,31 @@ class SsdStore:
         where = [self._where(s) for s in slots]
         n = len(slots)
         step = max(1, batch or n)
-        checks = [0] * n
+        headers: list[Optional[BlockHeader]] = [None] * n
         failed = threading.Event()
 
         def write(piece: _Piece) -> None:
             if failed.is_set():
                 return
+
+            def header_of(j: int, nbytes: int, checksum: int) -> BlockHeader:
+                blk = blocks[piece.positions[j]]
+                return BlockHeader(self.fingerprint, blk.namespace, blk.chain_hash,
+                                   np.asarray(blk.tokens, dtype=np.int64), nbytes, checksum)
             try:
-                got = piece.file.write_payloads(piece.local, [blocks[i].payload for i in piece.positions])
+                got = piece.file.write_run(piece.local, [blocks[i].payload for i in piece.positions], header_of)
             except BaseException:
                 failed.set()
                 raise
-            for i, c in zip(piece.positions, got):
-                checks[i] = c
+            for i, h in zip(piece.positions, got):
+                headers[i] = h
 
         def commit(a: int, b: int) -> list:
             per_file: dict[int, list] = {}
             for i in range(a, b):
                 f, local = where[i]
-                blk = blocks[i]
-                h = BlockHeader(self.fingerprint, blk.namespace, blk.chain_hash,
-                                np.asarray(blk.tokens, dtype=np.int64), np.asarray(blk.payload).nbytes, checks[i])
-                per_file.setdefault(id(f), [f, []])[1].append((local, h))
-            return [self._commit_pool.submit(_commit, f, entries) for f, entries in per_file.values()]
+                per_file.setdefault(id(f), [f, []])[1].append((local, headers[i]))
+            return [self._commit_pool.submit(f.commit, entries) for f, entries in per_file.values()]
 
         todo = collections.deque((a, min(a + step, n)) for a in range(0, n, step))
         writing: collections.deque = collections.deque()  # (first, end, payload writes) of batches, 2 at most

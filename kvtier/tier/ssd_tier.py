@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["SsdTier", "IoJob", "SsdStats", "BATCH_BYTES", "MAX_PENDING_BYTES"]
 
 # Tuned constants: docs/DESIGN.md, "Tuned constants".
-BATCH_BYTES = 64 << 20  # one durable batch (two syncs per file) per this many bytes written
+BATCH_BYTES = 64 << 20  # one durable batch (a sync of each file and journal) per this many bytes written
 MAX_PENDING_BYTES = 8 << 30  # writes queued beyond this are dropped (they hold CPU blocks until written)
 
 BlockView = Callable[[int], np.ndarray]  # CPU block id -> its bytes (see SsdTier)
