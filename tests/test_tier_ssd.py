@@ -147,6 +147,19 @@ def ssd_slots_of(tmp_path, toks: np.ndarray) -> list:
     return slots
 
 
+def test_a_prefix_stored_over_evicted_blocks_takes_ascending_slots(tmp_path):
+    """Once the SSD is full, a new prefix's blocks take the slots LRU eviction frees: in ascending order (runs of
+    consecutive slots, one request each for the store), not in the reverse order the free list gives them back."""
+    t = make_ssd_tier(tmp_path, ssd_slots=8, num_blocks=16)
+    store_all(t, prompt(1, 8))  # fills slots 0..7
+    b = prompt(2, 4)
+    store_all(t, b, first_page=8)  # evicts four of the first prefix's blocks
+    slots = [t.ssd.medium.index.slot_of(int(h)) for h in page_hashes(b, P)]
+    assert t.stats()["ssd_blocks_evicted"] == 4
+    assert None not in slots and slots == list(range(slots[0], slots[0] + 4)), slots
+    t.destroy()
+
+
 def test_a_flipped_byte_on_disk_is_a_counted_miss_never_served(tmp_path):
     a = make_ssd_tier(tmp_path)
     toks = prompt(1, 4)

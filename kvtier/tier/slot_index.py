@@ -74,12 +74,14 @@ class SlotIndex:
     # --- slots ---
 
     def alloc(self, n: int) -> np.ndarray:
-        """Up to ``n`` slots for a write (pending until :meth:`commit` or :meth:`release`), evicting LRU unlocked
-        held slots when none are free; fewer when too many are locked or pending."""
+        """Up to ``n`` slots for a write (pending until :meth:`commit` or :meth:`release`), in ascending order,
+        evicting LRU unlocked held slots when none are free; fewer when too many are locked or pending. Ascending:
+        a job's blocks, a prefix in order, land in runs of consecutive slots wherever the slots came from (the
+        stack gives evicted ones back in reverse), and the store moves each run in one request."""
         if len(self._free) < n:
             self._evict(n - len(self._free))
         k = min(n, len(self._free))
-        out = np.array([self._free.pop() for _ in range(k)], dtype=np.int64)
+        out = np.sort(np.array([self._free.pop() for _ in range(k)], dtype=np.int64))
         self._pending += k
         return out
 
