@@ -17,8 +17,6 @@ import random
 import statistics
 import sys
 
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from bench import bench_ssd  # noqa: E402
