@@ -9,8 +9,8 @@ consecutive slots reads and writes every disk at once. A run of consecutive slot
 :data:`RUN_BYTES`), its blocks' payloads read from or written to where the caller holds them when they are whole
 aligned pages. :meth:`SsdStore.put` writes batches by the durability protocol (headers and payloads on the IO
 threads; per file a sync, journal records, a sync of the journal: :meth:`BlockFile.commit`), the next batch's blocks
-while one commits, and returns only once every batch is durable; :meth:`SsdStore.read` checks every block on the IO threads; :meth:`SsdStore.recover` lists
-what a previous process made durable.
+while one commits, and returns only once every batch is durable; :meth:`SsdStore.read` checks every block on the IO
+threads; :meth:`SsdStore.recover` lists what a previous process made durable.
 """
 
 from __future__ import annotations
