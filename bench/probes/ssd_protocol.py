@@ -58,30 +58,38 @@ def run(unit: str, args) -> dict:
         BlockFile.commit, ssd_tier.BATCH_BYTES = _commit, batch
 
 
-def main() -> None:
+def unit_parser(units: str, reps: int) -> argparse.ArgumentParser:
+    """The arguments every probe of :func:`run_units` takes (``--units`` defaults to ``units``)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
     ap.add_argument("--bytes", type=int, default=1 << 30)
     ap.add_argument("--io-threads", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--units", default=units, type=lambda v: v.split(","))
     ap.add_argument("--out", required=True)
-    ap.add_argument("--units", default="raw_slots,page_first:tier,page_first:headers_apart,page_first:nosync",
-                    type=lambda v: v.split(","))
+    return ap
+
+
+def main() -> None:
+    ap = unit_parser("raw_slots,page_first:tier,page_first:headers_apart,page_first:nosync", 3)
     args = ap.parse_args()
+    run_units(args, run, "")
+
+
+def run_units(args, run, label: str) -> None:
+    """``run(unit, args)`` for every unit of ``args.units``, ``args.reps`` times in a shuffled order each; prints
+    (after ``label``) and writes to ``args.out`` each unit's median write and read GB/s, and every run."""
     os.makedirs(args.dir, exist_ok=True)
     rows: dict = {u: [] for u in args.units}
     rng = random.Random(0)
     for _ in range(args.reps):
-        order = args.units[:]
-        rng.shuffle(order)
-        for u in order:
+        for u in rng.sample(args.units, len(args.units)):
             rows[u].append(run(u, args))
     out = {u: {d: statistics.median(r[f"{d}_gbps"] for r in rs) for d in ("write", "read")} for u, rs in rows.items()}
     for u, m in out.items():
-        print(f"{u:26s} write {m['write']:.3f} read {m['read']:.3f}", flush=True)
+        print(f"{label}{u:26s} write {m['write']:.3f} read {m['read']:.3f} GB/s", flush=True)
     with open(args.out, "w") as f:
         json.dump({"medians": out, "runs": rows, "args": vars(args)}, f, indent=1)
-
 
 if __name__ == "__main__":
     main()

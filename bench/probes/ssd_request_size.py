@@ -10,16 +10,13 @@ pool (``bench_ssd``'s geometry, ``--layout``), then one read job of them into ot
 Run: ``python bench/probes/ssd_request_size.py --dir /dev/shm/kvtier-order --units asc3,asc16,descending --out p.json``
 """
 
-import argparse
-import json
 import os
-import random
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from bench import bench_ssd  # noqa: E402
+from bench.probes.ssd_protocol import run_units, unit_parser  # noqa: E402
 from kvtier.storage import ssd_store  # noqa: E402
 from kvtier.tier.slot_index import SlotIndex  # noqa: E402
 
@@ -43,28 +40,10 @@ def run(unit: str, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", required=True)
-    ap.add_argument("--bytes", type=int, default=1 << 30)
-    ap.add_argument("--io-threads", type=int, default=4)
+    ap = unit_parser("asc16,descending", 5)
     ap.add_argument("--layout", default="layer_first")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--units", default="asc16,descending", type=lambda v: v.split(","))
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
-    orders = args.units
-    rows: dict = {o: [] for o in orders}
-    rng = random.Random(0)
-    for _ in range(args.reps):
-        for o in rng.sample(orders, len(orders)):
-            rows[o].append(run(o, args))
-    out = {o: {d: statistics.median(r[f"{d}_gbps"] for r in rs) for d in ("write", "read")} for o, rs in rows.items()}
-    for o, m in out.items():
-        print(f"{args.dir} {args.layout} {o:10s} write {m['write']:.3f} read {m['read']:.3f} GB/s", flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"medians": out, "runs": rows, "args": vars(args)}, f, indent=1)
-
+    run_units(args, run, f"{args.dir} {args.layout} ")
 
 if __name__ == "__main__":
     main()
