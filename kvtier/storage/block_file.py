@@ -225,8 +225,8 @@ class BlockFile:
             self.journal.sync()
 
     def record(self, entries: list[tuple[int, BlockHeader]]) -> None:
-        """Append the journal records of slots whose headers and payloads are durable (:meth:`commit`); durable
-        with :meth:`sync`."""
+        """Append the journal records of slots whose headers and payloads are durable; :meth:`commit` calls it
+        between its two syncs."""
         j = self.journal
         if j is None:
             return

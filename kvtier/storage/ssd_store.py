@@ -134,7 +134,7 @@ class SsdStore:
 
         def pool(prefix: str) -> concurrent.futures.ThreadPoolExecutor:
             return concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix=prefix, initializer=take_share)
-        # reads never queue behind a batch of writes and its syncs; a batch commits while the next one's payloads
+        # reads never queue behind a batch of writes and its syncs; a batch commits while the next one's blocks
         # are written
         self._pool = pool("kvtier-ssd-w")
         self._read_pool = pool("kvtier-ssd-r")
@@ -195,7 +195,7 @@ class SsdStore:
             return [self._commit_pool.submit(f.commit, entries) for f, entries in per_file.values()]
 
         todo = collections.deque((a, min(a + step, n)) for a in range(0, n, step))
-        writing: collections.deque = collections.deque()  # (first, end, payload writes) of batches, 2 at most
+        writing: collections.deque = collections.deque()  # (first, end, block writes) of batches, 2 at most
         committing: Optional[tuple[int, list]] = None  # (end, commits) of the batch being made durable
         try:
             while todo or writing:
