@@ -375,3 +375,53 @@ def test_admission_compares_the_read_and_the_rest_with_the_measured_prefill_at_t
     assert not adm.admit(28672, 28704, 28672 * 147456, queued_bytes=2 << 30)  # behind 2 GiB of reads: loses
     assert adm.prefill.seconds(57408) > 3.1  # beyond the largest prefill: the last slope
     assert (adm.admitted, adm.refused) == (2, 3)
+
+
+def test_admission_weighs_the_rest_of_a_hit_with_what_prefills_past_a_cached_prefix_took():
+    """The H200's end-to-end harness: a 64-token prompt prefills in 15 ms, but 16 tokens past a 2k-token cached
+    prefix take 50 ms (the prefix's load and attention over it). With reads of 7.7 GB/s a 2k-token hit then loses
+    (39 ms of read + 50 against 75 ms), which the short prompt's 15 ms alone would have admitted; an 8k one still
+    wins, and a long rest past a hit costs what the prefill curve says (the extends' figure is a floor, not a
+    slope)."""
+    from kvtier.tier.admission import CostAdmission
+
+    kv = 147456  # bytes of KV per token
+    adm = CostAdmission("cost", read_gbps=7.7, prefill_tokens_per_s=None, measured_read_gbps=lambda: None)
+    for n, ms in ((64, 15), (2080, 75), (8224, 310), (28704, 1550)):
+        adm.note_prefill(n, ms / 1e3)
+    assert adm.admit(2048, 2064, 2048 * kv)  # the short prompt's cost as the rest: admitted
+    adm.note_prefill(16, 0.050, cached_tokens=2048)
+    assert adm.rest_seconds(16) == pytest.approx(0.050)
+    assert adm.rest_seconds(6000) == pytest.approx(adm.prefill.seconds(6000))
+    assert adm.prefill.seconds(16) == pytest.approx(0.015)  # a prefill with nothing cached is unchanged
+    assert not adm.admit(2048, 2064, 2048 * kv)
+    assert adm.admit(8192, 8208, 8192 * kv)  # 157 ms of read + 50 against 310 ms
+    assert adm.admit(2048, 8048, 2048 * kv)  # 39 ms of read + the 6000-token rest's 227 against 310 ms
+    fixed = CostAdmission("cost", read_gbps=7.7, prefill_tokens_per_s=1e5, measured_read_gbps=lambda: None)
+    fixed.note_prefill(16, 0.050, cached_tokens=2048)
+    assert fixed.rest_seconds(16) == pytest.approx(16 / 1e5)  # a configured rate is the operator's word
+
+
+def test_the_engine_reports_the_prefill_past_a_hit_with_its_cached_tokens(tmp_path):
+    """A request served from the SSD tier reports the tokens it computed past the cached prefix, and the seconds
+    after its promotion, as a prefill past a cached prefix; a recompute reports a prefill with nothing cached."""
+    pytest.importorskip("transformers")
+    from kvtier.e2e.engine import TierEngine
+    from kvtier.e2e.model import PagedDecoder, qwen3_config
+
+    cfg = qwen3_config(num_layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
+    model = PagedDecoder.from_config(cfg, seed=0, device="cpu")
+    config = TierConfig(cpu_cache_gb=1 / 256, page_size=16, ssd_cache_gb=1 / 64, ssd_cache_dir=str(tmp_path),
+                        ssd_admission="always")
+    prompt = torch.randint(1, 256, (80,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine = TierEngine(model, config, num_slots=512, model_identity={"model": "tiny-qwen3"})
+    engine.serve(prompt, 2, source="none")
+    adm = engine.tier.ssd.admission
+    assert [n for n, _ in adm.prefill._samples] == [80] and not adm.extend.known
+    engine.tier.flush_ssd()
+    engine.tier.reset()  # the prefix is on the SSD only
+    engine.drop_device_cache()
+    served = engine.serve(prompt, 2, source="kvtier")
+    assert served.cached == 64 and engine.tier.stats()["pages_promoted"] == 4
+    assert [n for n, _ in adm.extend._samples] == [16] and len(adm.prefill._samples) == 1
+    engine.tier.destroy()

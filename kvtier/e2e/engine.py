@@ -10,7 +10,11 @@ serves one request at a time from one of three sources for its prefix:
   says so). With an SSD tier the request first waits for the promotion of what the SSD holds past the CPU hit,
   when admission lets it in (as HiCache's ``wait_complete`` prefetch policy does).
 
-Prefills of ``"none"`` requests report their rate to the tier (``KVTier.note_prefill``), for SSD admission.
+Every request reports its prefill to the tier (``KVTier.note_prefill``), for SSD admission: the tokens it computed
+and the seconds from its arrival to its first token, less any wait for a promotion. A short prefill past a long
+cached prefix reports what it costs (its load and its attention over the prefix), not only what a short prompt
+alone costs: admission weighs an SSD hit's read against the prefill it leaves, and a short prompt's prefill is
+cheaper than that.
 
 Every request is stored to the host tier when it finishes (its slots are freed once that copy has completed).
 """
@@ -130,12 +134,14 @@ class TierEngine:
             self._last = None
         new = self.pool.alloc(n + max_new_tokens - reuse)
         slots = torch.cat((prev[1][:reuse], new)) if reuse else new
-        cached = reuse
+        cached, waited = reuse, 0.0
         if source == "kvtier":
             want = (n - 1) // P * P
             promotion = self.tier.lookup_tiers(tokens[:want], None).promotion
             if promotion is not None:
+                t_wait = time.perf_counter()
                 self.tier.wait(promotion)
+                waited = time.perf_counter() - t_wait
             load = self.tier.load_layerwise if self.config.layerwise else self.tier.load
             task = load(tokens[:want], None, slots[:want])
             cached = task.num_pages * P
@@ -146,8 +152,7 @@ class TierEngine:
         toks = torch.tensor(tokens[cached:], dtype=torch.int64, device=dev)
         out = [greedy(self.model.forward(self.pool, toks, cached, slots[cached:n], slots[:n]))]
         ttft = time.perf_counter() - t0
-        if source == "none":
-            self.tier.note_prefill(n, ttft)
+        self.tier.note_prefill(n - cached, ttft - waited, cached)
         for pos in range(n, n + max_new_tokens - 1):
             last = torch.tensor([out[-1]], dtype=torch.int64, device=dev)
             out.append(greedy(self.model.forward(self.pool, last, pos, slots[pos:pos + 1], slots[:pos + 1])))

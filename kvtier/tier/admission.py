@@ -3,14 +3,17 @@
 A request of ``n`` tokens past its CPU hit whose first ``k`` are on the SSD either waits for those blocks to be
 promoted (read into CPU blocks, then loaded like any host hit) and prefills the other ``n - k``, or prefills all
 ``n``. Reading ``b`` bytes behind ``q`` bytes of reads already queued takes ``(q + b) / read_bandwidth``; the
-policy admits the hit when ``read + prefill(n - k) < prefill(n)`` (sglang#26305 measured file-backend hits at
+policy admits the hit when ``read + rest(n - k) < prefill(n)`` (sglang#26305 measured file-backend hits at
 2,450 ms against 1,725 ms of recompute: without this check a slow disk makes the cache a loss).
 
 ``prefill(x)``: ``prefill_tokens_per_s`` from the config (``x / rate``), else interpolated between the prefills
-the engine reports (:meth:`CostAdmission.note_prefill`: tokens computed, seconds), so a prefill's fixed cost and
-attention's growth with the context are in it; beyond the largest one it grows with the last slope, below the
-smallest one it costs as much as the smallest (a conservative floor). Bandwidth: ``ssd_read_gbps`` from the config,
-else the SSD tier's measured reads. Unknown rates admit (to measure), logged once.
+the engine reports with nothing cached (:meth:`CostAdmission.note_prefill`: tokens computed, seconds), so a
+prefill's fixed cost and attention's growth with the context are in it; beyond the largest one it grows with the
+last slope, below the smallest one it costs as much as the smallest (a conservative floor). ``rest(x)``: the same,
+and at least what the engine's prefills past a cached prefix (``cached_tokens`` > 0) of about ``x`` computed tokens
+took: such a prefill also loads the prefix and attends over it, so a short one costs more than a short prompt
+alone (on the H200's end-to-end harness, 16 tokens past a 2k prefix 45-60 ms, a 64-token prompt 15 ms). Bandwidth:
+``ssd_read_gbps`` from the config, else the SSD tier's measured reads. Unknown rates admit (to measure), logged once.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ class PrefillModel:
     def known(self) -> bool:
         return self.tokens_per_s is not None or bool(self._samples)
 
-    def seconds(self, tokens: int) -> Optional[float]:
-        """Estimated prefill seconds of ``tokens`` tokens; None before any measurement."""
+    def seconds(self, tokens: int, *, extrapolate: bool = True) -> Optional[float]:
+        """Estimated prefill seconds of ``tokens`` tokens; None before any measurement. Without ``extrapolate``,
+        beyond the largest measured prefill it costs as much as that one."""
         if self.tokens_per_s is not None:
             return tokens / self.tokens_per_s
         if not self._samples:
@@ -53,7 +57,7 @@ class PrefillModel:
         ns = np.array(sorted(by), dtype=np.float64)
         ts = np.array([float(np.median(by[int(n)])) for n in ns])
         ts = np.maximum.accumulate(ts)  # more tokens never cost less
-        if tokens <= ns[-1]:
+        if tokens <= ns[-1] or not extrapolate:
             return float(np.interp(tokens, ns, ts))  # np.interp holds ts[0] below ns[0]
         slope = (ts[-1] - ts[-2]) / (ns[-1] - ns[-2]) if ns.size > 1 else ts[-1] / ns[-1]
         return float(ts[-1] + slope * (tokens - ns[-1]))
@@ -70,13 +74,22 @@ class CostAdmission:
         self._read_gbps = read_gbps
         self._measured = measured_read_gbps
         self.prefill = PrefillModel(prefill_tokens_per_s)
+        self.extend = PrefillModel()  # prefills past a cached prefix (unused with a configured rate)
         self._said_unknown = False
         self.admitted = 0
         self.refused = 0
 
-    def note_prefill(self, tokens: int, seconds: float) -> None:
-        """The engine prefilled ``tokens`` (computed, not cached) in ``seconds``."""
-        self.prefill.note(tokens, seconds)
+    def note_prefill(self, tokens: int, seconds: float, cached_tokens: int = 0) -> None:
+        """The engine prefilled ``tokens`` (computed, not cached) past ``cached_tokens`` cached ones in
+        ``seconds``."""
+        (self.extend if cached_tokens > 0 else self.prefill).note(tokens, seconds)
+
+    def rest_seconds(self, tokens: int) -> Optional[float]:
+        """Estimated seconds of the prefill of ``tokens`` tokens past a hit (see the module docstring)."""
+        base = self.prefill.seconds(tokens)
+        if base is None or self.prefill.tokens_per_s is not None or not self.extend.known:
+            return base
+        return max(base, self.extend.seconds(tokens, extrapolate=False))
 
     @property
     def read_gbps(self) -> Optional[float]:
@@ -87,7 +100,7 @@ class CostAdmission:
         """(seconds with the SSD hit: its read and the prefill of the rest, seconds without it: the prefill of all
         ``tokens``); None where unknown."""
         gbps = self.read_gbps
-        rest, everything = self.prefill.seconds(tokens - hit_tokens), self.prefill.seconds(tokens)
+        rest, everything = self.rest_seconds(tokens - hit_tokens), self.prefill.seconds(tokens)
         if not gbps or rest is None:
             return None, everything
         return (queued_bytes + nbytes) / (gbps * 1e9) + rest, everything

@@ -336,13 +336,14 @@ class KVTier(HostTier):
             self.ssd.drain(wait=True)
 
     @synchronized
-    def note_prefill(self, tokens: int, seconds: float) -> None:
-        """The engine prefilled ``tokens`` tokens in ``seconds``: the prefill rate SSD admission compares reads
-        with (unless ``prefill_tokens_per_s`` is configured)."""
+    def note_prefill(self, tokens: int, seconds: float, cached_tokens: int = 0) -> None:
+        """The engine prefilled ``tokens`` tokens past ``cached_tokens`` cached ones (loaded, not computed) in
+        ``seconds``: the prefill costs SSD and remote admission compare reads with (unless
+        ``prefill_tokens_per_s`` is configured; see :mod:`kvtier.tier.admission`)."""
         if self.ssd is not None:
-            self.ssd.note_prefill(tokens, seconds)
+            self.ssd.note_prefill(tokens, seconds, cached_tokens)
         if self.remote is not None:
-            self.remote.note_prefill(tokens, seconds)
+            self.remote.note_prefill(tokens, seconds, cached_tokens)
 
     @synchronized
     def store(self, tokens, ns: Optional[Namespace], slot_indices) -> TierTask:

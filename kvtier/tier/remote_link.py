@@ -197,8 +197,8 @@ class RemoteLink:
 
     # --- life cycle ---
 
-    def note_prefill(self, tokens: int, seconds: float) -> None:
-        self.admission.note_prefill(tokens, seconds)
+    def note_prefill(self, tokens: int, seconds: float, cached_tokens: int = 0) -> None:
+        self.admission.note_prefill(tokens, seconds, cached_tokens)
 
     def stats(self) -> dict:
         out = {f"remote_{k}": v for k, v in self.medium.snapshot().items()}
