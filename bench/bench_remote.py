@@ -25,8 +25,8 @@ holder, the same way for kvtier and for the raw client. For each cell (``--cells
   8k), next to the raw get of the same values.
 * worker CPU: microseconds per block of the remote workers' own work (checksum, header, ranges, staging copy).
 
-Fresh keys every repetition (removed afterwards); one warm-up repetition, then medians of ``--reps``; kvtier and raw
-alternate within a repetition. GB/s count value bytes (header + block) on every side.
+Fresh keys every repetition (removed afterwards); one warm-up repetition, then medians of ``--reps``; kvtier's put
+goes before the raw puts in even repetitions and after them in odd ones. GB/s count value bytes (header + block) on every side.
 Summary: ``remote_put_over_raw``, ``remote_get_over_raw`` (median kvtier GB/s over median raw GB/s, the worst of
 the tier's cells; ``:zero_copy`` and ``:staged`` cells apart), the GB/s, ``hit_8k_ms``; per cell the same and the
 failures.
@@ -350,13 +350,16 @@ class Bench:
         rows = []
         for rep in range(reps + 1):  # the first is the warm-up
             toks = self.fresh_tokens(n)
+            raw_first = rep % 2 == 1  # neither side always puts right after the last repetition's removals
+            if raw_first:
+                raw, raw_r = self.raw(n, ranges=False), self.raw(n, ranges=True)
             put = self.kvtier_put(toks)
-            raw = self.raw(n, ranges=False)
-            raw_r = self.raw(n, ranges=True)
+            if not raw_first:
+                raw, raw_r = self.raw(n, ranges=False), self.raw(n, ranges=True)
             fetch = self.kvtier_fetch(toks, put.pop("block_ids"))
             self.remove_kvtier(toks)
-            rows.append({"warmup": rep == 0, "kvtier_put": put, "kvtier_fetch": fetch, "raw": raw,
-                         "raw_ranges": raw_r})
+            rows.append({"warmup": rep == 0, "raw_first": raw_first, "kvtier_put": put, "kvtier_fetch": fetch,
+                         "raw": raw, "raw_ranges": raw_r})
             print(f"  {self.name} rep {rep}{' (warm-up)' if rep == 0 else ''}: put kvtier {put['gbps']:.3f} "
                   f"(job {put['job_gbps'] or 0:.3f}) raw {raw['put_gbps']:.3f} raw_ranges {raw_r['put_gbps']:.3f}"
                   f" | get kvtier {fetch['gbps']:.3f} raw {raw['get_gbps']:.3f} raw_ranges {raw_r['get_gbps']:.3f}"
