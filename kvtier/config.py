@@ -52,7 +52,7 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
 * ``ssd_read_gbps`` (float > 0 or null, default null): the SSD read bandwidth admission assumes; null: the tier's
   measured reads.
 * ``prefill_tokens_per_s`` (float > 0 or null, default null): the engine's prefill rate admission compares with;
-  null: what the engine reports (``KVTier.note_prefill``).
+  null: what the engine reports (``KVTier.note_prefill``: its prefills, those past a cached prefix apart).
 * ``ssd_wipe_mismatch`` (bool, default false): a block file in ``ssd_cache_dir`` written for another model, layout
   or TP rank is wiped and recreated; by default it is left alone and the tier refuses to start, naming the file.
 * ``remote_backend`` (``"mooncake"`` or null, default null): the remote tier behind the CPU (and SSD) tiers, a
