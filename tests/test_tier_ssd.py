@@ -322,9 +322,9 @@ def test_a_block_whose_tokens_differ_from_the_querys_is_a_miss(tmp_path):
     t.destroy()
 
 
-def test_a_model_reads_kv_the_ssd_tier_brought_back_after_a_restart(tmp_path):
-    """A random-weight Qwen3 serves a prompt, the engine is rebuilt over the same SSD directory (an empty CPU tier),
-    and the prompt's prefix comes back from the SSD: the outputs equal the warm device cache's."""
+def tiny_qwen3_engine(tmp_path):
+    """(TierEngine, a 2-layer random Qwen3 on the CPU, an SSD tier config over ``tmp_path`` that admits every hit,
+    an 80-token prompt); skips without transformers."""
     pytest.importorskip("transformers")
     from kvtier.e2e.engine import TierEngine
     from kvtier.e2e.model import PagedDecoder, qwen3_config
@@ -334,6 +334,13 @@ def test_a_model_reads_kv_the_ssd_tier_brought_back_after_a_restart(tmp_path):
     config = TierConfig(cpu_cache_gb=1 / 256, page_size=16, ssd_cache_gb=1 / 64, ssd_cache_dir=str(tmp_path),
                         ssd_admission="always")
     prompt = torch.randint(1, 256, (80,), generator=torch.Generator().manual_seed(0)).tolist()
+    return TierEngine, model, config, prompt
+
+
+def test_a_model_reads_kv_the_ssd_tier_brought_back_after_a_restart(tmp_path):
+    """A random-weight Qwen3 serves a prompt, the engine is rebuilt over the same SSD directory (an empty CPU tier),
+    and the prompt's prefix comes back from the SSD: the outputs equal the warm device cache's."""
+    TierEngine, model, config, prompt = tiny_qwen3_engine(tmp_path)
     ident = {"model": "tiny-qwen3", "seed": 0}
     first = TierEngine(model, config, num_slots=512, model_identity=ident)
     first.serve(prompt, 4, source="none")
@@ -405,15 +412,7 @@ def test_admission_weighs_the_rest_of_a_hit_with_what_prefills_past_a_cached_pre
 def test_the_engine_reports_the_prefill_past_a_hit_with_its_cached_tokens(tmp_path):
     """A request served from the SSD tier reports the tokens it computed past the cached prefix, and the seconds
     after its promotion, as a prefill past a cached prefix; a recompute reports a prefill with nothing cached."""
-    pytest.importorskip("transformers")
-    from kvtier.e2e.engine import TierEngine
-    from kvtier.e2e.model import PagedDecoder, qwen3_config
-
-    cfg = qwen3_config(num_layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
-    model = PagedDecoder.from_config(cfg, seed=0, device="cpu")
-    config = TierConfig(cpu_cache_gb=1 / 256, page_size=16, ssd_cache_gb=1 / 64, ssd_cache_dir=str(tmp_path),
-                        ssd_admission="always")
-    prompt = torch.randint(1, 256, (80,), generator=torch.Generator().manual_seed(0)).tolist()
+    TierEngine, model, config, prompt = tiny_qwen3_engine(tmp_path)
     engine = TierEngine(model, config, num_slots=512, model_identity={"model": "tiny-qwen3"})
     engine.serve(prompt, 2, source="none")
     adm = engine.tier.ssd.admission

@@ -33,21 +33,28 @@ AFFINITY: set = set()  # CPUs each IO thread may run on (sizes)
 _lock = threading.Lock()
 
 
-def timed(module, name: str, stage: str) -> None:
-    fn = getattr(module, name)
+def wrap_timed(owner, name: str, note) -> None:
+    """Replace ``owner.name`` by a wrapper that calls ``note(seconds)`` after each call."""
+    fn = getattr(owner, name)
 
     def wrapper(*a, **k):
         t = time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
-            dt = time.perf_counter() - t
-            with _lock:
-                s = STAGES.setdefault(stage, [0.0, 0])
-                s[0] += dt
-                s[1] += 1
-                AFFINITY.add(len(os.sched_getaffinity(0)))
-    setattr(module, name, wrapper)
+            note(time.perf_counter() - t)
+    setattr(owner, name, wrapper)
+
+
+def timed(module, name: str, stage: str) -> None:
+    """Time ``module.name`` as ``stage`` (thread-seconds and calls, each caller's affinity noted)."""
+    def note(dt: float) -> None:
+        with _lock:
+            s = STAGES.setdefault(stage, [0.0, 0])
+            s[0] += dt
+            s[1] += 1
+            AFFINITY.add(len(os.sched_getaffinity(0)))
+    wrap_timed(module, name, note)
 
 
 def take() -> dict:
@@ -79,18 +86,8 @@ def engine_cells(model, cfg, args, threads: int, plen: int, layerwise: bool) -> 
     tier = engine.tier
     phases: dict = {}
 
-    def phase(name):
-        fn = getattr(tier, name)
-
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t
-        setattr(tier, name, wrapper)
     for name in ("lookup_tiers", "wait", "load_layerwise", "load", "wait_on_current_stream"):
-        phase(name)
+        wrap_timed(tier, name, lambda dt, name=name: phases.__setitem__(name, phases.get(name, 0.0) + dt))
     forward = model.forward
 
     def timed_forward(*a, **k):  # synchronized: its GPU time, layer waits included
