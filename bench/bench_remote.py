@@ -26,7 +26,8 @@ holder, the same way for kvtier and for the raw client. For each cell (``--cells
 * worker CPU: microseconds per block of the remote workers' own work (checksum, header, ranges, staging copy).
 
 Fresh keys every repetition (removed afterwards); one warm-up repetition, then medians of ``--reps``; kvtier's put
-goes before the raw puts in even repetitions and after them in odd ones. GB/s count value bytes (header + block) on every side.
+goes before the raw puts in even repetitions and after them in odd ones. GB/s count value bytes (header + block) on
+every side.
 Summary: ``remote_put_over_raw``, ``remote_get_over_raw`` (median kvtier GB/s over median raw GB/s, the worst of
 the tier's cells; ``:zero_copy`` and ``:staged`` cells apart), the GB/s, ``hit_8k_ms``; per cell the same and the
 failures.

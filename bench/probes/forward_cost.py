@@ -64,8 +64,8 @@ def main() -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         forward_ms(model, pool, c, n, 1)
-    tables = {key: prof.key_averages().table(sort_by=key, row_limit=18)
-              for key in ("self_cpu_time_total", "self_cuda_time_total" if torch.cuda.is_available() else "cpu_time_total")}
+    by_device = "self_cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    tables = {key: prof.key_averages().table(sort_by=key, row_limit=18) for key in ("self_cpu_time_total", by_device)}
     for t in tables.values():
         print(t)
     with open(args.out, "w") as f:

@@ -124,8 +124,9 @@ def engine_cells(model, cfg, args, threads: int, plen: int, layerwise: bool) -> 
         cpu_hit = serve(prompt, "kvtier").ttft_s  # the prefix is on the CPU tier now: no promotion
         nbytes = after["ssd_bytes_read"] - before["ssd_bytes_read"]
         secs = after["ssd_seconds_read"] - before["ssd_seconds_read"]
-        row = {"io_threads": threads, "layerwise": layerwise, "prefix": plen, "recompute_ms": rec * 1e3, "ssd_ms": r.ttft_s * 1e3, "cpu_hit_ms": cpu_hit * 1e3,
-               "cached": r.cached, "read_bytes": nbytes, "read_gbps": nbytes / secs / 1e9 if secs else None, "read_ms": secs * 1e3,
+        row = {"io_threads": threads, "layerwise": layerwise, "prefix": plen, "recompute_ms": rec * 1e3,
+               "ssd_ms": r.ttft_s * 1e3, "cpu_hit_ms": cpu_hit * 1e3, "cached": r.cached, "read_bytes": nbytes,
+               "read_gbps": nbytes / secs / 1e9 if secs else None, "read_ms": secs * 1e3,
                "phases_ms": {k: round(v * 1e3, 2) for k, v in phases_ssd.items()},
                "cpu_hit_phases_ms": {k: round(v * 1e3, 2) for k, v in phases.items()}, **take()}
         print("engine", json.dumps(row), flush=True)

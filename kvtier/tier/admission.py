@@ -12,7 +12,7 @@ prefill's fixed cost and attention's growth with the context are in it; beyond t
 last slope, below the smallest one it costs as much as the smallest (a conservative floor). ``rest(x)``: the same,
 and at least what the engine's prefills past a cached prefix (``cached_tokens`` > 0) of about ``x`` computed tokens
 took: such a prefill also loads the prefix and attends over it, so a short one costs more than a short prompt
-alone (on the H200's end-to-end harness, 16 tokens past a 2k prefix 45-60 ms, a 64-token prompt 15 ms). Bandwidth:
+alone (on the H200's end-to-end harness, 16 tokens past a 2k prefix 45-60 ms, a 64-token prompt 15-53 ms). Bandwidth:
 ``ssd_read_gbps`` from the config, else the SSD tier's measured reads. Unknown rates admit (to measure), logged once.
 """
 
