@@ -1,9 +1,10 @@
 """The copy-engine side of the staged path on the CPU: which copies ``_copy_rect`` issues, and that they move the bytes.
 
-CuPy and the driver's batched copy need CUDA, so these tests put recording stand-ins for ``cupy.cuda.runtime`` and
-``batch_copy.memcpy_batch`` in their place: each performs its copies with ``ctypes.memmove`` on host memory and
-records the call. That checks the choice between one 2-D copy, per-row copies (host registrations, the pitch limit)
-and one batched call, and the pointer and pitch arithmetic, which the GPU tests only see end to end.
+CuPy and the driver's batched copies need CUDA, so these tests put recording stand-ins for ``cupy.cuda.runtime``,
+``batch_copy.memcpy_batch`` and the driver's ``cuMemcpy3DBatchAsync`` in their place: each performs its copies with
+``ctypes.memmove`` on host memory and records the call (the 3-D one decodes the packed operation records). That
+checks the choice between one 2-D copy, per-row copies (host registrations, the pitch limit) and batched calls, and
+the pointer and pitch arithmetic, which the GPU tests only see end to end.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvtier.kernels import StagedTransfer, batch_copy
 from kvtier.kernels import staged as staged_mod
 from kvtier.kernels.checks import LayerSpan
 from kvtier.kernels.pinned import register_pinned_range, unregister_pinned_range
+from kvtier.kernels.tuning import Tuning
 from tests.kv_helpers import make_host, make_kv
 
 
@@ -66,13 +68,31 @@ class FakeBatch:
             ctypes.memmove(d, s, n)
 
 
-@pytest.fixture(params=[False, True], ids=["one_by_one", "batched"])
+    def memcpy_3d(self, n: int, ops_ptr: int, flags: int, stream) -> int:
+        """``cuMemcpy3DBatchAsync_v2(numOps, opList, flags, stream)`` on host memory, from the packed records."""
+        ops = np.frombuffer((ctypes.c_char * (n * batch_copy._BATCH_OP.itemsize)).from_address(ops_ptr),
+                            dtype=batch_copy._BATCH_OP)
+        assert flags == 0 and (ops["src_type"] == 1).all() and (ops["dst_type"] == 1).all()
+        assert (ops["depth"] == 1).all() and (ops["order"] == 1).all() and (ops["height"] > 0).all()
+        assert (ops["src_pitch"] >= ops["width"]).all() and (ops["dst_pitch"] >= ops["width"]).all()
+        assert (ops["src_height"] == ops["height"]).all() and (ops["dst_height"] == ops["height"]).all()
+        self.runtime.calls.append(("rects", n))
+        for op in ops:
+            for row in range(int(op["height"])):
+                ctypes.memmove(int(op["dst_ptr"]) + row * int(op["dst_pitch"]),
+                               int(op["src_ptr"]) + row * int(op["src_pitch"]), int(op["width"]))
+        return 0
+
+
+@pytest.fixture(params=["one_by_one", "batched", "pitched"])
 def copies(request, runtime, monkeypatch):
-    """The runtime stand-in, with or without a batched copy behind it."""
+    """The runtime stand-in, with no batched copy behind it, row batches only, or row and pitched batches."""
     fake = FakeBatch(runtime)
-    monkeypatch.setattr(batch_copy, "available", lambda: request.param)
+    monkeypatch.setattr(batch_copy, "available", lambda: request.param != "one_by_one")
     monkeypatch.setattr(batch_copy, "memcpy_batch", fake.memcpy_batch)
-    runtime.batched = request.param
+    driver_3d = batch_copy._Driver(fake.memcpy_3d, None, None) if request.param == "pitched" else None
+    monkeypatch.setattr(batch_copy, "_driver_3d", lambda: driver_3d)
+    runtime.mode = request.param
     return runtime
 
 
@@ -174,7 +194,7 @@ def test_offset_copies_move_what_the_views_name(copies, layout, ids, start, coun
     gen = torch.Generator().manual_seed(len(ids) * 31 + start)
     kv = make_kv(GEO, 16, "cpu", gen)
     host = make_host(GEO, 12, layout, "cpu", gen)
-    stager = StagedTransfer(kv, host, layout=layout)
+    stager = StagedTransfer(kv, host, layout=layout, tuning=Tuning(pitched_min_rows=2))
     staging = torch.randint(0, 256, (stager.staging_bytes,), dtype=torch.uint8, generator=gen)
     host_ids = np.array(ids, dtype=np.int64)
     host_bytes = host.view(-1).view(torch.uint8)
@@ -193,9 +213,17 @@ def test_offset_copies_move_what_the_views_name(copies, layout, ids, start, coun
         for ptr, _ in regs:
             unregister_pinned_range(ptr)
     assert runtime.calls, "the CuPy path issued no copy"
-    several = len(staged_mod.block_runs(host_ids)) > 1
-    assert [c[0] for c in runtime.calls] == ["batch"] if runtime.batched and several else \
-        all(c[0] != "batch" for c in runtime.calls)
+    kinds = [c[0] for c in runtime.calls]
+    if runtime.mode == "one_by_one" or len(staged_mod.block_runs(host_ids)) == 1:
+        assert not {"batch", "rects"} & set(kinds)
+    elif runtime.mode == "batched":
+        assert kinds == ["batch"]
+    else:  # a pitched copy per layer_first rectangle of several rows, a row batch for the rest
+        heights = stager.run_rects(host_ids, span).height
+        tall = (heights > 1) if layout == "layer_first" else np.zeros(heights.size, dtype=bool)
+        assert len(kinds) == len(set(kinds)) and set(kinds) <= {"batch", "rects"}
+        if not boundary:
+            assert kinds == ["rects"] * bool(tall.any()) + ["batch"] * bool((~tall).any())
     assert torch.equal(host_bytes, want_host) and torch.equal(staging, want_stg)
 
 

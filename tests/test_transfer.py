@@ -289,18 +289,22 @@ def test_layer_first_groups_cover_the_span_with_the_widest_rows(num_layers: int,
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("layerwise", [False, True], ids=["all_layers", "per_layer"])
 def test_fragmented_staged_copies_go_in_one_driver_batch_per_chunk(monkeypatch, layout: str, layerwise: bool):
-    """On CUDA 12.8+ drivers a staged chunk of several runs is one ``cuMemcpyBatchAsync`` (the real driver call,
-    counted), the chunks of a one-run transfer none; both round trips byte-exact."""
+    """On CUDA 12.8+ drivers a staged chunk of several runs is batched driver calls (the real ones, counted): a
+    ``cuMemcpy3DBatchAsync`` of a pitched copy per run of several rows, a ``cuMemcpyBatchAsync`` of the one-row
+    runs; the chunks of a one-run transfer neither; both round trips byte-exact."""
     from kvtier.kernels import batch_copy
     assert batch_copy.available(), "the GPU machine's driver has no cuMemcpyBatchAsync"
+    assert batch_copy.rects_available(), "the GPU machine's driver has no cuMemcpy3DBatchAsync"
     calls = []
-    real = batch_copy.memcpy_batch
-    monkeypatch.setattr(batch_copy, "memcpy_batch", lambda *a: (calls.append(a[2].size), real(*a))[1])
+    real_rows, real_rects = batch_copy.memcpy_batch, batch_copy.memcpy_rects
+    monkeypatch.setattr(batch_copy, "memcpy_batch", lambda *a: (calls.append(("rows", a[2].size)), real_rows(*a))[1])
+    monkeypatch.setattr(batch_copy, "memcpy_rects",
+                        lambda *a: (calls.append(("rects", a[4].size)), real_rects(*a))[1])
     geo = KVGeometry(4, 8, 128, torch.bfloat16, page_size=16)
     gen = torch.Generator().manual_seed(5)
     kv = make_kv(geo, 4096, "cuda", gen)
     host = make_host(geo, 160, layout, "cuda", gen)
-    stager = StagedTransfer(kv, host, layout=layout)
+    stager = StagedTransfer(kv, host, layout=layout, tuning=Tuning(pitched_min_rows=2))  # 4 layers: 8 planes
     n = 40
     for blocks, batched in ((torch.arange(2 * n, 0, -2), True), (torch.arange(7, 7 + n), False)):
         calls.clear()
@@ -327,3 +331,6 @@ def test_fragmented_staged_copies_go_in_one_driver_batch_per_chunk(monkeypatch, 
                 rows = as_bytes(buf).view(4096, -1)
                 assert torch.equal(rows[dst.cpu()], rows[src.cpu()]), f"layer {layer} differs"
         assert bool(calls) == batched, calls
+        # layer_first runs are rectangles of K/V planes; page_first runs of one block are single rows
+        if batched:
+            assert {kind for kind, _ in calls} == ({"rects"} if layout == "layer_first" else {"rows"}), calls

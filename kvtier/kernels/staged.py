@@ -94,6 +94,34 @@ class Rows(NamedTuple):
     width: np.ndarray
 
 
+class Rects(NamedTuple):
+    """Pitched rectangles, one per run of blocks: ``height`` rows of ``width`` bytes at ``host_pitch`` /
+    ``stg_pitch`` from byte offsets into the host blocks and the staging buffer (uint64 arrays, one entry each)."""
+
+    host_off: np.ndarray
+    stg_off: np.ndarray
+    width: np.ndarray
+    height: np.ndarray
+    host_pitch: np.ndarray
+    stg_pitch: np.ndarray
+
+    def rows(self) -> Rows:
+        """Every row of every rectangle, rectangle by rectangle, top to bottom."""
+        height = self.height.astype(np.int64)
+        rect = np.repeat(np.arange(height.size), height)
+        row = (np.arange(rect.size) - np.repeat(np.cumsum(height) - height, height)).astype(np.uint64)
+        return Rows(self.host_off[rect] + row * self.host_pitch[rect], self.stg_off[rect] + row * self.stg_pitch[rect],
+                    self.width[rect])
+
+    def select(self, keep: np.ndarray) -> "Rects":
+        """The rectangles where the boolean mask ``keep`` is set."""
+        return Rects(*(a[keep] for a in self))
+
+    def shifted(self, host_bytes: int) -> "Rects":
+        """The same rectangles ``host_bytes`` further into the host blocks (another layer's rows)."""
+        return self._replace(host_off=self.host_off + np.uint64(host_bytes))
+
+
 def block_runs(block_ids: np.ndarray) -> list[tuple[int, int]]:
     """Split positions ``0..n`` of ``block_ids`` into runs of consecutive ids: ``[(start, length), ...]``."""
     if block_ids.size == 0:
@@ -209,6 +237,12 @@ class StagedTransfer:
         """Whether chunks of several runs go in one batched call (CUDA, CuPy and a CUDA 12.8+ driver)."""
         return self.kv.is_cuda and _cupy is not None and batch_copy.available()
 
+    @property
+    def pitched(self) -> bool:
+        """Whether a batched call moves a ``layer_first`` run of a span of layers as one pitched rectangle
+        (``cuMemcpy3DBatchAsync``), not plane by plane (see ``Tuning.pitched_min_rows``)."""
+        return self.batched and self.layout == "layer_first" and batch_copy.rects_available()
+
     def layer_groups(self, span: LayerSpan, host_ids: np.ndarray) -> list[LayerSpan]:
         """The layer spans to stage one after the other: the whole span, or (``layer_first``) groups of layers.
 
@@ -218,16 +252,17 @@ class StagedTransfer:
         longer than a chunk of the whole span holds, the span is staged in groups of as many layers as hold all
         its pages in one staging buffer: about the same number of chunks, each with fewer and wider rows (a group
         of one layer whose pages do not fit stages them over several chunks). Short runs (scattered blocks) gain
-        no width from it; with the batched copy they are grouped too (still one call per chunk, and a group's rows
-        lie close together in host memory: 8k tokens in runs of one page stored in 25.9 ms a layer at a time,
-        34.9 ms all layers at once), without it they would cost a copy per group and run and stage the whole span.
+        no width from it. They stage the whole span where a run is one pitched copy (:attr:`pitched`: a copy per
+        run of all the span's planes) or there is no batched call (a copy per run); with row-by-row batches only,
+        they are grouped (still one call per chunk, and a group's rows lie close together in host memory: 8k
+        tokens in runs of one page stored in 25.9 ms a layer at a time, 34.9 ms all layers at once).
         """
         if self.layout != "layer_first":
             return [span]
         num_pages = host_ids.size
         group = max(1, self.staging_bytes // (num_pages * self.kv.geometry.page_bytes))
         short_runs = num_pages <= len(block_runs(host_ids)) * self._pages_per_chunk(span.count)
-        if group >= span.count or (short_runs and not self.batched):
+        if group >= span.count or (short_runs and not (self.batched and not self.pitched)):
             return [span]
         end = span.start + span.count
         return [LayerSpan(layer, min(group, end - layer)) for layer in range(span.start, end, group)]
@@ -259,19 +294,20 @@ class StagedTransfer:
         return geo
 
     def copy_runs(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool,
-                  stream, runs: Optional[list[tuple[int, int]]] = None, rows: Optional[Rows] = None) -> None:
+                  stream, runs: Optional[list[tuple[int, int]]] = None, rects: Optional[Rects] = None) -> None:
         """Copy-engine copies between the staging buffer and the host blocks of ``host_ids``' runs.
 
         With CuPy and a stream the copies are issued from byte offsets alone (no tensor views: a layerwise load
-        issues them once per layer): one 2-D copy for a single run, one batched call for the rows of several
-        (``rows``: :meth:`run_rows` of the chunk when the caller has them); otherwise through views and
-        :func:`_copy_2d`. ``runs``: ``block_runs(host_ids)`` when the caller has it."""
+        issues them once per layer): one 2-D copy for a single run, one batched call for several (``rects``:
+        :meth:`run_rects` of the chunk when the caller has them; see :func:`_copy_batched`); otherwise through views
+        and :func:`_copy_2d`. ``runs``: ``block_runs(host_ids)`` when the caller has it."""
         if stream is not None and _cupy is not None:
             host_ptr, stg_ptr = self._host_bytes.data_ptr(), staging.data_ptr()
             runs = block_runs(host_ids) if runs is None else runs
             if len(runs) > 1 and batch_copy.available():
-                rows = self.run_rows(host_ids, span, runs) if rows is None else rows
-                _copy_rows(host_ptr, stg_ptr, rows, to_host=to_host, stream=stream)
+                rects = self.run_rects(host_ids, span, runs) if rects is None else rects
+                min_rows = self.tuning.pitched_min_rows if self.layout == "layer_first" else 0
+                _copy_batched(host_ptr, stg_ptr, rects, to_host=to_host, stream=stream, pitched_min_rows=min_rows)
                 return
             for r in self._run_rects(host_ids, span, runs):
                 _copy_rect(host_ptr + r.host_off, stg_ptr + r.stg_off, r.height, r.width, r.host_pitch,
@@ -341,31 +377,38 @@ class StagedTransfer:
         launch = self.chunk_launch(staging, chunk_slots, chunk, span.count, to_host, first_layer=span.start)
         launch.fire(span, self.tuning.staged_programs(to_host), None)
 
-    def run_rows(self, host_ids: np.ndarray, span: LayerSpan,
-                 runs: Optional[list[tuple[int, int]]] = None) -> Rows:
-        """Every row of :meth:`_run_rects`, in order, computed with numpy (a layerwise plan builds them once)."""
+    def run_rects(self, host_ids: np.ndarray, span: LayerSpan,
+                  runs: Optional[list[tuple[int, int]]] = None) -> Rects:
+        """The byte rectangle of each run of consecutive host blocks (numpy; a layerwise plan builds them once).
+
+        ``page_first``: a row per block, the span's layers of it (one row of whole blocks when the span is all
+        layers). ``layer_first``: a row per (layer, K/V) plane of the span, the run's pages of it. ``runs``:
+        ``block_runs(host_ids)`` when the caller has it already.
+        """
         geo = self.kv.geometry
-        layer_bytes = geo.page_bytes
-        plane_page = geo.page_size * geo.row_bytes
+        layer_bytes = geo.page_bytes  # one layer of a page_first block, K and V
+        plane_page = geo.page_size * geo.row_bytes  # one page of a layer_first (layer, K/V) plane
         runs = block_runs(host_ids) if runs is None else runs
         r = np.array(runs, dtype=np.uint64).reshape(-1, 2)
         starts, lengths = r[:, 0], r[:, 1]
         u = functools.partial(np.asarray, dtype=np.uint64)
+        h0 = u(host_ids)[starts.astype(np.int64)]
+        every = functools.partial(np.full, starts.size, dtype=np.uint64)
         if self.layout == "page_first":
-            block_span = u(span.count * layer_bytes)
-            if span.count == geo.num_layers:  # a row of whole blocks per run
-                host = u(host_ids)[starts.astype(np.int64)] * u(geo.block_bytes)
-                return Rows(host, starts * block_span, lengths * block_span)
-            i = np.arange(host_ids.size, dtype=np.uint64)  # a row per block
-            host = u(host_ids) * u(geo.block_bytes) + u(span.start * layer_bytes)
-            return Rows(host, i * block_span, np.full(host_ids.size, block_span, dtype=np.uint64))
-        planes = np.arange(span.count * geo.kv_count, dtype=np.uint64)[None, :]  # a row per run and plane
-        host_pitch, stg_pitch = u(self.num_blocks * plane_page), u(host_ids.size * plane_page)
-        h0 = u(host_ids)[starts.astype(np.int64)][:, None]
-        host = (u(span.start * geo.kv_count) + planes) * host_pitch + h0 * u(plane_page)
-        stg = planes * stg_pitch + starts[:, None] * u(plane_page)
-        width = np.broadcast_to(lengths[:, None] * u(plane_page), host.shape)
-        return Rows(host.reshape(-1), stg.reshape(-1), np.ascontiguousarray(width).reshape(-1))
+            block_span = u(span.count * layer_bytes)  # the span's bytes of one block
+            host, stg = h0 * u(geo.block_bytes) + u(span.start * layer_bytes), starts * block_span
+            if span.count == geo.num_layers:  # whole blocks: one contiguous row
+                return Rects(host, stg, lengths * block_span, every(1), every(0), every(0))
+            return Rects(host, stg, every(block_span), lengths, every(geo.block_bytes), every(block_span))
+        host_pitch = self.num_blocks * plane_page
+        host = u(span.start * geo.kv_count * host_pitch) + h0 * u(plane_page)
+        return Rects(host, starts * u(plane_page), lengths * u(plane_page), every(span.count * geo.kv_count),
+                     every(host_pitch), every(host_ids.size * plane_page))
+
+    def run_rows(self, host_ids: np.ndarray, span: LayerSpan,
+                 runs: Optional[list[tuple[int, int]]] = None) -> Rows:
+        """Every row of :meth:`run_rects`, in order."""
+        return self.run_rects(host_ids, span, runs).rows()
 
     def layer_shift(self) -> int:
         """Host bytes between a layer's rows and the next layer's (the staging rows of a span do not move)."""
@@ -375,32 +418,9 @@ class StagedTransfer:
         return geo.kv_count * self.num_blocks * geo.page_size * geo.row_bytes
 
     def _run_rects(self, host_ids: np.ndarray, span: LayerSpan, runs: Optional[list[tuple[int, int]]] = None):
-        """The byte rectangle of each run of consecutive host blocks: rows of equal width at a pitch, as offsets
-        into the host blocks and the staging buffer.
-
-        ``page_first``: a row per block, the span's layers of it (one row of whole blocks when the span is all
-        layers). ``layer_first``: a row per (layer, K/V) plane of the span, the run's pages of it. ``runs``:
-        ``block_runs(host_ids)`` when the caller has it already.
-        """
-        geo = self.kv.geometry
-        layer_bytes = geo.page_bytes  # one layer of a page_first block, K and V
-        plane_page = geo.page_size * geo.row_bytes  # one page of a layer_first (layer, K/V) plane
-        n = host_ids.size
-        for start, length in block_runs(host_ids) if runs is None else runs:
-            h0 = int(host_ids[start])
-            if self.layout == "page_first":
-                block_span = span.count * layer_bytes  # the span's bytes of one block
-                host_off, stg_off = h0 * geo.block_bytes + span.start * layer_bytes, start * block_span
-                if span.count == geo.num_layers:  # whole blocks: one contiguous row
-                    height, width, host_pitch, stg_pitch = 1, length * block_span, 0, 0
-                else:
-                    height, width, host_pitch, stg_pitch = length, block_span, geo.block_bytes, block_span
-            else:
-                height, width = span.count * geo.kv_count, length * plane_page
-                host_pitch, stg_pitch = self.num_blocks * plane_page, n * plane_page
-                host_off = span.start * geo.kv_count * host_pitch + h0 * plane_page
-                stg_off = start * plane_page
-            yield _Rect(host_off, stg_off, height, width, host_pitch, stg_pitch)
+        """:meth:`run_rects` one :class:`_Rect` (ints) at a time."""
+        for rect in zip(*(a.tolist() for a in self.run_rects(host_ids, span, runs))):
+            yield _Rect(*rect)
 
     def _run_views(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
                    runs: Optional[list[tuple[int, int]]] = None):
@@ -415,13 +435,12 @@ class StagedTransfer:
 
 
 class _Rect(NamedTuple):
-    """Rows of ``width`` bytes, ``height`` of them, at ``host_pitch`` / ``stg_pitch`` from byte offsets into the
-    host blocks and the staging buffer."""
+    """One of :class:`Rects`, as ints."""
 
     host_off: int
     stg_off: int
-    height: int
     width: int
+    height: int
     host_pitch: int
     stg_pitch: int
 
@@ -437,9 +456,31 @@ def _copy_2d(host: torch.Tensor, staging: torch.Tensor, *, to_host: bool, stream
         _copy(host[row], staging[row], to_host=to_host, stream=stream)
 
 
-def _copy_rows(host_ptr: int, stg_ptr: int, rows: Rows, *, to_host: bool, stream) -> None:
-    """One batched copy of ``rows`` between the host blocks at ``host_ptr`` and the staging buffer at ``stg_ptr``
-    (rows split at host registration boundaries first)."""
+def _copy_batched(host_ptr: int, stg_ptr: int, rects: Rects, *, to_host: bool, stream,
+                  pitched_min_rows: int) -> None:
+    """The copies of ``rects`` between the host blocks at ``host_ptr`` and the staging buffer at ``stg_ptr`` in
+    batched driver calls: a pitched copy per rectangle of at least ``pitched_min_rows`` rows (0: none;
+    ``cuMemcpy3DBatchAsync``, where the driver has it, the pitches fit the device's limit and the rectangle's host
+    bytes lie in one host registration), and a copy per row of the rest (``cuMemcpyBatchAsync``, rows split at host
+    registration boundaries)."""
+    rest = rects
+    if pitched_min_rows and batch_copy.rects_available():
+        host = rects.host_off + np.uint64(host_ptr)
+        extent = host + (rects.height - np.uint64(1)) * rects.host_pitch + rects.width
+        pitched = ((rects.height >= max(2, pitched_min_rows))
+                   & (np.maximum(rects.host_pitch, rects.stg_pitch) <= _max_pitch())
+                   & ~batch_copy.crosses_registration(host, extent))
+        if pitched.any():
+            p = rects.select(pitched)
+            host, stg = p.host_off + np.uint64(host_ptr), p.stg_off + np.uint64(stg_ptr)
+            if to_host:
+                batch_copy.memcpy_rects(host, p.host_pitch, stg, p.stg_pitch, p.width, p.height, stream.cuda_stream)
+            else:
+                batch_copy.memcpy_rects(stg, p.stg_pitch, host, p.host_pitch, p.width, p.height, stream.cuda_stream)
+            rest = rects.select(~pitched)
+    if rest.width.size == 0:
+        return
+    rows = rest.rows()
     host, stg, width = batch_copy.split_rows(rows.host_off + np.uint64(host_ptr), rows.stg_off + np.uint64(stg_ptr),
                                              rows.width)
     dst, src = (host, stg) if to_host else (stg, host)

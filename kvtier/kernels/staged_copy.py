@@ -19,19 +19,19 @@ import numpy as np
 import torch
 
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
-from kvtier.kernels.staged import Rows, StagedTransfer, StagingBuffers, block_runs, issue_chunk
+from kvtier.kernels.staged import Rects, StagedTransfer, StagingBuffers, block_runs, issue_chunk
 from kvtier.kernels.transfer import KernelLaunch, on_device, on_stream, raw_stream, torch_stream
 
 
 @dataclasses.dataclass
 class _Chunk:
-    """One staging chunk of a plan: its blocks, their runs, a gather/scatter launch per buffer, and the rows of a
-    batched copy per span width (from layer 0; built on first use)."""
+    """One staging chunk of a plan: its blocks, their runs, a gather/scatter launch per buffer, and the rectangles
+    of a batched copy per span width (from layer 0; built on first use)."""
 
     host_ids: np.ndarray
     runs: list[tuple[int, int]]
     launches: list[KernelLaunch]
-    rows: dict[int, Rows] = dataclasses.field(default_factory=dict)
+    rects: dict[int, Rects] = dataclasses.field(default_factory=dict)
 
 
 class StagedCopy:
@@ -115,17 +115,16 @@ class StagedCopy:
 
     def _copy(self, staging: torch.Tensor, chunk: _Chunk, span: LayerSpan, copy_stream) -> None:
         self.stager.copy_runs(staging, chunk.host_ids, span, to_host=self.to_host, stream=copy_stream,
-                              runs=chunk.runs, rows=self._rows(chunk, span))
+                              runs=chunk.runs, rects=self._rects(chunk, span))
 
-    def _rows(self, chunk: _Chunk, span: LayerSpan) -> Optional[Rows]:
-        """The batched copy's rows of ``chunk`` for ``span`` (None where the chunk is one run or there is no
+    def _rects(self, chunk: _Chunk, span: LayerSpan) -> Optional[Rects]:
+        """The batched copy's rectangles of ``chunk`` for ``span`` (None where the chunk is one run or there is no
         batched copy): built once per span width from layer 0, then moved to ``span.start`` (a layer's host rows
         are a fixed distance from the previous layer's; its staging rows do not move)."""
         if len(chunk.runs) < 2 or not self.stager.batched:
             return None
-        base = chunk.rows.get(span.count)
+        base = chunk.rects.get(span.count)
         if base is None:
-            base = chunk.rows[span.count] = self.stager.run_rows(chunk.host_ids, LayerSpan(0, span.count), chunk.runs)
-        if span.start == 0:
-            return base
-        return Rows(base.host_off + np.uint64(span.start * self.stager.layer_shift()), base.stg_off, base.width)
+            base = chunk.rects[span.count] = self.stager.run_rects(chunk.host_ids, LayerSpan(0, span.count),
+                                                                   chunk.runs)
+        return base if span.start == 0 else base.shifted(span.start * self.stager.layer_shift())

@@ -42,6 +42,10 @@ class Tuning:
             it is short.
         edge_chunk_divisor: the exposed first gather of a store and last scatter of a load move a chunk this
             many times smaller than a full one.
+        pitched_min_rows: a ``layer_first`` run of blocks of a fragmented chunk is one pitched copy of its (layer,
+            K/V) planes from this many planes (a span of 8 layers); shorter ones go a copy per plane. Pitched copies
+            cost the host ~5 us each to issue; a run of 2 planes (a layerwise load) took 82 ms for 36 layers at
+            8k tokens against 37 ms per plane (bench/results/probes/staged_pitched_h200.json).
     """
 
     programs: int = 4
@@ -51,11 +55,12 @@ class Tuning:
     burst_programs: int = 32
     staging_bytes: int = 32 * MiB
     num_buffers: int = 2
-    gather_programs: int = 16
+    gather_programs: int = 8
     gather_tile_bytes: int = 64 * KiB
     gather_warps: int = 16
     scatter_programs: int = 64
     edge_chunk_divisor: int = 4
+    pitched_min_rows: int = 16
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
