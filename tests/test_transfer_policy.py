@@ -48,6 +48,18 @@ def test_whole_loads_go_direct_per_layer_when_the_copy_engine_rows_are_short():
     assert _path("layer_first", SINGLES[:1]) is Path.DIRECT
 
 
+def test_short_fragmented_whole_loads_go_direct_in_one_launch():
+    """Up to AUTO_DIRECT_LOAD_MAX_BYTES (256 MiB) a fragmented whole load takes one direct launch (36 launches would
+    add ~6% at 1024 tokens); above it a launch per layer; one run stays staged."""
+    fits = policy.AUTO_DIRECT_LOAD_MAX_BYTES // QWEN3.block_bytes  # 113 blocks of 2.25 MiB
+    assert _path("layer_first", SINGLES[:64]) is Path.DIRECT  # 1024 tokens, 144 MiB
+    assert _path("layer_first", SINGLES[:fits]) is Path.DIRECT
+    assert _path("layer_first", SINGLES[:fits + 1]) is Path.DIRECT_LAYERS
+    assert _path("layer_first", PAIRS[:64]) is Path.DIRECT
+    assert _path("layer_first", ONE_RUN[:64]) is Path.STAGED
+    assert _path("page_first", SINGLES[:64]) is Path.STAGED  # rows of whole blocks
+
+
 def test_layerwise_loads_go_direct_beyond_the_rows_a_layer_may_issue():
     """One layer of 512 pages is 32 MiB; staged while its rows stay within AUTO_STAGED_MAX_LAYER_ROWS (one run:
     two rows in layer_first, K and V; one 2-D copy in page_first)."""

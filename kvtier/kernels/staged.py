@@ -418,9 +418,25 @@ class StagedTransfer:
         return geo.kv_count * self.num_blocks * geo.page_size * geo.row_bytes
 
     def _run_rects(self, host_ids: np.ndarray, span: LayerSpan, runs: Optional[list[tuple[int, int]]] = None):
-        """:meth:`run_rects` one :class:`_Rect` (ints) at a time."""
-        for rect in zip(*(a.tolist() for a in self.run_rects(host_ids, span, runs))):
-            yield _Rect(*rect)
+        """:meth:`run_rects` one :class:`_Rect` (ints) at a time, in plain Python: a layerwise load of one run
+        issues a copy per layer, and building numpy arrays for one rectangle costs more than the copy's issue."""
+        geo = self.kv.geometry
+        layer_bytes = geo.page_bytes
+        plane_page = geo.page_size * geo.row_bytes
+        n = host_ids.size
+        for start, length in block_runs(host_ids) if runs is None else runs:
+            h0 = int(host_ids[start])
+            if self.layout == "page_first":
+                block_span = span.count * layer_bytes
+                host_off, stg_off = h0 * geo.block_bytes + span.start * layer_bytes, start * block_span
+                if span.count == geo.num_layers:
+                    yield _Rect(host_off, stg_off, length * block_span, 1, 0, 0)
+                else:
+                    yield _Rect(host_off, stg_off, block_span, length, geo.block_bytes, block_span)
+            else:
+                host_pitch = self.num_blocks * plane_page
+                yield _Rect(span.start * geo.kv_count * host_pitch + h0 * plane_page, start * plane_page,
+                            length * plane_page, span.count * geo.kv_count, host_pitch, n * plane_page)
 
     def _run_views(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
                    runs: Optional[list[tuple[int, int]]] = None):

@@ -10,10 +10,13 @@ prefixes, bench/results/fragmentation_h200.json and bench/results/layerwise_h200
   copy); the staged store by <= 3%, and it leaves the SMs to the forward pass.
 * Whole loads of at least :data:`AUTO_STAGED_LOAD_BYTES` go staged when the copy engine's rows are at least
   :data:`AUTO_STAGED_MIN_ROW_BYTES` long on average. Shorter rows (host blocks in short runs) run the copy
-  engine below the PCIe bound, or make the host issue slower than the copy; such loads go ``direct_layers``, the
-  direct kernel launched once per layer (23.8 ms at 8k tokens for every run length, against 22.0 staged from one
-  run), which slows a GEMM beside it by 2.5% where one launch for all layers holds its SMs for the whole copy
-  (9-14%). Smaller loads take the direct kernel in one launch: lowest latency, SMs held for microseconds.
+  engine below the PCIe bound (32 KiB rows, runs of one 16-token page in ``layer_first``: 1.23-1.37x the one-run
+  time in the copy engine alone, bench/results/probes/copy_engine_rows_h200.json), or make the host issue slower
+  than the copy. Such loads go ``direct_layers``, the direct kernel launched once per layer (23.8 ms at 8k tokens
+  for every run length, against 22.0 staged from one run), which slows a GEMM beside it by 1.5-2.5% where one
+  launch for all layers holds its SMs for the whole copy (10-15%); up to :data:`AUTO_DIRECT_LOAD_MAX_BYTES` they
+  go direct in one launch, where 36 launches would add ~6% to the load. Smaller loads take the direct kernel in one
+  launch: lowest latency, SMs held for microseconds.
 * Layerwise loads go staged (a :class:`~kvtier.kernels.StagedCopy`) when a layer moves at least
   :data:`AUTO_STAGED_LAYER_BYTES` in at most :data:`AUTO_STAGED_MAX_LAYER_ROWS` copy-engine rows. More rows fill
   the copy engine's queue and the host waits on it while it issues (24 ms for 36 layers at runs of one page,
@@ -33,7 +36,7 @@ import numpy as np
 
 from kvtier.geometry import KVGeometry
 
-__all__ = ["Path", "CopyPlan", "TransferPolicy", "AUTO_STAGED_LOAD_BYTES", "AUTO_STAGED_LAYER_BYTES",
+__all__ = ["Path", "CopyPlan", "TransferPolicy", "AUTO_STAGED_LOAD_BYTES", "AUTO_DIRECT_LOAD_MAX_BYTES", "AUTO_STAGED_LAYER_BYTES",
            "AUTO_STAGED_MIN_SLICE_BYTES", "AUTO_STAGED_MIN_ROW_BYTES", "AUTO_STAGED_MAX_LAYER_ROWS"]
 
 # Tuned constants (docs/DESIGN.md, "Tuned constants"). Whole loads below this go direct: 4 MiB is one 16-token page
@@ -49,6 +52,11 @@ AUTO_STAGED_MIN_SLICE_BYTES = 64 * 1024
 # Whole loads: layer_first rows of 32-128 KiB (runs of 1-4 16-token pages) took 1024 tokens in 3.4-6.9 ms staged,
 # 256 KiB rows 2.77 ms, as one run (bench/results/fragmentation_h200.json).
 AUTO_STAGED_MIN_ROW_BYTES = 256 * 1024
+# Fragmented whole loads up to this size go direct in one launch, bigger ones a launch per layer: 36 launches add
+# ~0.18 ms (1024 tokens: 3.12-3.14 ms against 2.95-2.96 in one launch, 2.77 staged from one run), while one launch
+# holds its SMs for the whole copy (~3 ms at 1024 tokens; a GEMM beside it +10-15% for that long)
+# (bench/results/fragmentation_h200.json). 256 MiB is 1820 tokens of Qwen3-8B KV.
+AUTO_DIRECT_LOAD_MAX_BYTES = 256 * 1024 * 1024
 # Layerwise loads: a layer of one run is 1 (page_first) or 2 rows (layer_first, K and V) and issues 36 layers in
 # 2.4-3.1 ms of host time; 16 rows took 2.9-5.7 ms, 64 rows 4.9-6.8 ms (bench/results/fragmentation_h200.json).
 AUTO_STAGED_MAX_LAYER_ROWS = 2
@@ -95,7 +103,9 @@ class TransferPolicy:
         if plan.layers == geo.num_layers:
             if nbytes < AUTO_STAGED_LOAD_BYTES:
                 return Path.DIRECT
-            return Path.STAGED if rows == 1 or nbytes >= rows * AUTO_STAGED_MIN_ROW_BYTES else Path.DIRECT_LAYERS
+            if rows == 1 or nbytes >= rows * AUTO_STAGED_MIN_ROW_BYTES:
+                return Path.STAGED
+            return Path.DIRECT if nbytes <= AUTO_DIRECT_LOAD_MAX_BYTES else Path.DIRECT_LAYERS
         else:
             ok = (nbytes >= AUTO_STAGED_LAYER_BYTES and rows <= AUTO_STAGED_MAX_LAYER_ROWS * plan.layers
                   and not (self.layout == "page_first" and geo.page_bytes < AUTO_STAGED_MIN_SLICE_BYTES))
