@@ -21,7 +21,7 @@ from kvtier.index import Namespace, page_hashes
 from kvtier.storage.aligned_io import aligned
 from kvtier.storage.block_format import ALIGN, BlockHeader, pack_block_header, payload_checksum
 from kvtier.storage.mooncake_store import RemoteStoreError
-from kvtier.tier import HostBlockPool, KVTier
+from kvtier.tier import HostBlockPool, KVTier, remote_tier
 from kvtier.tier.remote_link import remote_fingerprint
 from kvtier.tier.ssd_tier import signed64
 from tests.kv_helpers import make_kv
@@ -200,8 +200,16 @@ def test_a_key_gone_between_probe_and_get_is_a_counted_miss(mooncake_master):
     b.destroy()
 
 
+@pytest.fixture(params=[0, 2], ids=["worker_alone", "prep_threads"])
+def prep_threads(request, monkeypatch):
+    """The remote tiers built in the test copy and check blocks on the worker alone, or on 2 prep threads (the
+    machines with 8 CPUs or more)."""
+    monkeypatch.setattr(remote_tier, "PREP_THREADS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("forgery", ["short", "checksum", "tokens", "fingerprint"])
-def test_a_forged_value_is_a_counted_miss_never_served(mooncake_master, forgery):
+def test_a_forged_value_is_a_counted_miss_never_served(mooncake_master, forgery, prep_threads):
     a = make_remote_tier(mooncake_master.addr)
     toks = prompt(1, 3)
     want = store_and_put(a, toks)
@@ -267,9 +275,10 @@ def test_a_remote_tier_needs_a_model_identity_and_auto_finalize(mooncake_master)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])  # staged values, zero-copy values
-def test_puts_and_gets_in_many_batches_round_trip_and_stop_at_a_missing_block(mooncake_master, layout):
+def test_puts_and_gets_in_many_batches_round_trip_and_stop_at_a_missing_block(mooncake_master, layout, prep_threads):
     a = make_remote_tier(mooncake_master.addr, layout=layout)
     b = make_remote_tier(mooncake_master.addr, layout=layout, seed=1)
+    assert (a.remote.medium._prep is not None) == bool(prep_threads)
     for t in (a, b):
         t.remote.medium._batch = 2  # 7 blocks: 4 calls, each prepared or checked while another runs
     assert a.remote.medium.staged == (layout == "layer_first")
