@@ -9,10 +9,11 @@ bandwidth of either (~101 GB/s on an H200 against ~55 one way).
 
 Copies follow the runs of consecutive block ids: a ``page_first`` run is a row per block (or one row of whole
 blocks when every layer moves), a ``layer_first`` run a row per (layer, K/V) plane. A chunk of one run is one
-``cudaMemcpy2DAsync``. A chunk of several runs (a fragmented pool) is one batched driver call for all its rows
-(:mod:`kvtier.kernels.batch_copy`), so the host issues a call per chunk, not per run and row. Without cupy, or where
-the rows cross a host registration, a 2-D copy becomes one copy per row; without the batched call (a driver older
-than CUDA 12.8) each run is its own 2-D copy.
+``cudaMemcpy2DAsync``. A chunk of several runs (a fragmented pool) is batched driver calls
+(:mod:`kvtier.kernels.batch_copy`): a pitched copy per ``layer_first`` run of at least ``Tuning.pitched_min_rows``
+planes, a copy per row of the others, so the host issues a call or two per chunk, not a call per run and row.
+Without cupy, or where the rows cross a host registration, a 2-D copy becomes one copy per row; without the batched
+calls (a driver older than CUDA 12.8) each run is its own 2-D copy.
 """
 
 from __future__ import annotations
