@@ -218,8 +218,8 @@ def test_a_forged_value_is_a_counted_miss_never_served(mooncake_master, forgery,
     key = medium.keys(hashes[1:2])
     assert medium.store.remove(key) == [0]
     payload = a.pool.block_rows(int(a.index.match(toks, None).block_ids[1])).reshape(-1).copy()
-    head = BlockHeader(medium.fingerprint, signed64(Namespace().seed), int(hashes[1]), toks[P:2 * P].astype(np.int64), medium.block_bytes,
-                       payload_checksum(payload))
+    head = BlockHeader(medium.fingerprint, signed64(Namespace().seed), int(hashes[1]), toks[P:2 * P].astype(np.int64),
+                       medium.block_bytes, payload_checksum(payload))
     if forgery == "checksum":
         payload[0] ^= 1  # the header vouches for other bytes
     elif forgery == "tokens":  # a hash collision or a stale key: same chain hash, other tokens

@@ -36,8 +36,9 @@ import numpy as np
 
 from kvtier.geometry import KVGeometry
 
-__all__ = ["Path", "CopyPlan", "TransferPolicy", "AUTO_STAGED_LOAD_BYTES", "AUTO_DIRECT_LOAD_MAX_BYTES", "AUTO_STAGED_LAYER_BYTES",
-           "AUTO_STAGED_MIN_SLICE_BYTES", "AUTO_STAGED_MIN_ROW_BYTES", "AUTO_STAGED_MAX_LAYER_ROWS"]
+__all__ = ["Path", "CopyPlan", "TransferPolicy", "AUTO_STAGED_LOAD_BYTES", "AUTO_DIRECT_LOAD_MAX_BYTES",
+           "AUTO_STAGED_LAYER_BYTES", "AUTO_STAGED_MIN_SLICE_BYTES", "AUTO_STAGED_MIN_ROW_BYTES",
+           "AUTO_STAGED_MAX_LAYER_ROWS"]
 
 # Tuned constants (docs/DESIGN.md, "Tuned constants"). Whole loads below this go direct: 4 MiB is one 16-token page
 # of 36 Qwen3-8B layers less than twice over; below it the direct kernel's latency wins and the SMs are held for tens
