@@ -46,7 +46,7 @@ def mode(name: str):
     if name == "rows":
         batch_copy.rects_available = lambda: False
     elif name == "pitched_grouped":
-        StagedTransfer.pitched = property(lambda self: False)
+        StagedTransfer.pitched = lambda self, span: False
     try:
         yield
     finally:

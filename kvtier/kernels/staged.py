@@ -238,11 +238,14 @@ class StagedTransfer:
         """Whether chunks of several runs go in one batched call (CUDA, CuPy and a CUDA 12.8+ driver)."""
         return self.kv.is_cuda and _cupy is not None and batch_copy.available()
 
-    @property
-    def pitched(self) -> bool:
-        """Whether a batched call moves a ``layer_first`` run of a span of layers as one pitched rectangle
-        (``cuMemcpy3DBatchAsync``), not plane by plane (see ``Tuning.pitched_min_rows``)."""
-        return self.batched and self.layout == "layer_first" and batch_copy.rects_available()
+    def pitched(self, span: LayerSpan) -> bool:
+        """Whether a batched call moves a ``layer_first`` run of ``span``'s layers as one pitched rectangle
+        (``cuMemcpy3DBatchAsync``), not plane by plane: the span has at least ``Tuning.pitched_min_rows`` planes
+        and the pool's plane pitch fits the device's limit (as :func:`_copy_batched` decides)."""
+        geo = self.kv.geometry
+        return (self.batched and self.layout == "layer_first" and batch_copy.rects_available()
+                and span.count * geo.kv_count >= self.tuning.pitched_min_rows
+                and self.num_blocks * geo.page_size * geo.row_bytes <= _max_pitch())
 
     def layer_groups(self, span: LayerSpan, host_ids: np.ndarray) -> list[LayerSpan]:
         """The layer spans to stage one after the other: the whole span, or (``layer_first``) groups of layers.
@@ -253,7 +256,7 @@ class StagedTransfer:
         longer than a chunk of the whole span holds, the span is staged in groups of as many layers as hold all
         its pages in one staging buffer: about the same number of chunks, each with fewer and wider rows (a group
         of one layer whose pages do not fit stages them over several chunks). Short runs (scattered blocks) gain
-        no width from it. They stage the whole span where a run is one pitched copy (:attr:`pitched`: a copy per
+        no width from it. They stage the whole span where a run is one pitched copy (:meth:`pitched`: a copy per
         run of all the span's planes) or there is no batched call (a copy per run); with row-by-row batches only,
         they are grouped (still one call per chunk, and a group's rows lie close together in host memory: 8k
         tokens in runs of one page stored in 25.9 ms a layer at a time, 34.9 ms all layers at once).
@@ -263,7 +266,7 @@ class StagedTransfer:
         num_pages = host_ids.size
         group = max(1, self.staging_bytes // (num_pages * self.kv.geometry.page_bytes))
         short_runs = num_pages <= len(block_runs(host_ids)) * self._pages_per_chunk(span.count)
-        if group >= span.count or (short_runs and not (self.batched and not self.pitched)):
+        if group >= span.count or (short_runs and not (self.batched and not self.pitched(span))):
             return [span]
         end = span.start + span.count
         return [LayerSpan(layer, min(group, end - layer)) for layer in range(span.start, end, group)]

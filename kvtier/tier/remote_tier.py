@@ -398,10 +398,13 @@ class RemoteTier:
         return [(head.ctypes.data, ALIGN)] + _ranges(rows)
 
     def _each(self, fn: Callable[[int], object], items: range) -> list:
-        """``fn`` of every item, in order: on the prep threads where there are, else here."""
+        """``fn`` of every item, in order: on the prep threads where there are, else here. Returns (or raises the
+        first item's error) only once every item has run."""
         if self._prep is None or len(items) < 2:
             return [fn(i) for i in items]
-        return list(self._prep.map(fn, items))
+        futures = [self._prep.submit(fn, i) for i in items]
+        concurrent.futures.wait(futures)  # none still writes a buffer or a CPU block when this returns or raises
+        return [f.result() for f in futures]
 
     def _pipeline(self, worker: _Worker, n: int, prepare, call, check) -> None:
         """Blocks ``0..n`` in batches: ``prepare(a, b, buf)`` fills batch ``[a, b)``'s buffer while the previous
