@@ -42,15 +42,21 @@ MODES = ("rows", "pitched", "pitched_grouped")
 @contextlib.contextmanager
 def mode(name: str):
     """Patch the staged path into ``name``'s behaviour for the duration."""
-    saved = (batch_copy.rects_available, StagedTransfer.pitched)
+    saved = (batch_copy.rects_available, StagedTransfer.layer_groups)
     if name == "rows":
         batch_copy.rects_available = lambda: False
-    elif name == "pitched_grouped":
-        StagedTransfer.pitched = lambda self, span: False
+    elif name == "pitched_grouped":  # layer groups chosen as without pitched copies; the copies stay pitched
+        def grouped(self, span, host_ids):
+            batch_copy.rects_available = lambda: False
+            try:
+                return saved[1](self, span, host_ids)
+            finally:
+                batch_copy.rects_available = saved[0]
+        StagedTransfer.layer_groups = grouped
     try:
         yield
     finally:
-        batch_copy.rects_available, StagedTransfer.pitched = saved
+        batch_copy.rects_available, StagedTransfer.layer_groups = saved
 
 
 def check_store(kv, host, layout, slots, ids, fn) -> None:

@@ -241,11 +241,11 @@ class StagedTransfer:
     def pitched(self, span: LayerSpan) -> bool:
         """Whether a batched call moves a ``layer_first`` run of ``span``'s layers as one pitched rectangle
         (``cuMemcpy3DBatchAsync``), not plane by plane: the span has at least ``Tuning.pitched_min_rows`` planes
-        and the pool's plane pitch fits the device's limit (as :func:`_copy_batched` decides)."""
+        and the pool's plane pitch fits the device's limit (:func:`_copy_batched` still sends a rectangle whose host
+        bytes cross a registration row by row)."""
         geo = self.kv.geometry
-        return (self.batched and self.layout == "layer_first" and batch_copy.rects_available()
-                and span.count * geo.kv_count >= self.tuning.pitched_min_rows
-                and self.num_blocks * geo.page_size * geo.row_bytes <= _max_pitch())
+        return (self.layout == "layer_first" and span.count * geo.kv_count >= self.tuning.pitched_min_rows
+                and batch_copy.rects_available() and self.num_blocks * geo.page_size * geo.row_bytes <= _max_pitch())
 
     def layer_groups(self, span: LayerSpan, host_ids: np.ndarray) -> list[LayerSpan]:
         """The layer spans to stage one after the other: the whole span, or (``layer_first``) groups of layers.
@@ -310,8 +310,7 @@ class StagedTransfer:
             runs = block_runs(host_ids) if runs is None else runs
             if len(runs) > 1 and batch_copy.available():
                 rects = self.run_rects(host_ids, span, runs) if rects is None else rects
-                min_rows = self.tuning.pitched_min_rows if self.layout == "layer_first" else 0
-                _copy_batched(host_ptr, stg_ptr, rects, to_host=to_host, stream=stream, pitched_min_rows=min_rows)
+                _copy_batched(host_ptr, stg_ptr, rects, to_host=to_host, stream=stream, pitched=self.pitched(span))
                 return
             for r in self._run_rects(host_ids, span, runs):
                 _copy_rect(host_ptr + r.host_off, stg_ptr + r.stg_off, r.height, r.width, r.host_pitch,
@@ -476,28 +475,26 @@ def _copy_2d(host: torch.Tensor, staging: torch.Tensor, *, to_host: bool, stream
         _copy(host[row], staging[row], to_host=to_host, stream=stream)
 
 
-def _copy_batched(host_ptr: int, stg_ptr: int, rects: Rects, *, to_host: bool, stream,
-                  pitched_min_rows: int) -> None:
+def _copy_batched(host_ptr: int, stg_ptr: int, rects: Rects, *, to_host: bool, stream, pitched: bool) -> None:
     """The copies of ``rects`` between the host blocks at ``host_ptr`` and the staging buffer at ``stg_ptr`` in
-    batched driver calls: a pitched copy per rectangle of at least ``pitched_min_rows`` rows (0: none;
-    ``cuMemcpy3DBatchAsync``, where the driver has it, the pitches fit the device's limit and the rectangle's host
-    bytes lie in one host registration), and a copy per row of the rest (``cuMemcpyBatchAsync``, rows split at host
+    batched driver calls: with ``pitched`` (:meth:`StagedTransfer.pitched`), a pitched copy per rectangle of
+    several rows whose pitches fit the device's limit and whose host bytes lie in one host registration
+    (``cuMemcpy3DBatchAsync``); a copy per row of the rest (``cuMemcpyBatchAsync``, rows split at host
     registration boundaries)."""
     rest = rects
-    if pitched_min_rows and batch_copy.rects_available():
+    if pitched:
         host = rects.host_off + np.uint64(host_ptr)
         extent = host + (rects.height - np.uint64(1)) * rects.host_pitch + rects.width
-        pitched = ((rects.height >= max(2, pitched_min_rows))
-                   & (np.maximum(rects.host_pitch, rects.stg_pitch) <= _max_pitch())
-                   & ~batch_copy.crosses_registration(host, extent))
-        if pitched.any():
-            p = rects.select(pitched)
-            host, stg = p.host_off + np.uint64(host_ptr), p.stg_off + np.uint64(stg_ptr)
+        two_d = ((rects.height > 1) & (np.maximum(rects.host_pitch, rects.stg_pitch) <= _max_pitch())
+                 & ~batch_copy.crosses_registration(host, extent))
+        if two_d.any():
+            p = rects.select(two_d)
+            host, stg = host[two_d], p.stg_off + np.uint64(stg_ptr)
             if to_host:
                 batch_copy.memcpy_rects(host, p.host_pitch, stg, p.stg_pitch, p.width, p.height, stream.cuda_stream)
             else:
                 batch_copy.memcpy_rects(stg, p.stg_pitch, host, p.host_pitch, p.width, p.height, stream.cuda_stream)
-            rest = rects.select(~pitched)
+            rest = rects.select(~two_d)
     if rest.width.size == 0:
         return
     rows = rest.rows()
