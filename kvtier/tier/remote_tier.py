@@ -59,7 +59,8 @@ STAGE_RANGES = 1  # a block in more ranges than this is staged: copied, header f
 RETRY_S = 1.0  # a down tier probes the master this often
 # Threads that copy and checksum a batch's blocks (numpy and xxhash release the GIL): a quarter of the CPUs, at most
 # 4; none (the worker alone) below 8 CPUs, where Mooncake's own calls already keep the cores busy.
-PREP_THREADS = min(4, (os.cpu_count() or 1) // 4) if (os.cpu_count() or 1) >= 8 else 0
+_CPUS = os.cpu_count() or 1
+PREP_THREADS = min(4, _CPUS // 4) if _CPUS >= 8 else 0
 
 ViewFn = Callable[[int], np.ndarray]  # CPU block id -> its bytes, uint8 [planes, row] (rows contiguous)
 
