@@ -5,7 +5,8 @@ mounts the store's memory) serves each prefix once, so its blocks are put to the
 engine over the same random-weight Qwen3, its own device pool, CPU pool and Mooncake client, mounting no memory)
 then serves the prefix with a fresh suffix twice per repetition: ``recompute`` (nothing cached; the engine reports
 the prefill rate that admission uses) and ``remote`` (B's CPU tier emptied first, so the prefix is only in A's
-segment: the request waits for B's fetch when admission lets it in, then loads it layer by layer). A cell's figure
+segment: the request waits for B's fetch when admission lets it in, then loads it layer by layer, or, with
+``--graphs`` as in ``bench_ssd_ttft.py``, whole). A cell's figure
 is median(remote TTFT) / median(recompute TTFT); a cell where admission refused the fetch recomputes (~1).
 
 Both instances run in one process over TCP loopback (two Mooncake clients; B's gets cross the loopback from A's
@@ -30,10 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.bench_ssd_ttft import kv_bytes_per_token, model_for, parse_ttft_args  # noqa: E402
+from bench.bench_ssd_ttft import capture, kv_bytes_per_token, make_engine, model_for, parse_ttft_args  # noqa: E402
 from bench.common import env_info, write_json  # noqa: E402
-from kvtier.config import TierConfig  # noqa: E402
-from kvtier.e2e.engine import TierEngine  # noqa: E402
 from tests.mooncake_master import Master  # noqa: E402
 
 
@@ -45,10 +44,9 @@ def run(model, cfg, master: str, admission: str, args) -> list[dict]:
                   remote_admission=admission, remote_timeout_s=30.0)
     cpu_gb = max(1 / 64, 2.5 * kv_gb)
     seg_gb = max(1 / 16, 2 * len(args.prefix) * kv_gb)
-    a = TierEngine(model, TierConfig(page_size=16, cpu_cache_gb=cpu_gb, remote_segment_gb=seg_gb, **remote),
-                   num_slots=2 * (longest + 64), model_identity={"bench": "remote_ttft"})
-    b = TierEngine(model, TierConfig(page_size=16, cpu_cache_gb=cpu_gb, remote_segment_gb=0, **remote),
-                   num_slots=2 * (longest + 64), model_identity={"bench": "remote_ttft"})
+    ident = {"bench": "remote_ttft"}
+    a = make_engine(model, args, ident, cpu_cache_gb=cpu_gb, remote_segment_gb=seg_gb, **remote)
+    b = make_engine(model, args, ident, cpu_cache_gb=cpu_gb, remote_segment_gb=0, **remote)
     gen = torch.Generator().manual_seed(1)
     rand = lambda n: torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
 
@@ -59,11 +57,14 @@ def run(model, cfg, master: str, admission: str, args) -> list[dict]:
         return r
 
     for engine in (a, b):
+        capture(engine, 64, args)
         for source in ("none", "kvtier"):  # kernels compiled, every path warm
             serve(engine, rand(64), source)
     rows = []
     for plen in args.prefix:
         prefix = rand(plen)
+        capture(a, plen + args.suffix, args)
+        capture(b, plen + args.suffix, args)
         serve(a, prefix + rand(args.suffix), "none")  # A: the prefix reaches its CPU tier and the store
         rec, far, cached = [], [], []
         for _ in range(args.reps):
@@ -78,7 +79,8 @@ def run(model, cfg, master: str, admission: str, args) -> list[dict]:
                      "recompute_ttft_ms": [x * 1e3 for x in rec], "remote_ttft_ms": [x * 1e3 for x in far],
                      "cached_tokens": cached, "ratio": statistics.median(far) / statistics.median(rec),
                      "remote_read_gbps": s["remote_read_gbps"], "remote_refused": s["remote_refused"],
-                     "remote_blocks_corrupt": s["remote_blocks_corrupt"], "kv_bytes": plen * kv_bytes_per_token(model)})
+                     "remote_blocks_corrupt": s["remote_blocks_corrupt"], "kv_bytes": plen * kv_bytes_per_token(model),
+                     "graphs": args.graphs, "eager_forwards": b.graphs.eager if b.graphs else None})
         print(f"{admission} prefix {plen}: recompute {statistics.median(rec) * 1e3:.1f} ms, remote "
               f"{statistics.median(far) * 1e3:.1f} ms ({rows[-1]['ratio']:.3f}), cached {cached}, fetch "
               f"{s['remote_read_gbps']} GB/s, refused {s['remote_refused']}", flush=True)

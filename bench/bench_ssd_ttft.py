@@ -5,8 +5,13 @@ each directory given (a disk, and a RAM-backed one for the software's own ceilin
 prefix is served once (it reaches the CPU tier and, written through, the SSD); then every repetition serves the
 prefix with a fresh suffix twice: ``recompute`` (nothing cached; the engine reports the prefill rate the admission
 uses) and ``ssd`` (the CPU tier emptied first, so the prefix is on the SSD only: the request waits for its
-promotion when admission lets it in, then loads it layer by layer). The SSD writes of each request finish before
-the next one starts. The figure of a cell is median(ssd TTFT) / median(recompute TTFT); a cell where admission
+promotion when admission lets it in, then loads it layer by layer, or, with ``--graphs``, whole). The SSD writes
+of each request finish before the next one starts.
+
+``--graphs`` (the default on a GPU): the engine replays CUDA graphs of its forward, captured before the timed
+requests for every shape they take (``TierEngine.capture_graphs``), and loads hits whole. Without graphs the
+harness's forward costs ~52 ms of host time for any number of new tokens (``bench/probes/forward_cost.py``), which
+no engine with fused kernels and graphs pays, and which hides what a hit saves. The figure of a cell is median(ssd TTFT) / median(recompute TTFT); a cell where admission
 refused the hit recomputes (ratio ~1).
 
 Summary: ``ttft_ssd_over_recompute_admission`` (disk, the worst prefix), ``ttft_ssd_over_recompute_admission_ram``,
@@ -49,15 +54,30 @@ def kv_bytes_per_token(model: PagedDecoder) -> int:
     return shape.num_layers * (1 if shape.is_mla else 2) * shape.kv_heads * shape.head_dim * model.dtype.itemsize
 
 
+PAGE = 16
+
+
+def make_engine(model, args, identity: dict, **config) -> TierEngine:
+    """A TierEngine over ``model`` for prompts up to the longest prefix, on graphs with ``args.graphs``."""
+    longest = max(args.prefix) + args.suffix + args.new_tokens
+    cfg = TierConfig(page_size=PAGE, layerwise=not args.graphs, **config)
+    return TierEngine(model, cfg, num_slots=2 * (longest + 64), model_identity=identity, cuda_graphs=args.graphs)
+
+
+def capture(engine: TierEngine, prompt_len: int, args) -> None:
+    """With graphs: capture the shapes a ``prompt_len``-token prompt takes, recomputed or past its hit."""
+    if args.graphs:
+        engine.capture_graphs(prompt_len, args.new_tokens, cached=(0, (prompt_len - 1) // PAGE * PAGE))
+
+
 def run_dir(model, cfg, directory: str, admission: str, args) -> list[dict]:
     """Every prefix length's cell for one directory and admission mode."""
     shutil.rmtree(directory, ignore_errors=True)
     longest = max(args.prefix) + args.suffix + args.new_tokens
     kv_gb = longest * kv_bytes_per_token(model) / 2**30
-    config = TierConfig(page_size=16, cpu_cache_gb=max(1 / 64, 2.5 * kv_gb),
-                        ssd_cache_gb=max(1 / 16, 3 * kv_gb), ssd_cache_dir=directory,
-                        ssd_admission=admission)
-    engine = TierEngine(model, config, num_slots=2 * (longest + 64), model_identity={"bench": "ssd_ttft"})
+    engine = make_engine(model, args, {"bench": "ssd_ttft"}, cpu_cache_gb=max(1 / 64, 2.5 * kv_gb),
+                         ssd_cache_gb=max(1 / 16, 3 * kv_gb), ssd_cache_dir=directory, ssd_admission=admission,
+                         ssd_io_threads=args.ssd_io_threads)
     gen = torch.Generator().manual_seed(1)
     rand = lambda n: torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
     tier = engine.tier
@@ -70,11 +90,13 @@ def run_dir(model, cfg, directory: str, admission: str, args) -> list[dict]:
 
     # kernels compiled, every path warm; admission keeps the median of the 64-token prefills: three warm ones
     # outvote the process's cold first one
+    capture(engine, 64, args)
     for source in ("none", "none", "kvtier", "kvtier"):
         serve(rand(64), source)
     rows = []
     for plen in args.prefix:
         prefix = rand(plen)
+        capture(engine, plen + args.suffix, args)
         serve(prefix + rand(args.suffix), "none")
         rec, ssd, cached = [], [], []
         for _ in range(args.reps):
@@ -90,7 +112,9 @@ def run_dir(model, cfg, directory: str, admission: str, args) -> list[dict]:
                      "cached_tokens": cached, "ratio": statistics.median(ssd) / statistics.median(rec),
                      "ssd_read_gbps": s["ssd_read_gbps"], "ssd_direct_io": s["ssd_direct_io"],
                      "prefill_1k_tokens_s": s["ssd_prefill_1k_tokens_s"], "ssd_refused": s["ssd_refused"],
-                     "kv_bytes": plen * kv_bytes_per_token(model)})
+                     "kv_bytes": plen * kv_bytes_per_token(model), "graphs": args.graphs,
+                     "graph_replays": engine.graphs.replays if engine.graphs else 0,
+                     "eager_forwards": engine.graphs.eager if engine.graphs else None})
         print(f"{directory} {admission} prefix {plen}: recompute {statistics.median(rec) * 1e3:.1f} ms, ssd "
               f"{statistics.median(ssd) * 1e3:.1f} ms ({rows[-1]['ratio']:.3f}), cached {cached}, read "
               f"{s['ssd_read_gbps']} GB/s, refused {s['ssd_refused']}", flush=True)
@@ -109,8 +133,13 @@ def parse_ttft_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="toy model and sizes (a CPU, seconds)")
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="replay CUDA graphs of the forward (default: on a CUDA device)")
+    ap.add_argument("--ssd-io-threads", type=int, default=TierConfig.ssd_io_threads)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.graphs is None:
+        args.graphs = torch.device(args.device).type == "cuda"
     if args.smoke:
         args.prefix, args.reps = [64, 128], 1
     return args

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool): the SSD store against the machine's disk and a RAM-backed directory, then
-# TTFT of SSD-resident prefixes against recompute (a random Qwen3 at 8B shapes), admission by cost on and off.
+# TTFT of SSD-resident prefixes against recompute (a random Qwen3 at 8B shapes on CUDA graphs, 8 IO threads: the
+# machine has 16 cores), admission by cost on and off.
 # Usage: bash bench/run_ssd_device.sh [ssd|ttft|all]   (results under $OUT)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -17,7 +18,7 @@ if [ "$WHAT" = ssd ] || [ "$WHAT" = all ]; then
     | tee "$OUT/ssd_h200.log" || status=1
 fi
 if [ "$WHAT" = ttft ] || [ "$WHAT" = all ]; then
-  python3 bench/bench_ssd_ttft.py --dir /var/tmp/kvtier-ttft ${RAM:+--ram-dir ${RAM}-ttft} \
+  python3 bench/bench_ssd_ttft.py --dir /var/tmp/kvtier-ttft ${RAM:+--ram-dir ${RAM}-ttft} --ssd-io-threads 8 \
     --out "$OUT/ssd_ttft_h200.json" 2>&1 | tee "$OUT/ssd_ttft_h200.log" || status=1
 fi
 exit $status

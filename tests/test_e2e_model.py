@@ -61,3 +61,75 @@ def test_forward_rejects_mismatched_slots():
     pool = ListPool(model.kv_shape, 16)
     with pytest.raises(ValueError, match="need 4 write slots and 6 read slots"):
         model.forward(pool, torch.arange(4), 2, torch.arange(3), torch.arange(6))
+
+
+def test_graphed_forward_needs_a_cuda_model():
+    from kvtier.e2e.graphs import GraphedForward
+
+    model = PagedDecoder.from_config(CONFIGS["qwen3_mha"](), dtype=torch.float32)
+    with pytest.raises(ValueError, match="CUDA device"):
+        GraphedForward(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_graph_replays_give_the_eager_logits_and_kv(name):
+    """Each captured shape replays with new tokens and slots: the logits and the KV written equal an eager run's
+    over the same inputs, bit for bit; a shape not captured runs eagerly."""
+    from kvtier.e2e.engine import PagedPool
+    from kvtier.e2e.graphs import GraphedForward
+
+    model = PagedDecoder.from_config(CONFIGS[name](), seed=1, device="cuda")
+    gen = torch.Generator().manual_seed(2)
+    graphed, eager = PagedPool(model, 256, 16), PagedPool(model, 256, 16)
+    fwd = GraphedForward(model)
+    spare = torch.arange(160, 256, device="cuda")  # the capture's dummy run writes there
+    fwd.capture(graphed, 0, spare[:40], spare[:40])
+    fwd.capture(graphed, 32, spare[32:40], spare[:40])
+    fwd.capture(graphed, 40, spare[40:41], spare[:41])
+    assert len(fwd) == 3 and (32, 8) in fwd
+    for seed in (3, 4):  # replays with other tokens and slots than the capture's
+        tokens = torch.randint(0, 256, (41,), generator=gen).cuda()
+        slots = torch.randperm(160, generator=torch.Generator().manual_seed(seed))[:41].cuda()
+        for start, end in ((0, 40), (32, 40), (40, 41), (0, 41)):
+            got = fwd(graphed, tokens[start:end], start, slots[start:end], slots[:end])
+            want = model.forward(eager, tokens[start:end], start, slots[start:end], slots[:end])
+            assert torch.equal(got, want), (start, end)
+        for a, b in zip(graphed.buffers, eager.buffers):
+            assert torch.equal(a[slots], b[slots])
+    assert fwd.replays == 6 and fwd.eager == 2  # (0, 41) was never captured
+
+
+def test_graphed_engine_needs_whole_loads():
+    from kvtier.config import TierConfig
+    from kvtier.e2e.engine import TierEngine
+
+    model = PagedDecoder.from_config(CONFIGS["qwen3_mha"](), dtype=torch.float32)
+    with pytest.raises(ValueError, match="layerwise=False"):
+        TierEngine(model, TierConfig(page_size=16, cpu_cache_gb=1 / 256), num_slots=256, cuda_graphs=True)
+
+
+@pytest.mark.gpu
+def test_graphed_engine_serves_what_the_eager_engine_serves():
+    """A TierEngine on graphs serves a prompt recomputed, then its prefix from the CPU tier: the same greedy outputs
+    as an eager engine, with every forward of the captured shapes replayed."""
+    from kvtier.config import TierConfig
+    from kvtier.e2e.engine import TierEngine
+
+    model = PagedDecoder.from_config(CONFIGS["qwen3_mha"](), seed=1, device="cuda")
+    config = TierConfig(page_size=16, cpu_cache_gb=1 / 256, layerwise=False)
+    prompt = torch.randint(1, 256, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+    outs = {}
+    for graphs in (False, True):
+        engine = TierEngine(model, config, num_slots=512, cuda_graphs=graphs)
+        if graphs:
+            engine.capture_graphs(80, 4, cached=(0, 64))
+        first = engine.serve(prompt, 4, source="none")
+        engine.drop_device_cache()
+        hit = engine.serve(prompt, 4, source="kvtier")
+        assert hit.cached == 64
+        outs[graphs] = (first.output, hit.output)
+        if graphs:
+            assert engine.graphs.eager == 0 and engine.graphs.replays == 8
+        engine.tier.destroy()
+    assert outs[True] == outs[False] and outs[True][0] == outs[True][1]

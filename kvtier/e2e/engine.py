@@ -17,6 +17,9 @@ alone costs: admission weighs an SSD hit's read against the prefill it leaves, a
 cheaper than that.
 
 Every request is stored to the host tier when it finishes (its slots are freed once that copy has completed).
+
+With ``cuda_graphs``, the forward replays CUDA graphs (:class:`~kvtier.e2e.graphs.GraphedForward`) for the shapes
+:meth:`TierEngine.capture_graphs` prepared, and host hits load whole (a graph replays no host-side layer wait).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Optional
 import torch
 
 from kvtier.config import TierConfig
+from kvtier.e2e.graphs import GraphedForward
 from kvtier.e2e.model import PagedDecoder, greedy
 
 __all__ = ["PagedPool", "TierEngine", "Result"]
@@ -107,10 +111,14 @@ class TierEngine:
     """One model, one :class:`PagedPool`, one :class:`~kvtier.tier.KVTier` (see the module docstring)."""
 
     def __init__(self, model: PagedDecoder, config: TierConfig, *, num_slots: int,
-                 model_identity: Optional[dict] = None) -> None:
+                 model_identity: Optional[dict] = None, cuda_graphs: bool = False) -> None:
         from kvtier.tier import KVTier
 
+        if cuda_graphs and config.layerwise:
+            raise ValueError("cuda_graphs needs layerwise=False: a graph replays no host-side layer wait")
         self.model, self.config, self.page_size = model, config, config.page_size
+        self.graphs = GraphedForward(model) if cuda_graphs else None
+        self.forward = self.graphs if cuda_graphs else model.forward
         self.pool = PagedPool(model, num_slots, config.page_size)
         self.tier = KVTier(self.pool.paged_kv(), config, model_identity=model_identity)
         if config.layerwise:
@@ -150,17 +158,35 @@ class TierEngine:
             else:
                 self.tier.wait_on_current_stream(task)
         toks = torch.tensor(tokens[cached:], dtype=torch.int64, device=dev)
-        out = [greedy(self.model.forward(self.pool, toks, cached, slots[cached:n], slots[:n]))]
+        out = [greedy(self.forward(self.pool, toks, cached, slots[cached:n], slots[:n]))]
         ttft = time.perf_counter() - t0
         self.tier.note_prefill(n - cached, ttft - waited, cached)
         for pos in range(n, n + max_new_tokens - 1):
             last = torch.tensor([out[-1]], dtype=torch.int64, device=dev)
-            out.append(greedy(self.model.forward(self.pool, last, pos, slots[pos:pos + 1], slots[:pos + 1])))
+            out.append(greedy(self.forward(self.pool, last, pos, slots[pos:pos + 1], slots[:pos + 1])))
         done = n + max_new_tokens - 1  # positions whose KV exists
         seq = list(tokens) + out[:-1]
         self.tier.wait(self.tier.store(seq[:done // P * P], None, slots[:done // P * P]))
         self._last = (seq[:done], slots)
         return Result(out, ttft, n, cached, n - cached)
+
+    def capture_graphs(self, prompt_len: int, max_new_tokens: int, cached: tuple[int, ...] = (0,)) -> None:
+        """Capture the forward shapes of a ``prompt_len``-token prompt served with each of ``cached`` prefix
+        tokens reused (page multiples), and of its ``max_new_tokens - 1`` decode steps, in free slots (their
+        pages hold nothing anyone reads; freed again)."""
+        if self.graphs is None:
+            raise RuntimeError("this engine was built without cuda_graphs")
+        slots = self.pool.alloc(prompt_len + max_new_tokens)
+        try:
+            for c in cached:
+                if c % self.page_size or not 0 <= c < prompt_len:
+                    raise ValueError(f"cached tokens must be page multiples below {prompt_len}, got {c}")
+                self.graphs.capture(self.pool, c, slots[c:prompt_len], slots[:prompt_len])
+            for pos in range(prompt_len, prompt_len + max_new_tokens - 1):
+                self.graphs.capture(self.pool, pos, slots[pos:pos + 1], slots[:pos + 1])
+        finally:
+            self._sync()
+            self.pool.free(slots)
 
     def drop_device_cache(self) -> None:
         """Free the device cache's slots (kvtier's copies stay)."""
