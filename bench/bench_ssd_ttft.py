@@ -67,9 +67,11 @@ def make_engine(model, args, identity: dict, **config) -> TierEngine:
 
 
 def capture(engine: TierEngine, prompt_len: int, args) -> None:
-    """With graphs: capture the shapes a ``prompt_len``-token prompt takes, recomputed or past its hit."""
+    """With graphs: capture the shapes a ``prompt_len``-token prompt takes, recomputed or past its hit (the
+    engine's cacheable tokens, in whole host blocks)."""
     if args.graphs:
-        engine.capture_graphs(prompt_len, args.new_tokens, cached=(0, (prompt_len - 1) // PAGE * PAGE))
+        want, block = (prompt_len - 1) // engine.page_size * engine.page_size, engine.tier.block_tokens
+        engine.capture_graphs(prompt_len, args.new_tokens, cached=(0, want // block * block))
 
 
 def run_dir(model, cfg, directory: str, admission: str, args) -> list[dict]:
@@ -115,7 +117,7 @@ def run_dir(model, cfg, directory: str, admission: str, args) -> list[dict]:
                      "ssd_read_gbps": s["ssd_read_gbps"], "ssd_direct_io": s["ssd_direct_io"],
                      "prefill_1k_tokens_s": s["ssd_prefill_1k_tokens_s"], "ssd_refused": s["ssd_refused"],
                      "kv_bytes": plen * kv_bytes_per_token(model), "graphs": args.graphs,
-                     "graph_replays": engine.graphs.replays if engine.graphs else 0,
+                     "graph_replays": engine.graphs.replays if engine.graphs else None,  # the run's so far
                      "eager_forwards": engine.graphs.eager if engine.graphs else None})
         print(f"{directory} {admission} prefix {plen}: recompute {statistics.median(rec) * 1e3:.1f} ms, ssd "
               f"{statistics.median(ssd) * 1e3:.1f} ms ({rows[-1]['ratio']:.3f}), cached {cached}, read "
@@ -137,7 +139,7 @@ def parse_ttft_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="toy model and sizes (a CPU, seconds)")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="replay CUDA graphs of the forward (default: on a CUDA device)")
-    ap.add_argument("--ssd-io-threads", type=int, default=TierConfig.ssd_io_threads)
+    ap.add_argument("--ssd-io-threads", type=int, default=TierConfig.ssd_io_threads, help="the SSD tier's (SSD bench)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.graphs is None:

@@ -68,36 +68,42 @@ def test_graphed_forward_needs_a_cuda_model():
 
     model = PagedDecoder.from_config(CONFIGS["qwen3_mha"](), dtype=torch.float32)
     with pytest.raises(ValueError, match="CUDA device"):
-        GraphedForward(model)
+        GraphedForward(model, ListPool(model.kv_shape, 16))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_graph_replays_give_the_eager_logits_and_kv(name):
-    """Each captured shape replays with new tokens and slots: the logits and the KV written equal an eager run's
-    over the same inputs, bit for bit; a shape not captured runs eagerly."""
+    """Each captured shape replays with new tokens and slots: the logits and the whole pool equal an eager run's
+    over the same inputs, bit for bit, and the slots lent to the capture are left alone; a shape not captured, or
+    another pool, runs eagerly."""
     from kvtier.e2e.engine import PagedPool
     from kvtier.e2e.graphs import GraphedForward
 
     model = PagedDecoder.from_config(CONFIGS[name](), seed=1, device="cuda")
     gen = torch.Generator().manual_seed(2)
     graphed, eager = PagedPool(model, 256, 16), PagedPool(model, 256, 16)
-    fwd = GraphedForward(model)
-    spare = torch.arange(160, 256, device="cuda")  # the capture's dummy run writes there
-    fwd.capture(graphed, 0, spare[:40], spare[:40])
-    fwd.capture(graphed, 32, spare[32:40], spare[:40])
-    fwd.capture(graphed, 40, spare[40:41], spare[:41])
+    fwd = GraphedForward(model, graphed)
+    spare = torch.arange(160, 256, device="cuda")  # the captures' warm-up runs write there
+    fwd.capture(0, spare[:40], spare[:40])
+    fwd.capture(32, spare[32:40], spare[:40])
+    fwd.capture(40, spare[40:41], spare[:41])
     assert len(fwd) == 3 and (32, 8) in fwd
+    lent = [b[160:].clone() for b in graphed.buffers]
     for seed in (3, 4):  # replays with other tokens and slots than the capture's
         tokens = torch.randint(0, 256, (41,), generator=gen).cuda()
         slots = torch.randperm(160, generator=torch.Generator().manual_seed(seed))[:41].cuda()
-        for start, end in ((0, 40), (32, 40), (40, 41), (0, 41)):
+        for start, end in ((0, 40), (32, 40), (40, 41)):
             got = fwd(graphed, tokens[start:end], start, slots[start:end], slots[:end])
             want = model.forward(eager, tokens[start:end], start, slots[start:end], slots[:end])
             assert torch.equal(got, want), (start, end)
-        for a, b in zip(graphed.buffers, eager.buffers):
-            assert torch.equal(a[slots], b[slots])
-    assert fwd.replays == 6 and fwd.eager == 2  # (0, 41) was never captured
+        for a, b, kept in zip(graphed.buffers, eager.buffers, lent):
+            assert torch.equal(a[:160], b[:160]) and torch.equal(a[160:], kept)
+        assert torch.equal(fwd(graphed, tokens, 0, slots, slots), model.forward(eager, tokens, 0, slots, slots))
+    other = PagedPool(model, 256, 16)
+    assert torch.equal(fwd(other, tokens[:40], 0, slots[:40], slots[:40]),
+                       model.forward(eager, tokens[:40], 0, slots[:40], slots[:40]))
+    assert fwd.replays == 6 and fwd.eager == 3  # (0, 41) was never captured; `other` is not the graphs' pool
 
 
 def test_graphed_engine_needs_whole_loads():
@@ -111,8 +117,8 @@ def test_graphed_engine_needs_whole_loads():
 
 @pytest.mark.gpu
 def test_graphed_engine_serves_what_the_eager_engine_serves():
-    """A TierEngine on graphs serves a prompt recomputed, then its prefix from the CPU tier: the same greedy outputs
-    as an eager engine, with every forward of the captured shapes replayed."""
+    """A TierEngine on graphs serves a prompt recomputed, then (the device pool wiped) its prefix from the CPU tier:
+    the same greedy outputs as an eager engine, with every forward of the captured shapes replayed."""
     from kvtier.config import TierConfig
     from kvtier.e2e.engine import TierEngine
 
@@ -124,9 +130,13 @@ def test_graphed_engine_serves_what_the_eager_engine_serves():
         engine = TierEngine(model, config, num_slots=512, cuda_graphs=graphs)
         if graphs:
             engine.capture_graphs(80, 4, cached=(0, 64))
+        held = engine.pool.alloc(128)  # the requests take other slots than the capture's
         first = engine.serve(prompt, 4, source="none")
         engine.drop_device_cache()
+        for buf in engine.pool.buffers:  # nothing of the first request is left on the device
+            buf.fill_(float("nan"))
         hit = engine.serve(prompt, 4, source="kvtier")
+        engine.pool.free(held)
         assert hit.cached == 64
         outs[graphs] = (first.output, hit.output)
         if graphs:

@@ -117,9 +117,9 @@ class TierEngine:
         if cuda_graphs and config.layerwise:
             raise ValueError("cuda_graphs needs layerwise=False: a graph replays no host-side layer wait")
         self.model, self.config, self.page_size = model, config, config.page_size
-        self.graphs = GraphedForward(model) if cuda_graphs else None
-        self.forward = self.graphs if cuda_graphs else model.forward
         self.pool = PagedPool(model, num_slots, config.page_size)
+        self.graphs = GraphedForward(model, self.pool) if cuda_graphs else None
+        self.forward = self.graphs if cuda_graphs else model.forward
         self.tier = KVTier(self.pool.paged_kv(), config, model_identity=model_identity)
         if config.layerwise:
             self.pool.register_layer_transfer_counter(self.tier.counter)
@@ -173,17 +173,21 @@ class TierEngine:
     def capture_graphs(self, prompt_len: int, max_new_tokens: int, cached: tuple[int, ...] = (0,)) -> None:
         """Capture the forward shapes of a ``prompt_len``-token prompt served with each of ``cached`` prefix
         tokens reused (page multiples), and of its ``max_new_tokens - 1`` decode steps, in free slots (their
-        pages hold nothing anyone reads; freed again)."""
+        pages hold nothing anyone reads; freed again). Raises when the graph cache is full."""
         if self.graphs is None:
             raise RuntimeError("this engine was built without cuda_graphs")
+        for c in cached:
+            if c % self.page_size or not 0 <= c < prompt_len:
+                raise ValueError(f"cached tokens must be page multiples below {prompt_len}, got {c}")
         slots = self.pool.alloc(prompt_len + max_new_tokens)
         try:
-            for c in cached:
-                if c % self.page_size or not 0 <= c < prompt_len:
-                    raise ValueError(f"cached tokens must be page multiples below {prompt_len}, got {c}")
-                self.graphs.capture(self.pool, c, slots[c:prompt_len], slots[:prompt_len])
-            for pos in range(prompt_len, prompt_len + max_new_tokens - 1):
-                self.graphs.capture(self.pool, pos, slots[pos:pos + 1], slots[:pos + 1])
+            shapes = [(c, slots[c:prompt_len], slots[:prompt_len]) for c in cached]
+            shapes += [(pos, slots[pos:pos + 1], slots[:pos + 1])
+                       for pos in range(prompt_len, prompt_len + max_new_tokens - 1)]
+            for start, write, read in shapes:
+                if not self.graphs.capture(start, write, read):
+                    raise RuntimeError(f"the engine holds {self.graphs.max_graphs} graphs; shape ({start}, "
+                                       f"{write.numel()}) not captured")
         finally:
             self._sync()
             self.pool.free(slots)

@@ -4,10 +4,11 @@ The decoder runs its layers op by op (about 2,000 kernel launches for 36 layers)
 new tokens costs ~52 ms of host time whatever its GPU time (``bench/probes/forward_cost.py``), where an engine with
 fused kernels and CUDA graphs spends a fraction of that. A graph replays the same launches in one call.
 
-A shape is ``(start, new tokens)``: the prefix length already in the pool and the tokens computed. :meth:`capture`
-records one with a dummy run (random tokens written into slots the caller lends, which must hold nothing anyone
-reads); :meth:`__call__` replays the graph of its inputs' shape after copying the tokens and slots into the graph's
-own input tensors, and runs the decoder eagerly for a shape not captured. Every graph draws from one memory pool:
+Graphs belong to one KV pool. A shape is ``(start, new tokens)``: the prefix length already in the pool and the
+tokens computed. :meth:`capture` records one after a warm-up run that writes random KV into slots the caller lends
+(they must hold nothing anyone reads); :meth:`__call__` replays the graph of its inputs' shape after copying the
+tokens and slots into the graph's own input tensors, so a replay writes and reads the caller's slots only, and it
+runs the decoder eagerly for a shape not captured (or another pool). Every graph draws from one memory pool:
 replays run one at a time on one stream, and each returns a copy of its logits.
 
 The pool's getters must not call a layer counter: its host-side ``wait_until`` runs at capture, not at replay. An
@@ -36,12 +37,13 @@ class _Graph:
 
 
 class GraphedForward:
-    """``model.forward`` through CUDA graphs for the captured shapes (at most ``max_graphs``), eager otherwise."""
+    """``model.forward`` over ``pool`` through CUDA graphs for the captured shapes (at most ``max_graphs``), eager
+    otherwise."""
 
-    def __init__(self, model: PagedDecoder, *, max_graphs: int = 64) -> None:
+    def __init__(self, model: PagedDecoder, pool, *, max_graphs: int = 64) -> None:
         if model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, not {model.device}")
-        self.model, self.max_graphs = model, max_graphs
+        self.model, self.pool, self.max_graphs = model, pool, max_graphs
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._mempool = torch.cuda.graph_pool_handle()
         self.replays = 0
@@ -53,16 +55,16 @@ class GraphedForward:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def capture(self, pool, start: int, write_slots: torch.Tensor, read_slots: torch.Tensor) -> bool:
+    def capture(self, start: int, write_slots: torch.Tensor, read_slots: torch.Tensor) -> bool:
         """Capture the shape ``(start, write_slots.numel())`` (a no-op when held); False when ``max_graphs`` are
-        held. The warm-up run and the replays write random KV into ``write_slots``; ``read_slots`` (``start``
-        slots, then ``write_slots``) are read."""
+        held. The warm-up run writes random KV into the lent ``write_slots`` and reads ``read_slots`` (``start``
+        slots, then ``write_slots``); the capture itself runs nothing."""
         n = write_slots.numel()
         if (start, n) in self._graphs:
             return True
         if len(self._graphs) >= self.max_graphs:
             return False
-        dev = self.model.device
+        dev, pool = self.model.device, self.pool
         tokens = torch.randint(0, self.model.config.vocab_size, (n,), device=dev)
         write, read = write_slots.to(dev).clone(), read_slots.to(dev).clone()
         side = torch.cuda.Stream(dev)
@@ -71,7 +73,7 @@ class GraphedForward:
             self.model.forward(pool, tokens, start, write, read)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             logits = self.model.forward(pool, tokens, start, write, read)
         self._graphs[(start, n)] = _Graph(graph, tokens, write, read, logits)
         return True
@@ -80,7 +82,7 @@ class GraphedForward:
                  read_slots: torch.Tensor) -> torch.Tensor:
         """The last position's logits, as :meth:`PagedDecoder.forward` returns them."""
         n = tokens.numel()
-        g: Optional[_Graph] = self._graphs.get((start, n))
+        g: Optional[_Graph] = self._graphs.get((start, n)) if pool is self.pool else None
         if g is None or write_slots.numel() != n or read_slots.numel() != start + n:  # eager (or its error)
             self.eager += 1
             return self.model.forward(pool, tokens, start, write_slots, read_slots)
