@@ -388,25 +388,27 @@ class StagedTransfer:
         layers). ``layer_first``: a row per (layer, K/V) plane of the span, the run's pages of it. ``runs``:
         ``block_runs(host_ids)`` when the caller has it already.
         """
-        geo = self.kv.geometry
-        layer_bytes = geo.page_bytes  # one layer of a page_first block, K and V
-        plane_page = geo.page_size * geo.row_bytes  # one page of a layer_first (layer, K/V) plane
         runs = block_runs(host_ids) if runs is None else runs
         r = np.array(runs, dtype=np.uint64).reshape(-1, 2)
         starts, lengths = r[:, 0], r[:, 1]
-        u = functools.partial(np.asarray, dtype=np.uint64)
-        h0 = u(host_ids)[starts.astype(np.int64)]
-        every = functools.partial(np.full, starts.size, dtype=np.uint64)
+        h0 = np.asarray(host_ids, dtype=np.uint64)[starts.astype(np.int64)]
+        fields = self._rect_fields(span, h0, starts, lengths, host_ids.size)
+        return Rects(*(np.array(np.broadcast_to(np.asarray(f, dtype=np.uint64), starts.shape)) for f in fields))
+
+    def _rect_fields(self, span: LayerSpan, h0, start, length, num_pages: int) -> tuple:
+        """(host_off, stg_off, width, height, host_pitch, stg_pitch) of the rectangle of a run of ``length`` host
+        blocks from block ``h0``, at page ``start`` of the staged ``num_pages``: ints, or uint64 arrays of runs."""
+        geo = self.kv.geometry
         if self.layout == "page_first":
-            block_span = u(span.count * layer_bytes)  # the span's bytes of one block
-            host, stg = h0 * u(geo.block_bytes) + u(span.start * layer_bytes), starts * block_span
+            block_span = span.count * geo.page_bytes  # the span's bytes of one block (a layer is K and V)
+            host, stg = h0 * geo.block_bytes + span.start * geo.page_bytes, start * block_span
             if span.count == geo.num_layers:  # whole blocks: one contiguous row
-                return Rects(host, stg, lengths * block_span, every(1), every(0), every(0))
-            return Rects(host, stg, every(block_span), lengths, every(geo.block_bytes), every(block_span))
+                return host, stg, length * block_span, 1, 0, 0
+            return host, stg, block_span, length, geo.block_bytes, block_span
+        plane_page = geo.page_size * geo.row_bytes  # one page of a layer_first (layer, K/V) plane
         host_pitch = self.num_blocks * plane_page
-        host = u(span.start * geo.kv_count * host_pitch) + h0 * u(plane_page)
-        return Rects(host, starts * u(plane_page), lengths * u(plane_page), every(span.count * geo.kv_count),
-                     every(host_pitch), every(host_ids.size * plane_page))
+        return (span.start * geo.kv_count * host_pitch + h0 * plane_page, start * plane_page, length * plane_page,
+                span.count * geo.kv_count, host_pitch, num_pages * plane_page)
 
     def run_rows(self, host_ids: np.ndarray, span: LayerSpan,
                  runs: Optional[list[tuple[int, int]]] = None) -> Rows:
@@ -423,23 +425,8 @@ class StagedTransfer:
     def _run_rects(self, host_ids: np.ndarray, span: LayerSpan, runs: Optional[list[tuple[int, int]]] = None):
         """:meth:`run_rects` one :class:`_Rect` (ints) at a time, in plain Python: a layerwise load of one run
         issues a copy per layer, and building numpy arrays for one rectangle costs more than the copy's issue."""
-        geo = self.kv.geometry
-        layer_bytes = geo.page_bytes
-        plane_page = geo.page_size * geo.row_bytes
-        n = host_ids.size
         for start, length in block_runs(host_ids) if runs is None else runs:
-            h0 = int(host_ids[start])
-            if self.layout == "page_first":
-                block_span = span.count * layer_bytes
-                host_off, stg_off = h0 * geo.block_bytes + span.start * layer_bytes, start * block_span
-                if span.count == geo.num_layers:
-                    yield _Rect(host_off, stg_off, length * block_span, 1, 0, 0)
-                else:
-                    yield _Rect(host_off, stg_off, block_span, length, geo.block_bytes, block_span)
-            else:
-                host_pitch = self.num_blocks * plane_page
-                yield _Rect(span.start * geo.kv_count * host_pitch + h0 * plane_page, start * plane_page,
-                            length * plane_page, span.count * geo.kv_count, host_pitch, n * plane_page)
+            yield _Rect(*self._rect_fields(span, int(host_ids[start]), start, length, host_ids.size))
 
     def _run_views(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
                    runs: Optional[list[tuple[int, int]]] = None):
