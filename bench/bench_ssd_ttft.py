@@ -67,11 +67,9 @@ def make_engine(model, args, identity: dict, **config) -> TierEngine:
 
 
 def capture(engine: TierEngine, prompt_len: int, args) -> None:
-    """With graphs: capture the shapes a ``prompt_len``-token prompt takes, recomputed or past its hit (the
-    engine's cacheable tokens, in whole host blocks)."""
+    """With graphs: capture the shapes a ``prompt_len``-token prompt takes, recomputed or past its hit."""
     if args.graphs:
-        want, block = (prompt_len - 1) // engine.page_size * engine.page_size, engine.tier.block_tokens
-        engine.capture_graphs(prompt_len, args.new_tokens, cached=(0, want // block * block))
+        engine.capture_graphs(prompt_len, args.new_tokens)
 
 
 def run_dir(model, cfg, directory: str, admission: str, args) -> list[dict]:

@@ -143,3 +143,22 @@ def test_graphed_engine_serves_what_the_eager_engine_serves():
             assert engine.graphs.eager == 0 and engine.graphs.replays == 8
         engine.tier.destroy()
     assert outs[True] == outs[False] and outs[True][0] == outs[True][1]
+
+
+@pytest.mark.parametrize("block_tokens", [16, 32])
+def test_hit_tokens_is_what_a_full_host_hit_serves(block_tokens):
+    """The shape capture_graphs takes for a hit by default is the one serve takes: a full host hit serves whole
+    pages short of the last token, in whole host blocks."""
+    from kvtier.config import TierConfig
+    from kvtier.e2e.engine import TierEngine
+
+    model = PagedDecoder.from_config(CONFIGS["qwen3_mha"](), dtype=torch.float32)
+    config = TierConfig(page_size=16, tokens_per_block=block_tokens, cpu_cache_gb=1 / 256, layerwise=False)
+    engine = TierEngine(model, config, num_slots=512)
+    prompt = torch.randint(1, 256, (112,), generator=torch.Generator().manual_seed(5)).tolist()
+    engine.serve(prompt, 2, source="none")
+    for n in (17, 80, 81, 112):
+        engine.drop_device_cache()
+        assert engine.serve(prompt[:n], 2, source="kvtier").cached == engine.hit_tokens(n), n
+    assert [engine.hit_tokens(n) for n in (16, 80, 81)] == [0, 64, 80 // block_tokens * block_tokens]
+    engine.tier.destroy()

@@ -170,12 +170,20 @@ class TierEngine:
         self._last = (seq[:done], slots)
         return Result(out, ttft, n, cached, n - cached)
 
-    def capture_graphs(self, prompt_len: int, max_new_tokens: int, cached: tuple[int, ...] = (0,)) -> None:
+    def hit_tokens(self, prompt_len: int) -> int:
+        """The prompt tokens a full host hit serves: whole pages short of the last token, in whole host blocks."""
+        want, block = (prompt_len - 1) // self.page_size * self.page_size, self.tier.block_tokens
+        return want // block * block
+
+    def capture_graphs(self, prompt_len: int, max_new_tokens: int, cached: Optional[tuple[int, ...]] = None) -> None:
         """Capture the forward shapes of a ``prompt_len``-token prompt served with each of ``cached`` prefix
-        tokens reused (page multiples), and of its ``max_new_tokens - 1`` decode steps, in free slots (their
-        pages hold nothing anyone reads; freed again). Raises when the graph cache is full."""
+        tokens reused (page multiples; by default none and a full host hit, :meth:`hit_tokens`), and of its
+        ``max_new_tokens - 1`` decode steps, in free slots (their pages hold nothing anyone reads; freed again).
+        Raises when the graph cache is full."""
         if self.graphs is None:
             raise RuntimeError("this engine was built without cuda_graphs")
+        if cached is None:
+            cached = (0, self.hit_tokens(prompt_len))
         for c in cached:
             if c % self.page_size or not 0 <= c < prompt_len:
                 raise ValueError(f"cached tokens must be page multiples below {prompt_len}, got {c}")
