@@ -227,6 +227,36 @@ def test_offset_copies_move_what_the_views_name(copies, layout, ids, start, coun
     assert torch.equal(host_bytes, want_host) and torch.equal(staging, want_stg)
 
 
+@pytest.mark.parametrize("run", [1, 2, 3])
+@pytest.mark.parametrize("to_host", [True, False])
+def test_wide_store_runs_go_as_rows_and_the_rest_pitched(copies, run, to_host):
+    """A ``layer_first`` store whose runs average ``Tuning.store_rows_min_bytes`` of a plane or more goes as one row
+    batch (the copy engine writes separate rows faster than pitched ones once their issue keeps ahead); narrower
+    store runs, and loads, go as pitched rectangles; the bytes are those of the views either way."""
+    if copies.mode != "pitched":
+        pytest.skip("needs the pitched batch")
+    gen = torch.Generator().manual_seed(run)
+    kv = make_kv(GEO, 16, "cpu", gen)
+    host = make_host(GEO, 24, "layer_first", "cpu", gen)
+    plane_page = GEO.page_size * GEO.row_bytes
+    stager = StagedTransfer(kv, host, layout="layer_first",
+                            tuning=Tuning(pitched_min_rows=2, store_rows_min_bytes=2 * plane_page))
+    host_ids = np.concatenate([np.arange(run) + 5 * i for i in range(4)])  # 4 runs of `run` blocks, gaps between
+    span = LayerSpan(0, GEO.num_layers)
+    staging = torch.randint(0, 256, (stager.staging_bytes,), dtype=torch.uint8, generator=gen)
+    host_bytes = host.view(-1).view(torch.uint8)
+    want_host, want_stg = host_bytes.clone(), staging.clone()
+    for h, s in stager._run_views(want_stg, host_ids, span):
+        h = want_host.as_strided(h.shape, h.stride(), h.storage_offset() - host_bytes.storage_offset())
+        (h.copy_(s) if to_host else s.copy_(h))
+    copies.calls.clear()
+    stager.copy_runs(staging, host_ids, span, to_host=to_host, stream=STREAM)
+    rows = to_host and run >= 2
+    assert [c[0] for c in copies.calls] == (["batch"] if rows else ["rects"])
+    assert stager.pitched(span, host_ids, to_host) is not rows
+    assert torch.equal(host_bytes, want_host) and torch.equal(staging, want_stg)
+
+
 @settings(max_examples=100, deadline=None)
 @given(layout=st.sampled_from(["page_first", "layer_first"]),
        ids=st.lists(st.integers(0, 11), min_size=1, max_size=8, unique=True),

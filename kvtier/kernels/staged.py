@@ -238,16 +238,25 @@ class StagedTransfer:
         """Whether chunks of several runs go in one batched call (CUDA, CuPy and a CUDA 12.8+ driver)."""
         return self.kv.is_cuda and _cupy is not None and batch_copy.available()
 
-    def pitched(self, span: LayerSpan) -> bool:
+    def pitched(self, span: LayerSpan, host_ids: np.ndarray, to_host: bool,
+                runs: Optional[list[tuple[int, int]]] = None) -> bool:
         """Whether a batched call moves a ``layer_first`` run of ``span``'s layers as one pitched rectangle
-        (``cuMemcpy3DBatchAsync``), not plane by plane: the span has at least ``Tuning.pitched_min_rows`` planes
-        and the pool's plane pitch fits the device's limit (:func:`_copy_batched` still sends a rectangle whose host
-        bytes cross a registration row by row)."""
+        (``cuMemcpy3DBatchAsync``), not plane by plane: the span has at least ``Tuning.pitched_min_rows`` planes,
+        the pool's plane pitch fits the device's limit (:func:`_copy_batched` still sends a rectangle whose host
+        bytes cross a registration row by row) and, for a store, ``host_ids``' runs are narrower on average than
+        ``Tuning.store_rows_min_bytes`` of a plane (wider ones go faster as rows). ``runs``: ``block_runs(host_ids)``
+        when the caller has it."""
         geo = self.kv.geometry
-        return (self.layout == "layer_first" and span.count * geo.kv_count >= self.tuning.pitched_min_rows
-                and batch_copy.rects_available() and self.num_blocks * geo.page_size * geo.row_bytes <= _max_pitch())
+        plane_page = geo.page_size * geo.row_bytes
+        if not (self.layout == "layer_first" and span.count * geo.kv_count >= self.tuning.pitched_min_rows
+                and batch_copy.rects_available() and self.num_blocks * plane_page <= _max_pitch()):
+            return False
+        if not to_host:
+            return True
+        runs = block_runs(host_ids) if runs is None else runs
+        return host_ids.size * plane_page < self.tuning.store_rows_min_bytes * max(1, len(runs))
 
-    def layer_groups(self, span: LayerSpan, host_ids: np.ndarray) -> list[LayerSpan]:
+    def layer_groups(self, span: LayerSpan, host_ids: np.ndarray, to_host: bool = False) -> list[LayerSpan]:
         """The layer spans to stage one after the other: the whole span, or (``layer_first``) groups of layers.
 
         In ``layer_first`` a chunk's copy has a row per (layer, K/V) plane and run of blocks, as wide as the run's
@@ -259,14 +268,17 @@ class StagedTransfer:
         no width from it. They stage the whole span where a run is one pitched copy (:meth:`pitched`: a copy per
         run of all the span's planes) or there is no batched call (a copy per run); with row-by-row batches only,
         they are grouped (still one call per chunk, and a group's rows lie close together in host memory: 8k
-        tokens in runs of one page stored in 25.9 ms a layer at a time, 34.9 ms all layers at once).
+        tokens in runs of one page stored in 25.9 ms a layer at a time, 34.9 ms all layers at once). ``to_host``:
+        the copy is a store (whose wide runs go as rows, see :meth:`pitched`).
         """
         if self.layout != "layer_first":
             return [span]
         num_pages = host_ids.size
         group = max(1, self.staging_bytes // (num_pages * self.kv.geometry.page_bytes))
-        short_runs = num_pages <= len(block_runs(host_ids)) * self._pages_per_chunk(span.count)
-        if group >= span.count or (short_runs and not (self.batched and not self.pitched(span))):
+        runs = block_runs(host_ids)
+        short_runs = num_pages <= len(runs) * self._pages_per_chunk(span.count)
+        if group >= span.count or (short_runs and not (self.batched and not self.pitched(span, host_ids, to_host,
+                                                                                            runs))):
             return [span]
         end = span.start + span.count
         return [LayerSpan(layer, min(group, end - layer)) for layer in range(span.start, end, group)]
@@ -310,7 +322,8 @@ class StagedTransfer:
             runs = block_runs(host_ids) if runs is None else runs
             if len(runs) > 1 and batch_copy.available():
                 rects = self.run_rects(host_ids, span, runs) if rects is None else rects
-                _copy_batched(host_ptr, stg_ptr, rects, to_host=to_host, stream=stream, pitched=self.pitched(span))
+                _copy_batched(host_ptr, stg_ptr, rects, to_host=to_host, stream=stream,
+                              pitched=self.pitched(span, host_ids, to_host, runs))
                 return
             for r in self._run_rects(host_ids, span, runs):
                 _copy_rect(host_ptr + r.host_off, stg_ptr + r.stg_off, r.height, r.width, r.host_pitch,
@@ -340,7 +353,7 @@ class StagedTransfer:
                 # (e.g. the previous reader of the staging buffers or of the host blocks).
                 direction.copy_stream.wait_stream(work)
             done = None
-            subs = self.layer_groups(span, host_ids)
+            subs = self.layer_groups(span, host_ids, to_host)
             for i, sub in enumerate(subs):
                 edge = i == (0 if to_host else len(subs) - 1)  # the span that starts a store or ends a load
                 done = self._run_span(direction, work, slots, host_ids, sub, to_host, short_edge=edge, skip=skip)

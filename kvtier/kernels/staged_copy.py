@@ -76,7 +76,7 @@ class StagedCopy:
         with on_device(kv) if kv.is_cuda else contextlib.nullcontext():
             if work is not None and not self.to_host:
                 d.copy_stream.wait_stream(work)  # as StagedTransfer: host-to-staging copies follow the caller's work
-            subs = stager.layer_groups(span, self._host_ids)
+            subs = stager.layer_groups(span, self._host_ids, self.to_host)
             last = None
             for i, sub in enumerate(subs):
                 edge = i == (0 if self.to_host else len(subs) - 1)

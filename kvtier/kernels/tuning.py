@@ -46,6 +46,14 @@ class Tuning:
             K/V) planes from this many planes (a span of 8 layers); shorter ones go a copy per plane. Pitched copies
             cost the host ~5 us each to issue; a run of 2 planes (a layerwise load) took 82 ms for 36 layers at
             8k tokens against 37 ms per plane (bench/results/probes/staged_pitched_h200.json).
+        store_rows_min_bytes: a fragmented ``layer_first`` store moves its runs as rows (a ``cuMemcpyBatchAsync``
+            row per plane and run) rather than pitched rectangles when the runs are at least this many bytes of a
+            plane on average. The copy engine writes pitched 32-256 KiB rows below PCIe speed (41 GB/s at 32 KiB)
+            and separate rows at it, but each separate row costs the host 0.45-1.05 us to issue, about what the
+            engine takes to write 32-64 KiB, so narrow rows are bound by their issue and vary from run to run (8k
+            tokens in runs of 2 blocks, 64 KiB rows: 22.4-22.8 ms in most runs, 26-38 in some, against a steady 29
+            pitched); from 128 KiB the issue keeps ahead (runs of 4: 23.9-24.1 ms against 26.3; runs of 8: 22.9-23.1
+            against 24.7; bench/results/probes/staged_store_chunks_h200.json, store_row_issue_h200.json).
     """
 
     programs: int = 4
@@ -61,6 +69,7 @@ class Tuning:
     scatter_programs: int = 64
     edge_chunk_divisor: int = 4
     pitched_min_rows: int = 16
+    store_rows_min_bytes: int = 128 * KiB
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
