@@ -317,7 +317,7 @@ class Bench:
     def worker_cpu(self, reps: int = 50) -> dict:
         """Median microseconds per block of what the remote workers do besides the Mooncake call (on their
         thread, holding the GIL): the payload checksum, the header, the ranges, the key, the staging copy."""
-        a, V = self.a, self.V
+        a = self.a
         rows = a.pool.block_rows(1)
         slot = np.empty(self.geo.block_bytes, np.uint8).reshape(rows.shape)
         toks = np.arange(self.geo.page_size, dtype=np.int64)

@@ -232,7 +232,6 @@ def headline_table() -> str:
     e2e = _load("e2e_h200.json")
     body = []
     if tr:
-        t = tr["summary"]
         ratio, case = _hicache_worst(tr)
         body.append([f"kvtier's direct kernel over SGLang HiCache's on identical work, worst direction and page "
                      f"(`{case}`, random host pages)", f"{ratio:.4f}"])
