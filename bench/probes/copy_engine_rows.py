@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -23,7 +22,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from bench.bench_fragmentation import fragmented_ids  # noqa: E402
-from bench.common import env_info, make_pool, write_json  # noqa: E402
+from bench.common import env_info, make_pool, time_gpu_ms, write_json  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import StagedTransfer, batch_copy  # noqa: E402
 from kvtier.kernels.checks import layer_span  # noqa: E402
@@ -87,19 +86,8 @@ def main() -> None:
                 for kind in ("rows", "pitched"):
                     for k in (1, 2, 4):
                         calls = plan(kind, rects, host_ptr, dev.data_ptr(), to_host, streams[:k])
-                        fn = lambda: issue(calls, main_stream)  # noqa: E731
-                        fn()
-                        torch.cuda.synchronize()
-                        times = []
-                        for _ in range(args.reps):
-                            torch.cuda._sleep(int(4e6))
-                            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                            e0.record()
-                            fn()
-                            e1.record()
-                            torch.cuda.synchronize()
-                            times.append(e0.elapsed_time(e1))
-                        ms = statistics.median(times)
+                        ms = time_gpu_ms(lambda: issue(calls, main_stream), reps=args.reps, warmup=1,
+                                         hide_host_us=2000.0)["median_ms"]
                         row = dict(tokens=tokens, run=run, to_host=to_host, kind=kind, streams=k, ms=ms,
                                    copies=int(rects.width.size if kind == "pitched" else rects.height.sum()),
                                    gbps=n * GEO.block_bytes / ms / 1e6)

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 from bench.bench_fragmentation import fragmented_ids  # noqa: E402
 from bench.common import env_info, write_json  # noqa: E402
-from bench.probes.store_rows_locality import GEO, PLANES, ROW, rows_of  # noqa: E402
+from bench.probes.store_rows_locality import GEO, ROW, block_rects, plane_rows, rows_of  # noqa: E402
 from kvtier.kernels import batch_copy  # noqa: E402
 from kvtier.tier import HostBlockPool  # noqa: E402
 
@@ -83,17 +83,11 @@ def main() -> None:
             return run
 
         k = ids.size
-        rh = ids.astype(np.uint64) * np.uint64(ROW) + hp
-        rd = np.arange(k, dtype=np.uint64) * np.uint64(ROW) + dp
-        hpitch = np.full(k, num_blocks * ROW, dtype=np.uint64)
-        dpitch = np.full(k, n * ROW, dtype=np.uint64)
-        rw = np.full(k, ROW, dtype=np.uint64)
-        ht = np.full(k, PLANES, dtype=np.uint64)
+        rects = block_rects(ids, num_blocks, n, pool.host.data_ptr(), dev.data_ptr())
 
         def pitched(lo, hi, stream):
             torch.cuda.set_device(0)
-            batch_copy.memcpy_rects(rh[lo:hi], hpitch[lo:hi], rd[lo:hi], dpitch[lo:hi], rw[lo:hi], ht[lo:hi],
-                                    stream.cuda_stream)
+            batch_copy.memcpy_rects(*(a[lo:hi] for a in rects), stream.cuda_stream)
 
         def mixed(frac):
             cut = int(k * frac)  # blocks [0, cut) pitched, the rest as rows
@@ -107,11 +101,9 @@ def main() -> None:
                 f.result()
             return run
 
-        ph = np.arange(PLANES, dtype=np.uint64) * np.uint64(num_blocks * ROW) + np.uint64(64 * ROW) + hp
-        pd = np.arange(PLANES, dtype=np.uint64) * np.uint64(n * ROW) + dp
-        pw = np.full(PLANES, n * ROW, dtype=np.uint64)
+        planes = plane_rows(num_blocks, n, pool.host.data_ptr(), dev.data_ptr())
         cases = {
-            "one_run_planes": lambda: batch_copy.memcpy_batch(ph, pd, pw, streams[0].cuda_stream),
+            "one_run_planes": lambda: batch_copy.memcpy_batch(*planes, streams[0].cuda_stream),
             "rows_one_batch": lambda: batch_copy.memcpy_batch(h, d, w, streams[0].cuda_stream),
             "rows_batches_128": lambda: batches(h, d, w, 128, streams[0]),
             "rows_batches_256": lambda: batches(h, d, w, 256, streams[0]),

@@ -27,7 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from bench.bench_fragmentation import fragmented_ids  # noqa: E402
-from bench.common import env_info, write_json  # noqa: E402
+from bench.common import env_info, time_gpu_ms, write_json  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import batch_copy  # noqa: E402
 from kvtier.tier import HostBlockPool  # noqa: E402
@@ -75,18 +75,28 @@ def rows_of(ids: np.ndarray, num_blocks: int, order: np.ndarray | None = None):
 
 
 def time_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        torch.cuda._sleep(int(2e6))
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1))
-    return statistics.median(times)
+    """Median GPU ms of ``fn`` after one untimed call, the GPU spinning ~1 ms before each rep so that the host
+    queues the rep's copies before the start event fires."""
+    return time_gpu_ms(fn, reps=reps, warmup=1, hide_host_us=1000.0)["median_ms"]
+
+
+def block_rects(ids: np.ndarray, num_blocks: int, n: int, host_ptr: int, dev_ptr: int) -> tuple:
+    """``memcpy_rects`` arguments (dst, dst pitch, src, src pitch, width, height) of a D2H pitched rectangle per
+    block of ``ids``: its PLANES rows in a layer_first pool of ``num_blocks`` blocks, from a device buffer holding
+    ``n`` blocks plane by plane."""
+    k = ids.size
+    full = lambda v: np.full(k, v, dtype=np.uint64)  # noqa: E731
+    return (ids.astype(np.uint64) * np.uint64(ROW) + np.uint64(host_ptr), full(num_blocks * ROW),
+            np.arange(k, dtype=np.uint64) * np.uint64(ROW) + np.uint64(dev_ptr), full(n * ROW), full(ROW),
+            full(PLANES))
+
+
+def plane_rows(num_blocks: int, n: int, host_ptr: int, dev_ptr: int) -> tuple:
+    """``memcpy_batch`` arguments (dst, src, width) of the one-run store: a row per plane, ``n`` blocks from block
+    64 on."""
+    planes = np.arange(PLANES, dtype=np.uint64)
+    return (planes * np.uint64(num_blocks * ROW) + np.uint64(64 * ROW + host_ptr),
+            planes * np.uint64(n * ROW) + np.uint64(dev_ptr), np.full(PLANES, n * ROW, dtype=np.uint64))
 
 
 def part1(res, pool_name, host_ptr, num_blocks, dev, n, reps, rng, stream):
@@ -107,23 +117,11 @@ def part1(res, pool_name, host_ptr, num_blocks, dev, n, reps, rng, stream):
         res.append(dict(pool=pool_name, case=name, copies=int(h.size), ms=ms, gbps=nbytes / ms / 1e6))
         print(pool_name, name, f"{ms:.2f} ms {nbytes / ms / 1e6:.1f} GB/s", flush=True)
     # pitched: a rectangle of PLANES rows per block (runs of one), and 72 plane rows of one run
-    for name, ids in (("r1_pitched", r1), ("one_run_planes", None)):
-        if ids is None:
-            h = np.arange(PLANES, dtype=np.uint64) * np.uint64(num_blocks * ROW) + np.uint64(64 * ROW)
-            d = np.arange(PLANES, dtype=np.uint64) * np.uint64(n * ROW)
-            w = np.full(PLANES, n * ROW, dtype=np.uint64)
-            fn = lambda: batch_copy.memcpy_batch(h + hp, d + dp, w, stream.cuda_stream)  # noqa: E731
-            copies = PLANES
-        else:
-            k = ids.size
-            h = ids.astype(np.uint64) * np.uint64(ROW) + hp
-            d = np.arange(k, dtype=np.uint64) * np.uint64(ROW) + dp
-            hpitch = np.full(k, num_blocks * ROW, dtype=np.uint64)
-            dpitch = np.full(k, n * ROW, dtype=np.uint64)
-            w = np.full(k, ROW, dtype=np.uint64)
-            ht = np.full(k, PLANES, dtype=np.uint64)
-            fn = lambda: batch_copy.memcpy_rects(h, hpitch, d, dpitch, w, ht, stream.cuda_stream)  # noqa: E731
-            copies = k
+    rects, planes = block_rects(r1, num_blocks, n, host_ptr, dev.data_ptr()), plane_rows(num_blocks, n, host_ptr,
+                                                                                          dev.data_ptr())
+    for name, fn, copies in (
+            ("r1_pitched", lambda: batch_copy.memcpy_rects(*rects, stream.cuda_stream), r1.size),
+            ("one_run_planes", lambda: batch_copy.memcpy_batch(*planes, stream.cuda_stream), PLANES)):
         ms = time_ms(fn, reps)
         res.append(dict(pool=pool_name, case=name, copies=copies, ms=ms, gbps=nbytes / ms / 1e6))
         print(pool_name, name, f"{ms:.2f} ms {nbytes / ms / 1e6:.1f} GB/s", flush=True)
