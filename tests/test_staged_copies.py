@@ -10,6 +10,7 @@ the pointer and pitch arithmetic, which the GPU tests only see end to end.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import types
 
 import numpy as np
@@ -178,6 +179,21 @@ def test_one_row_is_one_1d_copy(runtime):
 GEO = KVGeometry(4, 2, 64, torch.float16, page_size=2)
 
 
+def _expected(stager: StagedTransfer, host_bytes: torch.Tensor, staging: torch.Tensor, host_ids: np.ndarray,
+              span: LayerSpan, to_host: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host bytes, staging) as a copy of ``host_ids``' runs must leave them: the views name the bytes, copied here
+    by hand (torch copies, no batched call)."""
+    want_host, want_stg = host_bytes.clone(), staging.clone()
+    for host_view, stg_view in stager._run_views(want_stg, host_ids, span):
+        dst = want_host.as_strided(host_view.shape, host_view.stride(),
+                                   host_view.storage_offset() - host_bytes.storage_offset())
+        if to_host:
+            dst.copy_(stg_view)
+        else:
+            stg_view.copy_(dst)
+    return want_host, want_stg
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layout=st.sampled_from(["page_first", "layer_first"]),
        ids=st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True),
@@ -198,10 +214,7 @@ def test_offset_copies_move_what_the_views_name(copies, layout, ids, start, coun
     staging = torch.randint(0, 256, (stager.staging_bytes,), dtype=torch.uint8, generator=gen)
     host_ids = np.array(ids, dtype=np.int64)
     host_bytes = host.view(-1).view(torch.uint8)
-    want_host, want_stg = host_bytes.clone(), staging.clone()
-    for h, s in stager._run_views(want_stg, host_ids, span):  # the views name the bytes; copy them by hand
-        h = want_host.as_strided(h.shape, h.stride(), h.storage_offset() - host_bytes.storage_offset())
-        (h.copy_(s) if to_host else s.copy_(h))
+    want_host, want_stg = _expected(stager, host_bytes, staging, host_ids, span, to_host)
     base = host_bytes.data_ptr()
     regs = [(base + boundary * 64, host_bytes.numel() - boundary * 64)] if boundary else []
     for ptr, n in regs:
@@ -227,34 +240,38 @@ def test_offset_copies_move_what_the_views_name(copies, layout, ids, start, coun
     assert torch.equal(host_bytes, want_host) and torch.equal(staging, want_stg)
 
 
+@pytest.mark.parametrize("copies", ["pitched"], indirect=True)
 @pytest.mark.parametrize("run", [1, 2, 3])
 @pytest.mark.parametrize("to_host", [True, False])
-def test_wide_store_runs_go_as_rows_and_the_rest_pitched(copies, run, to_host):
+def test_wide_store_runs_go_as_rows_and_the_rest_pitched(copies, monkeypatch, run, to_host):
     """A ``layer_first`` store whose runs average ``Tuning.store_rows_min_bytes`` of a plane or more goes as one row
-    batch (the copy engine writes separate rows faster than pitched ones once their issue keeps ahead); narrower
-    store runs, and loads, go as pitched rectangles; the bytes are those of the views either way."""
-    if copies.mode != "pitched":
-        pytest.skip("needs the pitched batch")
+    batch and is staged in layer groups (the copy engine writes separate rows faster than pitched ones once their
+    issue keeps ahead); narrower store runs, and loads, go as pitched rectangles over the whole span; the bytes are
+    those of the views either way."""
     gen = torch.Generator().manual_seed(run)
     kv = make_kv(GEO, 16, "cpu", gen)
     host = make_host(GEO, 24, "layer_first", "cpu", gen)
     plane_page = GEO.page_size * GEO.row_bytes
-    stager = StagedTransfer(kv, host, layout="layer_first",
-                            tuning=Tuning(pitched_min_rows=2, store_rows_min_bytes=2 * plane_page))
+    tuning = Tuning(pitched_min_rows=2, store_rows_min_bytes=2 * plane_page)
+    stager = StagedTransfer(kv, host, layout="layer_first", tuning=tuning)
     host_ids = np.concatenate([np.arange(run) + 5 * i for i in range(4)])  # 4 runs of `run` blocks, gaps between
     span = LayerSpan(0, GEO.num_layers)
     staging = torch.randint(0, 256, (stager.staging_bytes,), dtype=torch.uint8, generator=gen)
     host_bytes = host.view(-1).view(torch.uint8)
-    want_host, want_stg = host_bytes.clone(), staging.clone()
-    for h, s in stager._run_views(want_stg, host_ids, span):
-        h = want_host.as_strided(h.shape, h.stride(), h.storage_offset() - host_bytes.storage_offset())
-        (h.copy_(s) if to_host else s.copy_(h))
+    want_host, want_stg = _expected(stager, host_bytes, staging, host_ids, span, to_host)
     copies.calls.clear()
     stager.copy_runs(staging, host_ids, span, to_host=to_host, stream=STREAM)
     rows = to_host and run >= 2
     assert [c[0] for c in copies.calls] == (["batch"] if rows else ["rects"])
     assert stager.pitched(span, host_ids, to_host) is not rows
     assert torch.equal(host_bytes, want_host) and torch.equal(staging, want_stg)
+    # the plan: with batched calls (as on CUDA), row stores of short runs go by layer groups, pitched copies whole
+    # (staging for 3 blocks: runs of up to 3 blocks are short, and a layer of every page fits one buffer)
+    monkeypatch.setattr(StagedTransfer, "batched", property(lambda self: True))
+    planner = StagedTransfer(kv, host, layout="layer_first",
+                             tuning=dataclasses.replace(tuning, staging_bytes=3 * GEO.block_bytes))
+    groups = planner.layer_groups(span, host_ids, to_host)
+    assert (len(groups) > 1) is rows and sum(g.count for g in groups) == span.count
 
 
 @settings(max_examples=100, deadline=None)

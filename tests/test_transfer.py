@@ -273,7 +273,7 @@ def test_layer_first_groups_cover_the_span_with_the_widest_rows(num_layers: int,
                          tuning=Tuning(staging_bytes=staging_pages * geo.page_bytes))
     # runs of consecutive ids separated by gaps of one id
     host_ids = np.concatenate([np.arange(n) + 100 * i for i, n in enumerate(run_lengths)])
-    groups = st_.layer_groups(span, host_ids)
+    groups = st_.layer_groups(span, host_ids, to_host=False)
     assert [g.start for g in groups] == list(itertools.accumulate([span.start] + [g.count for g in groups[:-1]]))
     assert sum(g.count for g in groups) == span.count
     num_pages = host_ids.size

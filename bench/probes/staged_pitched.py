@@ -46,10 +46,10 @@ def mode(name: str):
     if name == "rows":
         batch_copy.rects_available = lambda: False
     elif name == "pitched_grouped":  # layer groups chosen as without pitched copies; the copies stay pitched
-        def grouped(self, span, host_ids):
+        def grouped(self, span, host_ids, to_host):
             batch_copy.rects_available = lambda: False
             try:
-                return saved[1](self, span, host_ids)
+                return saved[1](self, span, host_ids, to_host)
             finally:
                 batch_copy.rects_available = saved[0]
         StagedTransfer.layer_groups = grouped
@@ -115,7 +115,7 @@ def main() -> None:
                         check_store(kv, host, layout, slots, ids, fns["store"])
                         for p in ("load", "load_per_layer"):
                             _check_load(kv, host, layout, slots, ids, fns[p])
-                        groups = len(stager.layer_groups(layer_span(None, GEO.num_layers), ids.numpy()))
+                        groups = len(stager.layer_groups(layer_span(None, GEO.num_layers), ids.numpy(), True))
                         for p, fn in fns.items():
                             row = dict(layout=layout, tokens=tokens, run=run, mode=m, path=p, groups=groups,
                                        gpu_ms=time_gpu_ms(fn, reps=args.reps)["median_ms"],

@@ -33,6 +33,8 @@ from kvtier.tier import HostBlockPool  # noqa: E402
 
 
 def wall_ms(fn, reps: int) -> float:
+    """Median wall ms of ``fn`` from its first issue to the end of its copies (the device synchronized before and
+    after), after one untimed call: the issue counts, which the CUDA events of ``time_gpu_ms`` partly hide."""
     fn()
     torch.cuda.synchronize()
     times = []

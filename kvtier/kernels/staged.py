@@ -244,8 +244,10 @@ class StagedTransfer:
         (``cuMemcpy3DBatchAsync``), not plane by plane: the span has at least ``Tuning.pitched_min_rows`` planes,
         the pool's plane pitch fits the device's limit (:func:`_copy_batched` still sends a rectangle whose host
         bytes cross a registration row by row) and, for a store, ``host_ids``' runs are narrower on average than
-        ``Tuning.store_rows_min_bytes`` of a plane (wider ones go faster as rows). ``runs``: ``block_runs(host_ids)``
-        when the caller has it."""
+        ``Tuning.store_rows_min_bytes`` of a plane. The average is the measure because a store as rows is bound by
+        its issue, a fixed host cost per row, against the copy engine's time per byte: a copy of R runs has R rows a
+        plane, so its rows per byte are those of R runs of the average width, whatever the mix of short and long
+        runs. ``runs``: ``block_runs(host_ids)`` when the caller has it."""
         geo = self.kv.geometry
         plane_page = geo.page_size * geo.row_bytes
         if not (self.layout == "layer_first" and span.count * geo.kv_count >= self.tuning.pitched_min_rows
@@ -256,7 +258,7 @@ class StagedTransfer:
         runs = block_runs(host_ids) if runs is None else runs
         return host_ids.size * plane_page < self.tuning.store_rows_min_bytes * max(1, len(runs))
 
-    def layer_groups(self, span: LayerSpan, host_ids: np.ndarray, to_host: bool = False) -> list[LayerSpan]:
+    def layer_groups(self, span: LayerSpan, host_ids: np.ndarray, to_host: bool) -> list[LayerSpan]:
         """The layer spans to stage one after the other: the whole span, or (``layer_first``) groups of layers.
 
         In ``layer_first`` a chunk's copy has a row per (layer, K/V) plane and run of blocks, as wide as the run's
@@ -277,8 +279,8 @@ class StagedTransfer:
         group = max(1, self.staging_bytes // (num_pages * self.kv.geometry.page_bytes))
         runs = block_runs(host_ids)
         short_runs = num_pages <= len(runs) * self._pages_per_chunk(span.count)
-        if group >= span.count or (short_runs and not (self.batched and not self.pitched(span, host_ids, to_host,
-                                                                                            runs))):
+        rows_only = self.batched and not self.pitched(span, host_ids, to_host, runs)
+        if group >= span.count or (short_runs and not rows_only):
             return [span]
         end = span.start + span.count
         return [LayerSpan(layer, min(group, end - layer)) for layer in range(span.start, end, group)]

@@ -48,12 +48,13 @@ class Tuning:
             8k tokens against 37 ms per plane (bench/results/probes/staged_pitched_h200.json).
         store_rows_min_bytes: a fragmented ``layer_first`` store moves its runs as rows (a ``cuMemcpyBatchAsync``
             row per plane and run) rather than pitched rectangles when the runs are at least this many bytes of a
-            plane on average. The copy engine writes pitched 32-256 KiB rows below PCIe speed (41 GB/s at 32 KiB)
-            and separate rows at it, but each separate row costs the host 0.45-1.05 us to issue, about what the
-            engine takes to write 32-64 KiB, so narrow rows are bound by their issue and vary from run to run (8k
-            tokens in runs of 2 blocks, 64 KiB rows: 22.4-22.8 ms in most runs, 26-38 in some, against a steady 29
-            pitched); from 128 KiB the issue keeps ahead (runs of 4: 23.9-24.1 ms against 26.3; runs of 8: 22.9-23.1
-            against 24.7; bench/results/probes/staged_store_chunks_h200.json, store_row_issue_h200.json).
+            plane on average. The copy engine writes pitched 32 KiB rows at ~41 GB/s and separate rows at PCIe
+            speed, but each separate row costs the host 0.45-1.05 us to issue, about what the engine takes to write
+            32-64 KiB, so narrow rows are bound by their issue and vary from run to run (8k tokens in runs of 2
+            pages, 64 KiB rows: 22.4-22.8 ms in 8 of 12 measurements, 26.4-37.9 in 4, against 29.2 pitched). From
+            128 KiB the issue keeps ahead: runs of 4 pages took 23.9-24.1 ms in every run, against 26.3 pitched, and
+            runs of 8 took 23.1 against 24.7 (bench/results/probes/staged_store_chunks_h200.json,
+            staged_store_chunks_rows_h200.json, fragmentation_h200.json and its run at 3cfdcfd).
     """
 
     programs: int = 4
