@@ -79,7 +79,12 @@ class KVGeometry:
     @functools.cached_property
     def page_bytes(self) -> int:
         """Bytes of one page in one layer, K and V together."""
-        return self.kv_count * self.page_size * self.row_bytes
+        return self.kv_count * self.plane_page_bytes
+
+    @functools.cached_property
+    def plane_page_bytes(self) -> int:
+        """Bytes of one page in one layer, K or V alone: a page of one ``layer_first`` (layer, K/V) plane."""
+        return self.page_size * self.row_bytes
 
     @functools.cached_property
     def block_bytes(self) -> int:

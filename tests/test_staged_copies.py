@@ -251,7 +251,7 @@ def test_wide_store_runs_go_as_rows_and_the_rest_pitched(copies, monkeypatch, ru
     gen = torch.Generator().manual_seed(run)
     kv = make_kv(GEO, 16, "cpu", gen)
     host = make_host(GEO, 24, "layer_first", "cpu", gen)
-    plane_page = GEO.page_size * GEO.row_bytes
+    plane_page = GEO.plane_page_bytes
     tuning = Tuning(pitched_min_rows=2, store_rows_min_bytes=2 * plane_page)
     stager = StagedTransfer(kv, host, layout="layer_first", tuning=tuning)
     host_ids = np.concatenate([np.arange(run) + 5 * i for i in range(4)])  # 4 runs of `run` blocks, gaps between

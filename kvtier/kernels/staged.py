@@ -249,7 +249,7 @@ class StagedTransfer:
         plane, so its rows per byte are those of R runs of the average width, whatever the mix of short and long
         runs. ``runs``: ``block_runs(host_ids)`` when the caller has it."""
         geo = self.kv.geometry
-        plane_page = geo.page_size * geo.row_bytes
+        plane_page = geo.plane_page_bytes
         if not (self.layout == "layer_first" and span.count * geo.kv_count >= self.tuning.pitched_min_rows
                 and batch_copy.rects_available() and self.num_blocks * plane_page <= _max_pitch()):
             return False
@@ -420,7 +420,7 @@ class StagedTransfer:
             if span.count == geo.num_layers:  # whole blocks: one contiguous row
                 return host, stg, length * block_span, 1, 0, 0
             return host, stg, block_span, length, geo.block_bytes, block_span
-        plane_page = geo.page_size * geo.row_bytes  # one page of a layer_first (layer, K/V) plane
+        plane_page = geo.plane_page_bytes
         host_pitch = self.num_blocks * plane_page
         return (span.start * geo.kv_count * host_pitch + h0 * plane_page, start * plane_page, length * plane_page,
                 span.count * geo.kv_count, host_pitch, num_pages * plane_page)
@@ -435,7 +435,7 @@ class StagedTransfer:
         geo = self.kv.geometry
         if self.layout == "page_first":
             return geo.page_bytes
-        return geo.kv_count * self.num_blocks * geo.page_size * geo.row_bytes
+        return geo.kv_count * self.num_blocks * geo.plane_page_bytes
 
     def _run_rects(self, host_ids: np.ndarray, span: LayerSpan, runs: Optional[list[tuple[int, int]]] = None):
         """:meth:`run_rects` one :class:`_Rect` (ints) at a time, in plain Python: a layerwise load of one run

@@ -213,7 +213,7 @@ class HostBlockPool:
         geo = self.geometry
         if self.layout == "page_first":
             return self.block_bytes
-        return self.num_blocks * geo.page_size * geo.row_bytes
+        return self.num_blocks * geo.plane_page_bytes
 
     def _register_chunks(self) -> None:
         cudart = torch.cuda.cudart()
