@@ -210,6 +210,7 @@ class StagedTransfer:
         self.kv, self.host, self.layout = kv, host, layout
         self._host_bytes = host.reshape(-1).view(torch.uint8)  # the copies address host blocks in bytes
         geo = kv.geometry
+        self.plane_pitch = self.num_blocks * geo.plane_page_bytes  # layer_first: host bytes from a plane to the next
         self.staging_bytes = max(self.tuning.staging_bytes, geo.block_bytes)
         elems = self.staging_bytes // geo.itemsize
         self._store = StagingBuffers(kv, elems, self.tuning.num_buffers)
@@ -249,14 +250,13 @@ class StagedTransfer:
         plane, so its rows per byte are those of R runs of the average width, whatever the mix of short and long
         runs. ``runs``: ``block_runs(host_ids)`` when the caller has it."""
         geo = self.kv.geometry
-        plane_page = geo.plane_page_bytes
         if not (self.layout == "layer_first" and span.count * geo.kv_count >= self.tuning.pitched_min_rows
-                and batch_copy.rects_available() and self.num_blocks * plane_page <= _max_pitch()):
+                and batch_copy.rects_available() and self.plane_pitch <= _max_pitch()):
             return False
         if not to_host:
             return True
         runs = block_runs(host_ids) if runs is None else runs
-        return host_ids.size * plane_page < self.tuning.store_rows_min_bytes * max(1, len(runs))
+        return host_ids.size * geo.plane_page_bytes < self.tuning.store_rows_min_bytes * max(1, len(runs))
 
     def layer_groups(self, span: LayerSpan, host_ids: np.ndarray, to_host: bool) -> list[LayerSpan]:
         """The layer spans to stage one after the other: the whole span, or (``layer_first``) groups of layers.
@@ -420,8 +420,7 @@ class StagedTransfer:
             if span.count == geo.num_layers:  # whole blocks: one contiguous row
                 return host, stg, length * block_span, 1, 0, 0
             return host, stg, block_span, length, geo.block_bytes, block_span
-        plane_page = geo.plane_page_bytes
-        host_pitch = self.num_blocks * plane_page
+        plane_page, host_pitch = geo.plane_page_bytes, self.plane_pitch
         return (span.start * geo.kv_count * host_pitch + h0 * plane_page, start * plane_page, length * plane_page,
                 span.count * geo.kv_count, host_pitch, num_pages * plane_page)
 
@@ -435,7 +434,7 @@ class StagedTransfer:
         geo = self.kv.geometry
         if self.layout == "page_first":
             return geo.page_bytes
-        return geo.kv_count * self.num_blocks * geo.plane_page_bytes
+        return geo.kv_count * self.plane_pitch
 
     def _run_rects(self, host_ids: np.ndarray, span: LayerSpan, runs: Optional[list[tuple[int, int]]] = None):
         """:meth:`run_rects` one :class:`_Rect` (ints) at a time, in plain Python: a layerwise load of one run
