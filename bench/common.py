@@ -54,17 +54,22 @@ def _sm_clock_hz() -> float:
 
 
 def host_us_per_call(fn: Callable[[], object], reps: int = 200) -> float:
-    """Median host (Python) time of issuing ``fn``, the GPU kept busy so queuing never blocks."""
-    import time as _time
+    """Median host (Python) time of issuing ``fn``: each issue starts with the device drained, then busy (a spin
+    longer than the issue), so the calls queue behind the spin and the issue never waits for queue space that
+    earlier reps' copies hold."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    spin_cycles = int((2 * (time.perf_counter() - t) + 200e-6) * _sm_clock_hz())  # twice a warm issue + 200 us
     times = []
     for _ in range(reps):
-        torch.cuda._sleep(int(2e5))  # keep the GPU busy: issue cost only
-        t = _time.perf_counter()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(spin_cycles)
+        t = time.perf_counter()
         fn()
-        times.append(_time.perf_counter() - t)
+        times.append(time.perf_counter() - t)
     torch.cuda.synchronize()
     return round(statistics.median(times) * 1e6, 2)
 

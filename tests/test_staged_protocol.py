@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from kvtier.geometry import KVGeometry
 from kvtier.kernels import StagedTransfer, Tuning
 from kvtier.kernels.checks import LayerSpan
+from kvtier.kernels.staged import ChunkRuns, block_runs
 from kvtier.kernels.staged_copy import StagedCopy
 from tests.kv_helpers import make_host, make_kv
 
@@ -98,14 +99,15 @@ def run_transfer(monkeypatch, to_host: bool, num_buffers: int, pages: int, layer
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(log))
     monkeypatch.setattr(stager, "_gather", lambda staging, *a, **k: log.ops.append(
         ("fire", "work", index[staging.data_ptr()])))
-    monkeypatch.setattr(stager, "copy_runs", lambda staging, host_ids, span, *, to_host, stream: log.ops.append(
+    monkeypatch.setattr(stager, "copy_runs", lambda staging, host_ids, span, *, to_host, stream, **_: log.ops.append(
         ("copy", stream.name, index[staging.data_ptr()])))
     ids = torch.arange(pages).numpy()
     slots = torch.arange(pages * GEO.page_size)
     for layer in layer_order:
         for c in stager.chunks(pages, 1, to_host, short_edge=True):
-            stager._chunk(d, work, slots[c.slot_lo:c.slot_hi], ids[c.first:c.first + c.pages], LayerSpan(layer, 1),
-                          c, to_host)
+            chunk_ids = ids[c.first:c.first + c.pages]
+            stager._chunk(d, work, slots[c.slot_lo:c.slot_hi], chunk_ids, LayerSpan(layer, 1), c, to_host,
+                          ChunkRuns(block_runs(chunk_ids)))
     return log
 
 

@@ -3,8 +3,8 @@
 The staged store of a fragmented ``layer_first`` chunk ends in one batched driver call per staging chunk; alone,
 the copy engine moves the same rows in fewer ms (``probes/copy_engine_rows_h200.json``). This probe times
 ``StagedTransfer.store`` (Qwen3-8B KV, 1k and 8k tokens, host blocks in shuffled runs of R) with staging buffers of
-32 / 64 / 128 MiB, pitched rectangles or rows, and the default (pitched for runs narrower than
-``Tuning.store_rows_min_bytes``, rows for wider ones); every variant's R=1 store is checked byte for byte once.
+32 / 64 / 128 MiB, pitched rectangles or rows (rows issued from 1-4 threads), and the default; every variant's
+R=1 store is checked byte for byte once. ``--variants`` and ``--layouts`` pick a subset.
 
 Run (GPU machine): ``python3 bench/probes/staged_store_chunks.py --out $OUT/staged_store_chunks_h200.json``
 """
@@ -39,6 +39,8 @@ VARIANTS = {
     "64MiB_rows": Tuning(staging_bytes=64 * MiB, **ROWS),
     "128MiB_pitched": Tuning(staging_bytes=128 * MiB, **PITCHED),
     "128MiB_rows": Tuning(staging_bytes=128 * MiB, **ROWS),
+    # rows issued from 1-4 threads (Tuning.store_row_threads), every store run as rows
+    **{f"32MiB_rows_{t}threads": Tuning(store_rows_min_bytes=1, store_row_threads=t) for t in (1, 2, 3, 4)},
 }
 
 
@@ -46,15 +48,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--layouts", nargs="*", default=["layer_first", "page_first"])
     args = ap.parse_args()
     t0 = time.time()
     res = {"env": env_info(), "rows": []}
     num_blocks = 2 * 8192 // GEO.page_size + 64
     kv = make_pool(GEO, 2 * 8192 + 64 * GEO.page_size)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for layout in ("layer_first", "page_first"):
+    for layout in args.layouts:
         pool = HostBlockPool(GEO, num_blocks, layout=layout)
-        for name, tuning in VARIANTS.items():
+        for name in args.variants:
+            tuning = VARIANTS[name]
             stager = StagedTransfer(kv, pool.host, layout=layout, tuning=tuning)
             rng = np.random.default_rng(0)
             for tokens in (1024, 8192):

@@ -31,6 +31,7 @@ from kvtier.kernels import batch_copy
 from kvtier.kernels.checks import LayerSpan, check_blocks_tensor, check_kv, check_transfer, layer_span
 from kvtier.kernels.paged_kv import PagedKV
 from kvtier.kernels.pinned import split_at_registrations
+from kvtier.kernels.row_issue import RowIssuer
 from kvtier.kernels.transfer import KernelLaunch, on_stream
 from kvtier.kernels.tuning import DEFAULT_TUNING, Tuning, check_tuning
 
@@ -217,6 +218,7 @@ class StagedTransfer:
         self._load = StagingBuffers(kv, elems, self.tuning.num_buffers)
         self._span_geos: dict[int, KVGeometry] = {}
         self._local_ids = torch.arange(self.staging_bytes // (geo.page_bytes), dtype=torch.int64, device=kv.device)
+        self._store_rows: Optional[RowIssuer] = None  # built on a store's first row batch
 
     def store(self, slots, block_ids, *, layers: Union[None, int, range] = None, stream=None,
               check: bool = True, skip_tokens: int = 0) -> Optional[torch.cuda.Event]:
@@ -325,7 +327,8 @@ class StagedTransfer:
             if len(runs) > 1 and batch_copy.available():
                 rects = self.run_rects(host_ids, span, runs) if rects is None else rects
                 _copy_batched(host_ptr, stg_ptr, rects, to_host=to_host, stream=stream,
-                              pitched=self.pitched(span, host_ids, to_host, runs))
+                              pitched=self.pitched(span, host_ids, to_host, runs),
+                              issuer=self._row_issuer() if to_host else None)
                 return
             for r in self._run_rects(host_ids, span, runs):
                 _copy_rect(host_ptr + r.host_off, stg_ptr + r.stg_off, r.height, r.width, r.host_pitch,
@@ -333,6 +336,12 @@ class StagedTransfer:
             return
         for host_view, staging_view in self._run_views(staging, host_ids, span, runs):
             _copy_2d(host_view, staging_view, to_host=to_host, stream=stream)
+
+    def _row_issuer(self) -> RowIssuer:
+        """The threads that issue stores' row batches (``Tuning.store_row_threads``)."""
+        if self._store_rows is None:
+            self._store_rows = RowIssuer(self.kv.device, self.tuning.store_row_threads, self.tuning.row_batch)
+        return self._store_rows
 
     # --- pipeline ---
 
@@ -356,20 +365,27 @@ class StagedTransfer:
                 direction.copy_stream.wait_stream(work)
             done = None
             subs = self.layer_groups(span, host_ids, to_host)
+            plans: dict[tuple[int, int], ChunkRuns] = {}  # a group's chunk plans serve the other groups
             for i, sub in enumerate(subs):
                 edge = i == (0 if to_host else len(subs) - 1)  # the span that starts a store or ends a load
-                done = self._run_span(direction, work, slots, host_ids, sub, to_host, short_edge=edge, skip=skip)
+                done = self._run_span(direction, work, slots, host_ids, sub, to_host, short_edge=edge, skip=skip,
+                                      plans=plans)
         return done
 
     def _run_span(self, direction: StagingBuffers, work, slots: torch.Tensor, host_ids: np.ndarray,
-                  span: LayerSpan, to_host: bool, short_edge: bool, skip: int = 0) -> Optional[torch.cuda.Event]:
+                  span: LayerSpan, to_host: bool, short_edge: bool, skip: int,
+                  plans: dict) -> Optional[torch.cuda.Event]:
         """Stage ``span``'s layers of every page, chunk by chunk; returns the last chunk's completion event.
         ``short_edge``: this span starts a store or ends a load (see :func:`chunk_pages`); ``skip``: tokens of the
-        first block not moved."""
+        first block not moved; ``plans``: each chunk's runs and layer-0 rectangles by (first page, pages), filled
+        on first use."""
         done = None
         for c in self.chunks(host_ids.size, span.count, to_host, short_edge=short_edge, skip=skip):
-            done = self._chunk(direction, work, slots[c.slot_lo:c.slot_hi], host_ids[c.first:c.first + c.pages],
-                               span, c, to_host)
+            ids = host_ids[c.first:c.first + c.pages]
+            plan = plans.get((c.first, c.pages))
+            if plan is None:
+                plan = plans[(c.first, c.pages)] = ChunkRuns(block_runs(ids))
+            done = self._chunk(direction, work, slots[c.slot_lo:c.slot_hi], ids, span, c, to_host, plan)
         return done
 
     def _pages_per_chunk(self, num_layers: int) -> int:
@@ -377,7 +393,7 @@ class StagedTransfer:
         return self.staging_bytes // self.span_geometry(num_layers).block_bytes
 
     def _chunk(self, d: StagingBuffers, work, chunk_slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
-               chunk: Chunk, to_host: bool) -> Optional[torch.cuda.Event]:
+               chunk: Chunk, to_host: bool, plan: "ChunkRuns") -> Optional[torch.cuda.Event]:
         b = d.take_buffer()
         # The staging buffer holds the chunk's pages of the span's layers, laid out like the host blocks.
         shape = self.span_geometry(span.count).host_shape(chunk.pages, self.layout)
@@ -386,7 +402,8 @@ class StagedTransfer:
         return issue_chunk(
             d, b, work, to_host,
             fire=lambda: self._gather(staging, chunk_slots, chunk, span, to_host),
-            copy=lambda: self.copy_runs(staging, host_ids, span, to_host=to_host, stream=d.copy_stream),
+            copy=lambda: self.copy_runs(staging, host_ids, span, to_host=to_host, stream=d.copy_stream,
+                                        runs=plan.runs, rects=self.span_rects(plan, host_ids, span)),
             handoff=torch.cuda.Event() if cuda else None, free=torch.cuda.Event() if cuda else None)
 
     def _gather(self, staging: torch.Tensor, chunk_slots: torch.Tensor, chunk: Chunk, span: LayerSpan,
@@ -424,6 +441,18 @@ class StagedTransfer:
         return (span.start * geo.kv_count * host_pitch + h0 * plane_page, start * plane_page, length * plane_page,
                 span.count * geo.kv_count, host_pitch, num_pages * plane_page)
 
+    def span_rects(self, plan: "ChunkRuns", host_ids: np.ndarray, span: LayerSpan) -> Optional[Rects]:
+        """The batched copy's rectangles of a chunk of ``host_ids`` (runs ``plan.runs``) for ``span`` (None where
+        the chunk is one run or there is no batched copy): built once per span width from layer 0 and kept in
+        ``plan``, then moved to ``span.start`` (a layer's host rows are a fixed distance from the previous
+        layer's; its staging rows do not move)."""
+        if len(plan.runs) < 2 or not self.batched:
+            return None
+        base = plan.rects.get(span.count)
+        if base is None:
+            base = plan.rects[span.count] = self.run_rects(host_ids, LayerSpan(0, span.count), plan.runs)
+        return base if span.start == 0 else base.shifted(span.start * self.layer_shift())
+
     def run_rows(self, host_ids: np.ndarray, span: LayerSpan,
                  runs: Optional[list[tuple[int, int]]] = None) -> Rows:
         """Every row of :meth:`run_rects`, in order."""
@@ -454,6 +483,15 @@ class StagedTransfer:
                    stg_bytes.as_strided(shape, (r.stg_pitch, 1), stg_bytes.storage_offset() + r.stg_off))
 
 
+@dataclasses.dataclass
+class ChunkRuns:
+    """A chunk's runs of blocks and its batched copy's rectangles by span width, from layer 0 (built on first
+    use: a copy staged in groups of layers, or launched layer by layer, reuses them)."""
+
+    runs: list[tuple[int, int]]
+    rects: dict[int, Rects] = dataclasses.field(default_factory=dict)
+
+
 class _Rect(NamedTuple):
     """One of :class:`Rects`, as ints."""
 
@@ -476,12 +514,13 @@ def _copy_2d(host: torch.Tensor, staging: torch.Tensor, *, to_host: bool, stream
         _copy(host[row], staging[row], to_host=to_host, stream=stream)
 
 
-def _copy_batched(host_ptr: int, stg_ptr: int, rects: Rects, *, to_host: bool, stream, pitched: bool) -> None:
+def _copy_batched(host_ptr: int, stg_ptr: int, rects: Rects, *, to_host: bool, stream, pitched: bool,
+                  issuer: Optional[RowIssuer] = None) -> None:
     """The copies of ``rects`` between the host blocks at ``host_ptr`` and the staging buffer at ``stg_ptr`` in
     batched driver calls: with ``pitched`` (:meth:`StagedTransfer.pitched`), a pitched copy per rectangle of
     several rows whose pitches fit the device's limit and whose host bytes lie in one host registration
     (``cuMemcpy3DBatchAsync``); a copy per row of the rest (``cuMemcpyBatchAsync``, rows split at host
-    registration boundaries)."""
+    registration boundaries), in one call, or issued by ``issuer`` where given."""
     rest = rects
     if pitched:
         host = rects.host_off + np.uint64(host_ptr)
@@ -502,7 +541,10 @@ def _copy_batched(host_ptr: int, stg_ptr: int, rects: Rects, *, to_host: bool, s
     host, stg, width = batch_copy.split_rows(rows.host_off + np.uint64(host_ptr), rows.stg_off + np.uint64(stg_ptr),
                                              rows.width)
     dst, src = (host, stg) if to_host else (stg, host)
-    batch_copy.memcpy_batch(dst, src, width, stream.cuda_stream)
+    if issuer is not None:
+        issuer.issue(dst, src, width, stream)
+    else:
+        batch_copy.memcpy_batch(dst, src, width, stream.cuda_stream)
 
 
 def _copy_rect(host_ptr: int, stg_ptr: int, height: int, width: int, host_pitch: int, stg_pitch: int, *,

@@ -19,19 +19,18 @@ import numpy as np
 import torch
 
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
-from kvtier.kernels.staged import Rects, StagedTransfer, StagingBuffers, block_runs, issue_chunk
+from kvtier.kernels.staged import StagedTransfer, StagingBuffers, ChunkRuns, block_runs, issue_chunk
 from kvtier.kernels.transfer import KernelLaunch, on_device, on_stream, raw_stream, torch_stream
 
 
 @dataclasses.dataclass
 class _Chunk:
-    """One staging chunk of a plan: its blocks, their runs, a gather/scatter launch per buffer, and the rectangles
-    of a batched copy per span width (from layer 0; built on first use)."""
+    """One staging chunk of a plan: its blocks, their runs and rectangles (:class:`ChunkRuns`), and a
+    gather/scatter launch per buffer."""
 
     host_ids: np.ndarray
-    runs: list[tuple[int, int]]
+    runs: ChunkRuns
     launches: list[KernelLaunch]
-    rects: dict[int, Rects] = dataclasses.field(default_factory=dict)
 
 
 class StagedCopy:
@@ -62,7 +61,9 @@ class StagedCopy:
         self._handoff = [torch.cuda.Event() if kv.is_cuda else None for _ in range(n)]
         self._free = [torch.cuda.Event() if kv.is_cuda else None for _ in range(n)]
         self._plans: dict[tuple[int, bool], list[_Chunk]] = {}
+        self._groups: dict[int, list[tuple[int, int]]] = {}
         self._programs = stager.tuning.staged_programs(to_host)
+        self._follow = torch.cuda.Event() if kv.is_cuda and not to_host else None
 
     def launch(self, layers: Union[None, int, range] = None, *, stream=None) -> None:
         """Copy ``layers`` (None: all, an int, or a range) of every page, on ``stream`` (default: current)."""
@@ -75,8 +76,10 @@ class StagedCopy:
         d = self._direction
         with on_device(kv) if kv.is_cuda else contextlib.nullcontext():
             if work is not None and not self.to_host:
-                d.copy_stream.wait_stream(work)  # as StagedTransfer: host-to-staging copies follow the caller's work
-            subs = stager.layer_groups(span, self._host_ids, self.to_host)
+                # as StagedTransfer: host-to-staging copies follow the caller's work
+                self._follow.record(work)
+                d.copy_stream.wait_event(self._follow)
+            subs = self._layer_groups(span)
             last = None
             for i, sub in enumerate(subs):
                 edge = i == (0 if self.to_host else len(subs) - 1)
@@ -84,6 +87,16 @@ class StagedCopy:
                     last = self._issue(d, work, chunk, sub)
             if self.to_host and work is not None and last is not None:
                 work.wait_event(last)
+
+    def _layer_groups(self, span: LayerSpan) -> list[LayerSpan]:
+        """:meth:`StagedTransfer.layer_groups` of ``span``, from the groups of a span of its width from layer 0
+        (cached: they depend on the span's width, the blocks and the direction only)."""
+        groups = self._groups.get(span.count)
+        if groups is None:
+            groups = self._groups[span.count] = [
+                (g.start, g.count) for g in self.stager.layer_groups(LayerSpan(0, span.count), self._host_ids,
+                                                                     self.to_host)]
+        return [LayerSpan(span.start + start, count) for start, count in groups]
 
     def _plan(self, count: int, short_edge: bool) -> list[_Chunk]:
         """The chunks of a span of ``count`` layers (cached): pages, runs and a launch per staging buffer."""
@@ -98,7 +111,7 @@ class StagedCopy:
             chunk_slots = self._slots[c.slot_lo:c.slot_hi]
             launches = [stager.chunk_launch(buf, chunk_slots, c, count, self.to_host)
                         for buf in self._direction.buffers]
-            plan.append(_Chunk(ids, block_runs(ids), launches))
+            plan.append(_Chunk(ids, ChunkRuns(block_runs(ids)), launches))
         self._plans[key] = plan
         return plan
 
@@ -115,16 +128,4 @@ class StagedCopy:
 
     def _copy(self, staging: torch.Tensor, chunk: _Chunk, span: LayerSpan, copy_stream) -> None:
         self.stager.copy_runs(staging, chunk.host_ids, span, to_host=self.to_host, stream=copy_stream,
-                              runs=chunk.runs, rects=self._rects(chunk, span))
-
-    def _rects(self, chunk: _Chunk, span: LayerSpan) -> Optional[Rects]:
-        """The batched copy's rectangles of ``chunk`` for ``span`` (None where the chunk is one run or there is no
-        batched copy): built once per span width from layer 0, then moved to ``span.start`` (a layer's host rows
-        are a fixed distance from the previous layer's; its staging rows do not move)."""
-        if len(chunk.runs) < 2 or not self.stager.batched:
-            return None
-        base = chunk.rects.get(span.count)
-        if base is None:
-            base = chunk.rects[span.count] = self.stager.run_rects(chunk.host_ids, LayerSpan(0, span.count),
-                                                                   chunk.runs)
-        return base if span.start == 0 else base.shifted(span.start * self.stager.layer_shift())
+                              runs=chunk.runs.runs, rects=self.stager.span_rects(chunk.runs, chunk.host_ids, span))

@@ -47,14 +47,22 @@ class Tuning:
             cost the host ~5 us each to issue; a run of 2 planes (a layerwise load) took 82 ms for 36 layers at
             8k tokens against 37 ms per plane (bench/results/probes/staged_pitched_h200.json).
         store_rows_min_bytes: a fragmented ``layer_first`` store moves its runs as rows (a ``cuMemcpyBatchAsync``
-            row per plane and run) rather than pitched rectangles when the runs are at least this many bytes of a
-            plane on average. The copy engine writes pitched 32 KiB rows at ~41 GB/s and separate rows at PCIe
-            speed, but each separate row costs the host 0.45-1.05 us to issue, about what the engine takes to write
-            32-64 KiB, so narrow rows are bound by their issue and vary from run to run (8k tokens in runs of 2
-            pages, 64 KiB rows: 22.4-22.8 ms in 8 of 12 measurements, 26.4-37.9 in 4, against 29.2 pitched). From
-            128 KiB the issue keeps ahead: runs of 4 pages took 23.9-24.1 ms in every run, against 26.3 pitched, and
-            runs of 8 took 23.1 against 24.7 (bench/results/probes/staged_store_chunks_h200.json,
-            staged_store_chunks_rows_h200.json, fragmentation_h200.json and its run at 3cfdcfd).
+            row per plane and run, issued from ``store_row_threads`` threads) rather than pitched rectangles when
+            the runs are at least this many bytes of a plane on average. The copy engine writes pitched 32 KiB rows
+            at ~41 GB/s and separate rows at PCIe speed, but each separate row costs the host 0.45-1.05 us to issue,
+            about what the engine takes to write 32 KiB, and threads issuing at once wait on each other in the
+            driver (0.45-0.67 us a row overall from 2-4 threads). Runs of two 16-token Qwen3-8B pages (64 KiB
+            rows) at 8k tokens took 22.6-22.8 ms as rows from two threads in 3 of 4 measurements and 30.5 in one,
+            against 29.3-29.4 pitched or as rows from one thread; runs of one page (32 KiB) 29.5-41.8 as rows from
+            two threads against 35.1-35.5 pitched, so they stay pitched (bench/results/probes/
+            staged_store_threads_h200.json, fragmentation_h200_store_rows32k.json, fragmentation_h200.json).
+        store_row_threads: threads that issue a store's rows (the caller's and workers, each on its own stream):
+            two (8k tokens in runs of two pages: 29.4 ms from one thread, 22.6 from two, 32.2 from three, 36.4
+            from four, 22.0 from one run; staged_store_threads_h200.json).
+        row_batch: rows per ``cuMemcpyBatchAsync`` call of a store: the copy engine starts on a batch only once
+            it is issued, so short batches start it sooner (1k tokens in runs of one page, the rows alone from two
+            threads: 3.1-3.3 ms in batches of 256 rows, 3.8-4.2 in batches of 1024;
+            bench/results/probes/store_rows_threads_h200.json).
     """
 
     programs: int = 4
@@ -70,7 +78,9 @@ class Tuning:
     scatter_programs: int = 64
     edge_chunk_divisor: int = 4
     pitched_min_rows: int = 16
-    store_rows_min_bytes: int = 128 * KiB
+    store_rows_min_bytes: int = 64 * KiB
+    store_row_threads: int = 2
+    row_batch: int = 256
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
