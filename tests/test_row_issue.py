@@ -31,7 +31,8 @@ def test_parts_cover_the_rows_in_order(n: int, threads: int, batch: int) -> None
     lengths = [hi - lo for lo, hi in parts]
     if len(parts) > 1:
         assert min(lengths) >= batch and max(lengths) - min(lengths) <= 1
-    assert len(parts) == (0 if n == 0 else max(1, min(threads, n // batch)))
+    if n >= batch * threads:
+        assert len(parts) == threads  # enough rows: every thread takes a part
 
 
 def _scattered_rows(rng: np.random.Generator, rows: int, width: int):
@@ -47,10 +48,11 @@ def _scattered_rows(rng: np.random.Generator, rows: int, width: int):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_rows_from_several_threads_land_before_the_callers_next_work(monkeypatch) -> None:
-    """Rows split over three threads all land, from workers too, and the caller's stream runs its next work
-    (a copy of the host buffer back to the device) only after every thread's rows: the device sleeps before the
-    rows, so without the join that copy would read the workers' rows before they land."""
+def test_rows_from_several_threads_follow_and_precede_the_callers_work(monkeypatch) -> None:
+    """Rows split over three threads all land, from workers too, after the caller's earlier work and before its
+    next: the device sleeps, then the caller's stream rewrites the source rows, then the rows are issued, then the
+    caller's stream copies the host buffer back. A worker that did not wait for the caller's stream would copy the
+    old source rows; a caller's stream that did not wait for the workers would copy back stale host rows."""
     assert batch_copy.available(), "the GPU machine's driver has no cuMemcpyBatchAsync"
     threads_seen = set()
     real = batch_copy.memcpy_batch
@@ -61,27 +63,33 @@ def test_rows_from_several_threads_land_before_the_callers_next_work(monkeypatch
     monkeypatch.setattr(batch_copy, "memcpy_batch", recording)
     rows, width = 48, 1 << 20
     dev, host, slots, h, d = _scattered_rows(np.random.default_rng(0), rows, width)
+    fresh = torch.randint(0, 256, dev.shape, dtype=torch.uint8, device="cuda")
     issuer = RowIssuer(torch.device("cuda"), threads=3, batch=4)
     stream = torch.cuda.Stream()
     back = torch.empty_like(host, device="cuda")
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(int(2e7))
-        issuer.issue(h, d, np.full(rows, width, dtype=np.uint64), stream)
-        back.copy_(host, non_blocking=True)
-    stream.synchronize()
-    want = dev.view(rows, width).cpu()
+    stream.wait_stream(torch.cuda.current_stream())  # dev, fresh and back are made on the current stream
+    try:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(int(2e7))
+            dev.copy_(fresh)
+            issuer.issue(h, d, np.full(rows, width, dtype=np.uint64), stream)
+            back.copy_(host, non_blocking=True)
+        stream.synchronize()
+    finally:
+        issuer.close()
+    want = fresh.view(rows, width).cpu()
     got_host = host.view(2 * rows, width)[torch.from_numpy(slots.astype(np.int64))]
     got_back = back.view(2 * rows, width)[torch.from_numpy(slots.astype(np.int64)).cuda()].cpu()
-    assert torch.equal(got_host, want)
+    assert torch.equal(got_host, want), "a worker copied before the caller's earlier work"
     assert torch.equal(got_back, want), "the caller's stream ran ahead of the workers' rows"
     assert len(threads_seen) >= 2, "no worker issued rows"  # a worker done early may take the next part
-    issuer.close()
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_a_workers_failure_raises_to_the_caller(monkeypatch) -> None:
     """A driver error on a worker thread is raised by ``issue``, after the caller's own part is issued."""
+    assert batch_copy.available(), "the GPU machine's driver has no cuMemcpyBatchAsync"
     caller = threading.get_ident()
     real = batch_copy.memcpy_batch
 
@@ -94,12 +102,15 @@ def test_a_workers_failure_raises_to_the_caller(monkeypatch) -> None:
     dev, host, slots, h, d = _scattered_rows(np.random.default_rng(1), rows, width)
     issuer = RowIssuer(torch.device("cuda"), threads=2, batch=4)
     stream = torch.cuda.Stream()
-    with pytest.raises(RuntimeError, match="injected"):
-        issuer.issue(h, d, np.full(rows, width, dtype=np.uint64), stream)
-    stream.synchronize()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            issuer.issue(h, d, np.full(rows, width, dtype=np.uint64), stream)
+        stream.synchronize()
+    finally:
+        issuer.close()
     first = host.view(2 * rows, width)[torch.from_numpy(slots[:rows // 2].astype(np.int64))]
     assert torch.equal(first, dev.view(rows, width)[:rows // 2].cpu()), "the caller's part was not issued"
-    issuer.close()
 
 
 @pytest.mark.gpu
@@ -122,8 +133,9 @@ def test_a_fragmented_layer_first_store_from_several_threads_is_byte_exact(monke
     gen = torch.Generator().manual_seed(7)
     kv = make_kv(geo, 4096, "cuda", gen)
     host = make_host(geo, 160, "layer_first", "cuda", gen)
-    stager = StagedTransfer(kv, host, layout="layer_first", tuning=Tuning(store_row_threads=3, row_batch=16,
-                                                                                    pitched_min_rows=2))
+    tuning = Tuning(store_row_threads=3, row_batch=16, pitched_min_rows=2)
+    stager = StagedTransfer(kv, host, layout="layer_first", tuning=tuning)
+    assert stager.batched, "the staged path has no batched copies here (CuPy and a CUDA 12.8+ driver)"
     n = 60
     pairs = np.random.default_rng(2).permutation(80)[:n // 2]  # runs of two blocks, shuffled
     blocks = torch.from_numpy(np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1))

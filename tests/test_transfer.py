@@ -285,6 +285,38 @@ def test_layer_first_groups_cover_the_span_with_the_widest_rows(num_layers: int,
         assert all(g.count == max(1, fit) for g in groups[:-1]) and groups[-1].count <= max(1, fit)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_staged_copy_spans_in_layer_groups_land_on_their_layers(device: str) -> None:
+    """A StagedCopy launched for spans that stage in groups of layers (``layer_first``, one long run, a staging
+    buffer of two layers' pages), one span after another of the same width from different first layers (the
+    groups are planned once per width, then moved), stores and loads every layer byte-exact: layers 0-2 then 1-3
+    to the host, 1-3 then 0-2 back to other slots."""
+    geo = KVGeometry(4, 1, 16, torch.float16, page_size=2)
+    gen = torch.Generator().manual_seed(3)
+    kv = make_kv(geo, 64, device, gen)
+    host = make_host(geo, 16, "layer_first", device, gen)
+    stager = StagedTransfer(kv, host, layout="layer_first", tuning=Tuning(staging_bytes=2 * 8 * geo.page_bytes))
+    blocks = torch.arange(3, 11)  # one run of 8 blocks
+    perm = torch.randperm(64, generator=gen).to(device)
+    src, dst = perm[:16], perm[16:32]
+    assert len(stager.layer_groups(LayerSpan(1, 3), blocks.numpy(), to_host=True)) == 2
+    expect = host.clone()
+    copy_pages_ref(kv, expect, src, blocks, to_host=True, layout="layer_first")
+    store = StagedCopy(stager, src, blocks, to_host=True)
+    store.launch(range(0, 3))
+    store.launch(range(1, 4))
+    load = StagedCopy(stager, dst, blocks, to_host=False)
+    load.launch(range(1, 4))
+    load.launch(range(0, 3))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(as_bytes(host), as_bytes(expect))
+    for layer in range(geo.num_layers):
+        for buf in kv.layer_buffers(layer):
+            rows = as_bytes(buf).view(64, -1)
+            assert torch.equal(rows[dst.cpu()], rows[src.cpu()]), f"layer {layer} differs"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("layerwise", [False, True], ids=["all_layers", "per_layer"])

@@ -1,10 +1,11 @@
 """Copy-engine rows issued from several threads: the issue of a long batch of rows split among streams.
 
 ``cuMemcpyBatchAsync`` costs the host 0.45-1.05 us a row on the H200 hosts, about what the copy engine takes to
-write a 32 KiB row to the host, so one thread issuing the 36,864 rows of an 8k-token store of scattered blocks
-sets the store's pace (25-57 ms against 22 for one run). Split among threads, each issuing its part in batches on a
-stream of its own, the rows issue at 0.45-0.6 us a row overall and the copy engine sets the pace (2-4 threads:
-23.1-23.7 ms; bench/results/probes/store_rows_threads_h200.json). The driver calls release the GIL.
+write a 32 KiB row to the host, so a store of scattered blocks (36,864 rows at 8k tokens of Qwen3-8B KV in runs of
+one page) can be paced by its issue. Threads issuing at once wait on each other in the driver: 0.85 us a row from
+one thread, 0.45-0.67 overall from 2-4 (bench/results/probes/store_rows_threads_h200.json), so a second thread
+helps most where the issue is short and its latency shows (1k tokens' rows: 3.1-3.3 ms from two threads in batches
+of 256 rows, 4.1-4.3 from one; one run 2.84). The driver calls release the GIL.
 
 :class:`RowIssuer` runs the split: the caller's thread issues the first part on the caller's stream, worker threads
 the others on their own streams, which wait for the caller's stream before their first copy and which the caller's
@@ -40,6 +41,18 @@ def _issue(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, batch: int, st
         batch_copy.memcpy_batch(dsts[a:a + batch], srcs[a:a + batch], sizes[a:a + batch], stream)
 
 
+def _bind_device(index: int) -> None:
+    """Make device ``index``'s primary context current on a worker thread (its driver calls need one):
+    ``cudaSetDevice`` through CuPy, which calls it even where the thread's device already reads as ``index``
+    (torch skips the call then); torch's where CuPy is missing."""
+    try:
+        import cupy
+    except ImportError:  # pragma: no cover - cupy is an optional extra
+        torch.cuda.set_device(index)
+        return
+    cupy.cuda.runtime.setDevice(index)
+
+
 class RowIssuer:
     """Issues copy-engine rows on one device from ``threads`` threads (the caller's and ``threads - 1`` workers),
     in batches of ``batch`` rows.
@@ -56,7 +69,8 @@ class RowIssuer:
         self._begin = torch.cuda.Event() if workers else None
         self._ends = [torch.cuda.Event() for _ in range(workers)]
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = (
-            concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvtier-rows") if workers else None)
+            concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvtier-rows", initializer=_bind_device,
+                                                  initargs=(self._device_index,)) if workers else None)
 
     def issue(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream) -> None:
         """Queue the copies ``srcs[i] -> dsts[i]`` of ``sizes[i]`` bytes (uint64 arrays) behind ``stream``'s work
@@ -70,23 +84,21 @@ class RowIssuer:
         self._begin.record(stream)
         for s in side:
             s.wait_event(self._begin)
-        futures = [self._pool.submit(self._issue_on, dsts[lo:hi], srcs[lo:hi], sizes[lo:hi], s)
-                   for (lo, hi), s in zip(parts[1:], side)]
+        futures: list[concurrent.futures.Future] = []
         try:
+            for (lo, hi), s in zip(parts[1:], side):
+                futures.append(self._pool.submit(_issue, dsts[lo:hi], srcs[lo:hi], sizes[lo:hi], self.batch,
+                                                 s.cuda_stream))
             lo, hi = parts[0]
             _issue(dsts[lo:hi], srcs[lo:hi], sizes[lo:hi], self.batch, stream.cuda_stream)
         finally:
-            errors = [f.exception() for f in futures]  # waits for every worker
-            for s, end in zip(side, self._ends):
+            errors = [f.exception() for f in futures]  # waits for every worker submitted
+            for s, end in zip(side[:len(futures)], self._ends):
                 end.record(s)
                 stream.wait_event(end)
         for e in errors:
             if e is not None:
                 raise e
-
-    def _issue_on(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: torch.cuda.Stream) -> None:
-        torch.cuda.set_device(self._device_index)  # a worker thread: the device's context current for the driver calls
-        _issue(dsts, srcs, sizes, self.batch, stream.cuda_stream)
 
     def close(self) -> None:
         """Stop the worker threads (after the rows queued)."""

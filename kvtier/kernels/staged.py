@@ -11,7 +11,8 @@ Copies follow the runs of consecutive block ids: a ``page_first`` run is a row p
 blocks when every layer moves), a ``layer_first`` run a row per (layer, K/V) plane. A chunk of one run is one
 ``cudaMemcpy2DAsync``. A chunk of several runs (a fragmented pool) is batched driver calls
 (:mod:`kvtier.kernels.batch_copy`): a pitched copy per ``layer_first`` run of at least ``Tuning.pitched_min_rows``
-planes, a copy per row of the others, so the host issues a call or two per chunk, not a call per run and row.
+planes, a copy per row of the others, so the host issues a call or two per chunk (a store's rows: a call per
+``Tuning.row_batch`` rows, from ``Tuning.store_row_threads`` threads), not a call per run and row.
 Without cupy, or where the rows cross a host registration, a 2-D copy becomes one copy per row; without the batched
 calls (a driver older than CUDA 12.8) each run is its own 2-D copy.
 """
@@ -374,7 +375,7 @@ class StagedTransfer:
 
     def _run_span(self, direction: StagingBuffers, work, slots: torch.Tensor, host_ids: np.ndarray,
                   span: LayerSpan, to_host: bool, short_edge: bool, skip: int,
-                  plans: dict) -> Optional[torch.cuda.Event]:
+                  plans: dict[tuple[int, int], "ChunkRuns"]) -> Optional[torch.cuda.Event]:
         """Stage ``span``'s layers of every page, chunk by chunk; returns the last chunk's completion event.
         ``short_edge``: this span starts a store or ends a load (see :func:`chunk_pages`); ``skip``: tokens of the
         first block not moved; ``plans``: each chunk's runs and layer-0 rectangles by (first page, pages), filled

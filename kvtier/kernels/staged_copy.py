@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
-from kvtier.kernels.staged import StagedTransfer, StagingBuffers, ChunkRuns, block_runs, issue_chunk
+from kvtier.kernels.staged import ChunkRuns, StagedTransfer, StagingBuffers, block_runs, issue_chunk
 from kvtier.kernels.transfer import KernelLaunch, on_device, on_stream, raw_stream, torch_stream
 
 

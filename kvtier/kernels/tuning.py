@@ -50,19 +50,22 @@ class Tuning:
             row per plane and run, issued from ``store_row_threads`` threads) rather than pitched rectangles when
             the runs are at least this many bytes of a plane on average. The copy engine writes pitched 32 KiB rows
             at ~41 GB/s and separate rows at PCIe speed, but each separate row costs the host 0.45-1.05 us to issue,
-            about what the engine takes to write 32 KiB, and threads issuing at once wait on each other in the
-            driver (0.45-0.67 us a row overall from 2-4 threads). Runs of two 16-token Qwen3-8B pages (64 KiB
-            rows) at 8k tokens took 22.6-22.8 ms as rows from two threads in 3 of 4 measurements and 30.5 in one,
-            against 29.3-29.4 pitched or as rows from one thread; runs of one page (32 KiB) 29.5-41.8 as rows from
+            about what the engine takes to write 32 KiB, and a store's row mode is fast or slow per measurement
+            (tight within one). Runs of two 16-token Qwen3-8B pages (64 KiB rows), staged store at 8k tokens: 22.6-
+            22.8 ms as rows from two threads in 3 of 5 measurements, 28.6-30.5 in 2, against 29.3 pitched; at 1k
+            3.12-3.30 in 4 of 5 and 4.13 in one, against 3.70 pitched. Runs of one page (32 KiB): 29.5-41.8 ms from
             two threads against 35.1-35.5 pitched, so they stay pitched (bench/results/probes/
-            staged_store_threads_h200.json, fragmentation_h200_store_rows32k.json, fragmentation_h200.json).
-        store_row_threads: threads that issue a store's rows (the caller's and workers, each on its own stream):
-            two (8k tokens in runs of two pages: 29.4 ms from one thread, 22.6 from two, 32.2 from three, 36.4
-            from four, 22.0 from one run; staged_store_threads_h200.json).
+            staged_store_threads_h200.json, staged_store_default64k_h200.json, fragmentation_h200_store_rows32k*.json
+            and fragmentation_h200.json).
+        store_row_threads: threads that issue a store's rows (the caller's and workers, each on its own stream).
+            The rows of 1k tokens in runs of one page, alone on the copy engine: 3.1-3.3 ms from two threads in
+            batches of 256 rows, 4.1-4.3 from one (one run 2.84); at 8k, 23.1-23.3 from two, 22.7 from one in batches
+            of 1024 rows in 8 of 9 samples (store_rows_threads_h200.json). In the staged store at 8k, runs of two
+            pages: 29.4 ms from one thread in batches of 256 (one measurement), 32.2 from three, 36.4 from four
+            (staged_store_threads_h200.json); one thread in batches of 1024 is not measured there.
         row_batch: rows per ``cuMemcpyBatchAsync`` call of a store: the copy engine starts on a batch only once
-            it is issued, so short batches start it sooner (1k tokens in runs of one page, the rows alone from two
-            threads: 3.1-3.3 ms in batches of 256 rows, 3.8-4.2 in batches of 1024;
-            bench/results/probes/store_rows_threads_h200.json).
+            it is issued, so short batches start it sooner (1k tokens' rows from two threads: 3.1-3.3 ms in batches
+            of 256 rows, 3.8-4.2 in batches of 1024; store_rows_threads_h200.json).
     """
 
     programs: int = 4

@@ -59,8 +59,9 @@ AUTO_STAGED_MIN_ROW_BYTES = 256 * 1024
 # (bench/results/fragmentation_h200.json). 256 MiB is 1820 tokens of Qwen3-8B KV.
 AUTO_DIRECT_LOAD_MAX_BYTES = 256 * 1024 * 1024
 # Layerwise loads: a layer of one run is 1 (page_first) or 2 rows (layer_first, K and V) and issues 36 layers in
-# 1.4-2.4 ms of host time (issued one at a time on a drained device, bench/results/probes/layerwise_issue_cached_h200.json);
-# 16 rows took 2.9-5.7 ms, 64 rows 4.9-6.8 ms (bench/results/fragmentation_h200.json, an earlier measure).
+# 1.3-2.4 ms of host time (one issue at a time on a drained device: bench/results/fragmentation_h200.json,
+# probes/layerwise_issue_cached_h200.json); 16 rows took 2.9-5.7 ms, 64 rows 4.9-6.8 ms (fragmentation_h200.json
+# at 3cfdcfd, issues back to back).
 AUTO_STAGED_MAX_LAYER_ROWS = 2
 
 
