@@ -324,7 +324,8 @@ def _store_at_default(res: dict) -> list[list[str]]:
     if probe is None:
         return []
     worst = max(probe["summary"].items(), key=lambda kv: kv[1]["worst_over_one_run"])
-    return [[f"store at the committed tuning (the run above: `{res['note'].split(' (')[0]}`), staged "
+    measured = ", ".join(f"{k} = {v}" for k, v in res.get("measured_tuning", {}).items())
+    return [[f"store at the committed tuning (the run above: `{measured}`), staged "
              "`layer_first`, same session: worst R / one run", f"{worst[1]['worst_over_one_run']:.3f}",
              f"`{worst[0]}` (`{res['store_at_default']}`)"]]
 

@@ -375,7 +375,7 @@ class StagedTransfer:
 
     def _run_span(self, direction: StagingBuffers, work, slots: torch.Tensor, host_ids: np.ndarray,
                   span: LayerSpan, to_host: bool, short_edge: bool, skip: int,
-                  plans: dict[tuple[int, int], "ChunkRuns"]) -> Optional[torch.cuda.Event]:
+                  plans: dict[tuple[int, int], ChunkRuns]) -> Optional[torch.cuda.Event]:
         """Stage ``span``'s layers of every page, chunk by chunk; returns the last chunk's completion event.
         ``short_edge``: this span starts a store or ends a load (see :func:`chunk_pages`); ``skip``: tokens of the
         first block not moved; ``plans``: each chunk's runs and layer-0 rectangles by (first page, pages), filled
@@ -394,7 +394,7 @@ class StagedTransfer:
         return self.staging_bytes // self.span_geometry(num_layers).block_bytes
 
     def _chunk(self, d: StagingBuffers, work, chunk_slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
-               chunk: Chunk, to_host: bool, plan: "ChunkRuns") -> Optional[torch.cuda.Event]:
+               chunk: Chunk, to_host: bool, plan: ChunkRuns) -> Optional[torch.cuda.Event]:
         b = d.take_buffer()
         # The staging buffer holds the chunk's pages of the span's layers, laid out like the host blocks.
         shape = self.span_geometry(span.count).host_shape(chunk.pages, self.layout)
@@ -442,7 +442,7 @@ class StagedTransfer:
         return (span.start * geo.kv_count * host_pitch + h0 * plane_page, start * plane_page, length * plane_page,
                 span.count * geo.kv_count, host_pitch, num_pages * plane_page)
 
-    def span_rects(self, plan: "ChunkRuns", host_ids: np.ndarray, span: LayerSpan) -> Optional[Rects]:
+    def span_rects(self, plan: ChunkRuns, host_ids: np.ndarray, span: LayerSpan) -> Optional[Rects]:
         """The batched copy's rectangles of a chunk of ``host_ids`` (runs ``plan.runs``) for ``span`` (None where
         the chunk is one run or there is no batched copy): built once per span width from layer 0 and kept in
         ``plan``, then moved to ``span.start`` (a layer's host rows are a fixed distance from the previous

@@ -25,11 +25,11 @@ from kvtier.kernels.transfer import KernelLaunch, on_device, on_stream, raw_stre
 
 @dataclasses.dataclass
 class _Chunk:
-    """One staging chunk of a plan: its blocks, their runs and rectangles (:class:`ChunkRuns`), and a
-    gather/scatter launch per buffer."""
+    """One staging chunk of a plan: its blocks, their runs and rectangles (``plan``), and a gather/scatter launch
+    per buffer."""
 
     host_ids: np.ndarray
-    runs: ChunkRuns
+    plan: ChunkRuns
     launches: list[KernelLaunch]
 
 
@@ -128,4 +128,4 @@ class StagedCopy:
 
     def _copy(self, staging: torch.Tensor, chunk: _Chunk, span: LayerSpan, copy_stream) -> None:
         self.stager.copy_runs(staging, chunk.host_ids, span, to_host=self.to_host, stream=copy_stream,
-                              runs=chunk.runs.runs, rects=self.stager.span_rects(chunk.runs, chunk.host_ids, span))
+                              runs=chunk.plan.runs, rects=self.stager.span_rects(chunk.plan, chunk.host_ids, span))
