@@ -147,7 +147,8 @@ def tier_bandwidth(directory: str, nbytes: int, threads: int, layout: str) -> di
         chunk = _random_blocks().copy()
         for j, b in enumerate(range(i, min(i + 64, n))):
             chunk[j, :8] = np.array([b], dtype="<u8").view(np.uint8)
-            np.copyto(pool.block_rows(b), chunk[j].reshape(PLANES, -1))
+            rows = pool.block_rows(b)
+            np.copyto(rows, chunk[j].reshape(rows.shape))
     fp = fingerprint(model="bench", block_bytes=BLOCK_BYTES)
     hashes = np.arange(1, n + 1, dtype=np.uint64)
     tokens = np.arange(n * TOKENS, dtype=np.int64).reshape(n, TOKENS)

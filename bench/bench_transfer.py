@@ -149,11 +149,14 @@ def method_fns(s: Setup, tokens: int, layout: str, to_host: bool, hicache, gen: 
 
 def hicache_fn(hicache, s: Setup, host: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor, to_host: bool):
     """SGLang's HiCache kernel (its default block quota) moving layer 0 of the same pages between the same device
-    slots and the same host bytes as kvtier: its host K and V buffers are layer 0's K and V regions of kvtier's
-    ``layer_first`` host tensor (one flat token array each), its host indices the tokens of ``blocks``."""
+    slots and the same host bytes as kvtier: layer 0 of kvtier's ``layer_first`` host tensor is a flat array of
+    token rows, a block's page of K then its page of V; HiCache's host K buffer is that array, its V buffer the same
+    array a page further on, and its host indices the K rows of ``blocks``' tokens."""
     geo = s.geo
-    hk, hv = (host[0, i].reshape(-1, geo.num_kv_heads, geo.head_dim) for i in range(2))
-    host_idx = (blocks.cuda()[:, None] * geo.page_size + torch.arange(geo.page_size, device="cuda")).reshape(-1)
+    rows = host[0].reshape(-1, geo.num_kv_heads, geo.head_dim)
+    hk, hv = rows[:-geo.page_size], rows[geo.page_size:]  # as many rows each (HiCache checks the shapes)
+    host_idx = (blocks.cuda()[:, None] * (geo.kv_count * geo.page_size)
+                + torch.arange(geo.page_size, device="cuda")).reshape(-1)
     k, v = s.kv.layer_buffers(0)
     el = geo.num_kv_heads * geo.head_dim
     if to_host:
@@ -439,6 +442,18 @@ def _direct_variant_fn(op, s: Setup, host, slots, blocks_dev, v: dict, layout: s
                       tuning=Tuning(tile_bytes=v["tile_kib"] * 1024, num_warps=v["warps"]), check=False)
 
 
+def same_host_bytes(host: torch.Tensor, store_a, store_b) -> bool:
+    """Whether two stores of layer 0 write the same host bytes (each into layer 0 filled with one byte first)."""
+    out = []
+    layer0 = host[0].view(torch.uint8)
+    for store in (store_a, store_b):
+        layer0.fill_(0x5A)
+        store()
+        torch.cuda.synchronize()
+        out.append(layer0.clone())
+    return bool(torch.equal(*out))
+
+
 def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
     """kvtier direct vs SGLang HiCache on identical work: one layer of 64 MiB, the same device slots, the same host
     bytes (layer 0 of a ``layer_first`` host tensor) and the same host pages, random or consecutive. Methods
@@ -465,6 +480,8 @@ def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
                 for v in variants:
                     fns[f"kvtier_{v['name']}_{pat}"] = _direct_variant_fn(op, s, host, slots, blocks_dev, v)
                 fns[f"sglang_hicache_{pat}"] = hicache_fn(hicache, s, host, slots, blocks_dev, to_host)
+            same = {pat: same_host_bytes(host, fns[f"sglang_hicache_{pat}"], fns[f"kvtier_{default['name']}_{pat}"])
+                    for pat in patterns} if to_host else None
             times = {k: [] for k in fns}
             for _ in range(HICACHE_ROUNDS):
                 for k, fn in fns.items():
@@ -472,7 +489,8 @@ def run_hicache(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
             entry = {"page": page, "direction": "d2h" if to_host else "h2d", "rounds": HICACHE_ROUNDS,
                      "default": default["name"],
                      "gbps": {k: gbps(nbytes, sorted(v)[len(v) // 2]) for k, v in times.items()},
-                     "round_gbps": {k: [gbps(nbytes, t) for t in v] for k, v in times.items()}}
+                     "round_gbps": {k: [gbps(nbytes, t) for t in v] for k, v in times.items()},
+                     **({"same_host_bytes": same} if same is not None else {})}
             entry["ratio"] = {k[len("kvtier_"):]: round(g / entry["gbps"][f"sglang_hicache_{k.rsplit('_', 1)[1]}"], 4)
                               for k, g in entry["gbps"].items() if k.startswith("kvtier_")}
             out.append(entry)

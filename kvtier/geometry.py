@@ -11,7 +11,9 @@ Host layouts:
 
 * ``page_first``  ``[num_blocks, layers, kv, page_size, heads, head_dim]``: a block is contiguous (SSD spill, one
   copy per block).
-* ``layer_first`` ``[layers, kv, num_blocks, page_size, heads, head_dim]``: a layer is contiguous (layerwise loads).
+* ``layer_first`` ``[layers, num_blocks, kv, page_size, heads, head_dim]``: a layer is contiguous (layerwise loads),
+  and so is a block's page of one layer, K then V (one copy-engine row per layer and run of blocks, as wide as the
+  run's pages of K and V: a fragmented pool's rows are twice as wide as with K and V in planes of their own).
 
 ``kv`` is 2 (K then V) for MHA and 1 for MLA.
 """
@@ -103,7 +105,7 @@ class KVGeometry:
         tail = (self.page_size, self.num_kv_heads, self.head_dim)
         if layout == "page_first":
             return (num_blocks, self.num_layers, self.kv_count, *tail)
-        return (self.num_layers, self.kv_count, num_blocks, *tail)
+        return (self.num_layers, num_blocks, self.kv_count, *tail)
 
     def host_row_strides(self, num_blocks: int, layout: HostLayout = "page_first") -> tuple[int, int, int]:
         """(block, layer, kv) strides of a host tensor in rows; a token within a page has stride 1."""
@@ -111,7 +113,7 @@ class KVGeometry:
         p, kv, layers = self.page_size, self.kv_count, self.num_layers
         if layout == "page_first":
             return (layers * kv * p, kv * p, p)
-        return (p, kv * num_blocks * p, num_blocks * p)
+        return (kv * p, kv * num_blocks * p, p)
 
     def device_shape(self, num_slots: int) -> tuple[int, int, int]:
         """Shape of one per-layer device buffer (SGLang's ``[slots, heads, head_dim]``)."""
@@ -126,7 +128,7 @@ class KVGeometry:
             raise ValueError(
                 f"host blocks must be 6-D {layout} {_layout_names(layout)}, got shape {tuple(host.shape)}"
             )
-        num_blocks = host.shape[0] if layout == "page_first" else host.shape[2]
+        num_blocks = host.shape[0] if layout == "page_first" else host.shape[1]
         expected = self.host_shape(num_blocks, layout)
         if tuple(host.shape) != expected:
             raise ValueError(f"host blocks shape {tuple(host.shape)} does not match {layout} {expected} "
@@ -150,4 +152,4 @@ def check_layout(layout: str) -> None:
 def _layout_names(layout: str) -> str:
     if layout == "page_first":
         return "[num_blocks, layers, kv, page_size, heads, head_dim]"
-    return "[layers, kv, num_blocks, page_size, heads, head_dim]"
+    return "[layers, num_blocks, kv, page_size, heads, head_dim]"

@@ -18,5 +18,5 @@ def test_readme_kernel_example_runs_as_written():
     if scope["load_stream"] is not None:
         torch.cuda.synchronize()
     k, v = scope["k_buffers"], scope["v_buffers"]
-    assert torch.equal(host[0, 0, 3], k[0][slots[:16]].cpu())  # layer 0, K, block 3 = page 0
-    assert torch.equal(host[5, 1, 7], v[5][slots[32:48]].cpu())  # layer 5, V, block 7 = page 2
+    assert torch.equal(host[0, 3, 0], k[0][slots[:16]].cpu())  # layer 0, block 3 = page 0, K
+    assert torch.equal(host[5, 7, 1], v[5][slots[32:48]].cpu())  # layer 5, block 7 = page 2, V

@@ -118,7 +118,7 @@ def test_a_workers_failure_raises_to_the_caller(monkeypatch) -> None:
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_a_fragmented_layer_first_store_from_several_threads_is_byte_exact(monkeypatch, layerwise: bool) -> None:
     """A staged ``layer_first`` store of blocks in runs of two goes as rows from ``store_row_threads`` threads, not
-    pitched (the default rule: runs of two pages of a plane and wider, here where the span is tall enough for
+    pitched (the default rule: runs of a 64 KiB page of a layer and wider, here where the span is tall enough for
     pitched copies), and writes exactly the reference bytes, all layers at once and a layer at a time."""
     from kvtier.kernels.staged_copy import StagedCopy
     threads_seen = set()
@@ -133,7 +133,7 @@ def test_a_fragmented_layer_first_store_from_several_threads_is_byte_exact(monke
     gen = torch.Generator().manual_seed(7)
     kv = make_kv(geo, 4096, "cuda", gen)
     host = make_host(geo, 160, "layer_first", "cuda", gen)
-    tuning = Tuning(store_row_threads=3, row_batch=16, pitched_min_rows=2)
+    tuning = Tuning(store_row_threads=3, row_batch=8, pitched_min_rows=2)  # a layer's 30 rows: 3 parts
     stager = StagedTransfer(kv, host, layout="layer_first", tuning=tuning)
     assert stager.batched, "the staged path has no batched copies here (CuPy and a CUDA 12.8+ driver)"
     n = 60

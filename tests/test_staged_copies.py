@@ -244,15 +244,14 @@ def test_offset_copies_move_what_the_views_name(copies, layout, ids, start, coun
 @pytest.mark.parametrize("run", [1, 2, 3])
 @pytest.mark.parametrize("to_host", [True, False])
 def test_wide_store_runs_go_as_rows_and_the_rest_pitched(copies, monkeypatch, run, to_host):
-    """A ``layer_first`` store whose runs average ``Tuning.store_rows_min_bytes`` of a plane or more goes as one row
+    """A ``layer_first`` store whose runs average ``Tuning.store_rows_min_bytes`` of a layer or more goes as one row
     batch and is staged in layer groups (the copy engine writes separate rows faster than pitched ones once their
     issue keeps ahead); narrower store runs, and loads, go as pitched rectangles over the whole span; the bytes are
     those of the views either way."""
     gen = torch.Generator().manual_seed(run)
     kv = make_kv(GEO, 16, "cpu", gen)
     host = make_host(GEO, 24, "layer_first", "cpu", gen)
-    plane_page = GEO.plane_page_bytes
-    tuning = Tuning(pitched_min_rows=2, store_rows_min_bytes=2 * plane_page)
+    tuning = Tuning(pitched_min_rows=2, store_rows_min_bytes=2 * GEO.page_bytes)
     stager = StagedTransfer(kv, host, layout="layer_first", tuning=tuning)
     host_ids = np.concatenate([np.arange(run) + 5 * i for i in range(4)])  # 4 runs of `run` blocks, gaps between
     span = LayerSpan(0, GEO.num_layers)
@@ -341,8 +340,8 @@ def test_run_rects_map_each_staging_byte_to_its_host_byte(layout, ids, start, co
                 if layout == "page_first":  # a block holds its layers in turn, K then V, a page of rows each
                     stg = i * count * layer_bytes + layer * layer_bytes + k * plane_page
                     host = block * GEO.block_bytes + (start + layer) * layer_bytes + k * plane_page
-                else:  # (layer, K/V) planes of pages: the chunk's pages in order, the pool's blocks by id
-                    stg = ((layer * kv + k) * n + i) * plane_page
-                    host = (((start + layer) * kv + k) * stager.num_blocks + block) * plane_page
+                else:  # layers of pages, K then V each: the chunk's pages in order, the pool's blocks by id
+                    stg = ((layer * n + i) * kv + k) * plane_page
+                    host = (((start + layer) * stager.num_blocks + block) * kv + k) * plane_page
                 want[stg + o] = host + o
     assert (pairs == want).all()

@@ -146,7 +146,7 @@ def test_registered_chunks_are_pinned_and_transfer_exactly(layout):
     from tests.kv_helpers import as_bytes, make_kv
 
     geo = KVGeometry(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
-    # force the cudaHostRegister path with 1 MiB chunks: a (layer, kv) plane of 64 blocks is 2 MiB
+    # force the cudaHostRegister path with 1 MiB chunks: a layer of 64 blocks is 4 MiB
     pool = SmallChunks(geo, 64, layout=layout, pin=True)
     assert len(pool.chunks) > 4 and pool.pinned_bytes == pool.nbytes and is_pinned(pool.host)
     assert pool.stats()["register_chunks"] == len(pool.chunks)

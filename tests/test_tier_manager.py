@@ -62,7 +62,7 @@ def test_round_trip_is_byte_exact(device, layout, mode):
         assert torch.equal(a.view(128, row)[untouched], b.view(128, row)[untouched])
     # host blocks other than the 5 written are untouched
     used = set(np.flatnonzero([not tier.pool.is_free(i) for i in range(tier.pool.num_blocks)]).tolist())
-    dim = 0 if layout == "page_first" else 2
+    dim = 0 if layout == "page_first" else 1
     for blk in range(tier.pool.num_blocks):
         if blk not in used:
             assert torch.equal(host_before.select(dim, blk).view(torch.uint8),

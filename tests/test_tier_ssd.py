@@ -66,7 +66,7 @@ def test_pages_round_trip_device_cpu_ssd_cpu_device_across_layouts(tmp_path, src
     b.destroy()
 
 
-PAGE_ROWS = dataclasses.replace(TINY, num_kv_heads=2, head_dim=128, page_size=8)  # a row per (layer, K/V): 4 KiB
+PAGE_ROWS = dataclasses.replace(TINY, num_kv_heads=2, head_dim=128, page_size=8)  # a row per layer: 8 KiB (K, V)
 
 
 @pytest.mark.parametrize("src,dst", [("layer_first", "page_first"), ("page_first", "layer_first")])
@@ -75,7 +75,7 @@ def test_blocks_of_whole_page_rows_go_between_the_pinned_pool_and_the_disk_where
     ``layer_first`` one's rows through its aligned buffer; the bytes come back exactly after a restart in the other
     layout."""
     a = make_ssd_tier(tmp_path, layout=src, geo=PAGE_ROWS)
-    assert a.pool.block_rows(0).shape[1] * a.pool.block_rows(0).itemsize == 4096
+    assert a.pool.block_rows(0).shape[1] * a.pool.block_rows(0).itemsize == 2 * 4096
     toks = prompt(1, 6, PAGE_ROWS.page_size)
     slots = page_slots(0, 6, PAGE_ROWS.page_size)
     a.wait(a.store(toks, None, slots))

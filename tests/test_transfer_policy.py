@@ -36,12 +36,12 @@ def test_stores_always_go_staged_and_fixed_modes_never_choose(layout, ids):
 
 
 def test_whole_loads_go_direct_per_layer_when_the_copy_engine_rows_are_short():
-    """layer_first rows are a run's pages of one (layer, K/V) plane, 32 KiB a 16-token page: runs under
-    AUTO_STAGED_MIN_ROW_BYTES (256 KiB: 8 pages) go through the direct kernel, one launch per layer. page_first
+    """layer_first rows are a run's pages of one layer, K and V, 64 KiB a 16-token page: runs under
+    AUTO_STAGED_MIN_ROW_BYTES (256 KiB: 4 pages) go through the direct kernel, one launch per layer. page_first
     rows are whole runs of blocks (2.25 MiB a block). Loads under AUTO_STAGED_LOAD_BYTES take one direct launch."""
     runs_of = lambda r: (np.arange(0, 2048, 2 * r)[:, None] + np.arange(r)).reshape(-1)[:512]  # noqa: E731
     assert _path("layer_first", ONE_RUN) is Path.STAGED
-    for r, want in ((1, Path.DIRECT_LAYERS), (2, Path.DIRECT_LAYERS), (4, Path.DIRECT_LAYERS), (8, Path.STAGED)):
+    for r, want in ((1, Path.DIRECT_LAYERS), (2, Path.DIRECT_LAYERS), (3, Path.DIRECT_LAYERS), (4, Path.STAGED)):
         assert _path("layer_first", runs_of(r)) is want, r
         assert _path("page_first", runs_of(r)) is Path.STAGED
     assert _path("layer_first", ONE_RUN[:1]) is Path.DIRECT  # 2.25 MiB: under AUTO_STAGED_LOAD_BYTES
@@ -62,8 +62,8 @@ def test_short_fragmented_whole_loads_go_direct_in_one_launch():
 
 def test_layerwise_loads_go_direct_beyond_the_rows_a_layer_may_issue():
     """One layer of 512 pages is 32 MiB; staged while its rows stay within AUTO_STAGED_MAX_LAYER_ROWS (one run:
-    two rows in layer_first, K and V; one 2-D copy in page_first)."""
-    per_layer_runs = policy.AUTO_STAGED_MAX_LAYER_ROWS // QWEN3.kv_count  # runs a layer_first layer may have
+    one row in layer_first, K and V; one 2-D copy in page_first)."""
+    per_layer_runs = policy.AUTO_STAGED_MAX_LAYER_ROWS  # runs a layer_first layer may have: a row each
     few = (np.arange(per_layer_runs)[:, None] * 128 + np.arange(64)).reshape(-1)  # that many runs of 64
     more = (np.arange(per_layer_runs + 1)[:, None] * 128 + np.arange(64)).reshape(-1)
     assert _path("layer_first", ONE_RUN, layers=1) is Path.STAGED

@@ -49,6 +49,22 @@ def core_sets() -> list[tuple[str, set[int] | None]]:
     return [("all", None)] + [(f"cores {c},{c + 1}", {c, c + 1}) for c in picks if c + 1 in cores]
 
 
+def store_cases(specs) -> tuple:
+    """A Qwen3-8B device pool, a ``layer_first`` host pool of twice 8k tokens' blocks and, per (tokens, run of
+    pages; 0: one run) of ``specs``, (tokens, run, device slots, host block ids in shuffled runs), seeded."""
+    num_blocks = 2 * 8192 // GEO.page_size + 64
+    kv = make_pool(GEO, 2 * 8192 + 64 * GEO.page_size)
+    pool = HostBlockPool(GEO, num_blocks, layout="layer_first")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rng = np.random.default_rng(0)
+    cases = []
+    for tokens, run in specs:
+        n = tokens // GEO.page_size
+        cases.append((tokens, run, random_slots(n, GEO.page_size, kv.num_slots, generator=gen),
+                      torch.from_numpy(fragmented_ids(n, run, num_blocks, rng))))
+    return kv, pool, cases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -59,16 +75,7 @@ def main() -> None:
     res = {"env": env_info(), "lscpu": command_text(["lscpu"]), "topo": command_text(["nvidia-smi", "topo", "-m"]),
            "rows": []}
     all_cores = os.sched_getaffinity(0)
-    num_blocks = 2 * 8192 // GEO.page_size + 64
-    kv = make_pool(GEO, 2 * 8192 + 64 * GEO.page_size)
-    pool = HostBlockPool(GEO, num_blocks, layout="layer_first")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rng = np.random.default_rng(0)
-    cases = []
-    for tokens, run in CASES:
-        n = tokens // GEO.page_size
-        cases.append((tokens, run, random_slots(n, GEO.page_size, kv.num_slots, generator=gen),
-                      torch.from_numpy(fragmented_ids(n, run, num_blocks, rng))))
+    kv, pool, cases = store_cases(CASES)
     for name, cores in core_sets():
         os.sched_setaffinity(0, cores or all_cores)  # this thread; the stager's issuing thread inherits it
         stager = StagedTransfer(kv, pool.host, layout="layer_first")

@@ -7,8 +7,8 @@ order among themselves (they never overlap here). Two calls:
 
 * ``cuMemcpyBatchAsync`` (:func:`memcpy_batch`): arrays of (dst, src, size), one copy per row.
 * ``cuMemcpy3DBatchAsync`` (:func:`memcpy_rects`): pitched rectangles, ``height`` rows of ``width`` bytes each,
-  one copy per rectangle. A run of blocks of a ``layer_first`` pool is such a rectangle (a row per layer and K/V
-  plane), so a chunk of short runs is a copy per run, not per run and plane.
+  one copy per rectangle. A run of blocks of a ``layer_first`` pool is such a rectangle (a row per layer, its
+  pages' K and V), so a chunk of short runs is a copy per run, not per run and layer.
 
 The CUDA 13 driver exports them as ``..._v2`` (no failure index); 12.8 and 12.9 drivers without the suffix, with a
 ``failIdx`` argument. Without them (an older driver, no driver) :func:`available` / :func:`rects_available` are

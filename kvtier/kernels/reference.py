@@ -11,7 +11,7 @@ def _host_rows(kv: PagedKV, host: torch.Tensor, layout: str, layer: int, kv_inde
     """View of one (layer, kv) of the host blocks as ``[num_blocks, page_size, heads, head_dim]``."""
     if layout == "page_first":
         return host[:, layer, kv_index]
-    return host[layer, kv_index]
+    return host[layer, :, kv_index]
 
 
 def copy_pages_ref(kv: PagedKV, host: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, *,

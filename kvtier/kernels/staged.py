@@ -8,10 +8,10 @@ the copy engines, one per direction, so a store and a load can run at the same t
 bandwidth of either (~101 GB/s on an H200 against ~55 one way).
 
 Copies follow the runs of consecutive block ids: a ``page_first`` run is a row per block (or one row of whole
-blocks when every layer moves), a ``layer_first`` run a row per (layer, K/V) plane. A chunk of one run is one
-``cudaMemcpy2DAsync``. A chunk of several runs (a fragmented pool) is batched driver calls
+blocks when every layer moves), a ``layer_first`` run a row per layer (its pages' K and V). A chunk of one run is
+one ``cudaMemcpy2DAsync``. A chunk of several runs (a fragmented pool) is batched driver calls
 (:mod:`kvtier.kernels.batch_copy`): a pitched copy per ``layer_first`` run of at least ``Tuning.pitched_min_rows``
-planes, a copy per row of the others, so the host issues a call or two per chunk (a store's rows: a call per
+layers, a copy per row of the others, so the host issues a call or two per chunk (a store's rows: a call per
 ``Tuning.row_batch`` rows, from ``Tuning.store_row_threads`` threads), not a call per run and row.
 Without cupy, or where the rows cross a host registration, a 2-D copy becomes one copy per row; without the batched
 calls (a driver older than CUDA 12.8) each run is its own 2-D copy.
@@ -212,7 +212,7 @@ class StagedTransfer:
         self.kv, self.host, self.layout = kv, host, layout
         self._host_bytes = host.reshape(-1).view(torch.uint8)  # the copies address host blocks in bytes
         geo = kv.geometry
-        self.plane_pitch = self.num_blocks * geo.plane_page_bytes  # layer_first: host bytes from a plane to the next
+        self.layer_pitch = self.num_blocks * geo.page_bytes  # layer_first: host bytes from a layer to the next
         self.staging_bytes = max(self.tuning.staging_bytes, geo.block_bytes)
         elems = self.staging_bytes // geo.itemsize
         self._store = StagingBuffers(kv, elems, self.tuning.num_buffers)
@@ -245,33 +245,33 @@ class StagedTransfer:
     def pitched(self, span: LayerSpan, host_ids: np.ndarray, to_host: bool,
                 runs: Optional[list[tuple[int, int]]] = None) -> bool:
         """Whether a batched call moves a ``layer_first`` run of ``span``'s layers as one pitched rectangle
-        (``cuMemcpy3DBatchAsync``), not plane by plane: the span has at least ``Tuning.pitched_min_rows`` planes,
-        the pool's plane pitch fits the device's limit (:func:`_copy_batched` still sends a rectangle whose host
+        (``cuMemcpy3DBatchAsync``), not layer by layer: the span has at least ``Tuning.pitched_min_rows`` layers,
+        the pool's layer pitch fits the device's limit (:func:`_copy_batched` still sends a rectangle whose host
         bytes cross a registration row by row) and, for a store, ``host_ids``' runs are narrower on average than
-        ``Tuning.store_rows_min_bytes`` of a plane. The average is the measure because a store as rows is bound by
-        its issue, a fixed host cost per row, against the copy engine's time per byte: a copy of R runs has R rows a
-        plane, so its rows per byte are those of R runs of the average width, whatever the mix of short and long
-        runs. ``runs``: ``block_runs(host_ids)`` when the caller has it."""
+        ``Tuning.store_rows_min_bytes`` of a layer. The average is the measure because a store as rows costs the
+        copy engine and the host a fixed time per row against the engine's time per byte: a copy of R runs has R
+        rows a layer, so its rows per byte are those of R runs of the average width, whatever the mix of short and
+        long runs. ``runs``: ``block_runs(host_ids)`` when the caller has it."""
         geo = self.kv.geometry
-        if not (self.layout == "layer_first" and span.count * geo.kv_count >= self.tuning.pitched_min_rows
-                and batch_copy.rects_available() and self.plane_pitch <= _max_pitch()):
+        if not (self.layout == "layer_first" and span.count >= self.tuning.pitched_min_rows
+                and batch_copy.rects_available() and self.layer_pitch <= _max_pitch()):
             return False
         if not to_host:
             return True
         runs = block_runs(host_ids) if runs is None else runs
-        return host_ids.size * geo.plane_page_bytes < self.tuning.store_rows_min_bytes * max(1, len(runs))
+        return host_ids.size * geo.page_bytes < self.tuning.store_rows_min_bytes * max(1, len(runs))
 
     def layer_groups(self, span: LayerSpan, host_ids: np.ndarray, to_host: bool) -> list[LayerSpan]:
         """The layer spans to stage one after the other: the whole span, or (``layer_first``) groups of layers.
 
-        In ``layer_first`` a chunk's copy has a row per (layer, K/V) plane and run of blocks, as wide as the run's
-        pages in the chunk. The copy engine writes narrow rows to the host slower (D2H of 455 KiB rows: 49.5 GB/s;
+        In ``layer_first`` a chunk's copy has a row per layer and run of blocks, as wide as the run's pages in the
+        chunk. The copy engine writes narrow rows to the host slower (D2H of 455 KiB rows: 49.5 GB/s;
         of 1.8 MiB rows: 52.6; bench/results/probes/probe_copy2d_rows_h200.json). When the runs of blocks are
         longer than a chunk of the whole span holds, the span is staged in groups of as many layers as hold all
         its pages in one staging buffer: about the same number of chunks, each with fewer and wider rows (a group
         of one layer whose pages do not fit stages them over several chunks). Short runs (scattered blocks) gain
         no width from it. They stage the whole span where a run is one pitched copy (:meth:`pitched`: a copy per
-        run of all the span's planes) or there is no batched call (a copy per run); with row-by-row batches only,
+        run of all the span's layers) or there is no batched call (a copy per run); with row-by-row batches only,
         they are grouped (still one call per chunk, and a group's rows lie close together in host memory: 8k
         tokens in runs of one page stored in 25.9 ms a layer at a time, 34.9 ms all layers at once). ``to_host``:
         the copy is a store (whose wide runs go as rows, see :meth:`pitched`).
@@ -418,7 +418,7 @@ class StagedTransfer:
         """The byte rectangle of each run of consecutive host blocks (numpy; a layerwise plan builds them once).
 
         ``page_first``: a row per block, the span's layers of it (one row of whole blocks when the span is all
-        layers). ``layer_first``: a row per (layer, K/V) plane of the span, the run's pages of it. ``runs``:
+        layers). ``layer_first``: a row per layer of the span, the run's pages of it (K and V). ``runs``:
         ``block_runs(host_ids)`` when the caller has it already.
         """
         runs = block_runs(host_ids) if runs is None else runs
@@ -438,9 +438,9 @@ class StagedTransfer:
             if span.count == geo.num_layers:  # whole blocks: one contiguous row
                 return host, stg, length * block_span, 1, 0, 0
             return host, stg, block_span, length, geo.block_bytes, block_span
-        plane_page, host_pitch = geo.plane_page_bytes, self.plane_pitch
-        return (span.start * geo.kv_count * host_pitch + h0 * plane_page, start * plane_page, length * plane_page,
-                span.count * geo.kv_count, host_pitch, num_pages * plane_page)
+        page, host_pitch = geo.page_bytes, self.layer_pitch
+        return (span.start * host_pitch + h0 * page, start * page, length * page, span.count, host_pitch,
+                num_pages * page)
 
     def span_rects(self, plan: ChunkRuns, host_ids: np.ndarray, span: LayerSpan) -> Optional[Rects]:
         """The batched copy's rectangles of a chunk of ``host_ids`` (runs ``plan.runs``) for ``span`` (None where
@@ -461,10 +461,7 @@ class StagedTransfer:
 
     def layer_shift(self) -> int:
         """Host bytes between a layer's rows and the next layer's (the staging rows of a span do not move)."""
-        geo = self.kv.geometry
-        if self.layout == "page_first":
-            return geo.page_bytes
-        return geo.kv_count * self.plane_pitch
+        return self.kv.geometry.page_bytes if self.layout == "page_first" else self.layer_pitch
 
     def _run_rects(self, host_ids: np.ndarray, span: LayerSpan, runs: Optional[list[tuple[int, int]]] = None):
         """:meth:`run_rects` one :class:`_Rect` (ints) at a time, in plain Python: a layerwise load of one run

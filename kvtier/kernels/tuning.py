@@ -42,30 +42,28 @@ class Tuning:
             it is short.
         edge_chunk_divisor: the exposed first gather of a store and last scatter of a load move a chunk this
             many times smaller than a full one.
-        pitched_min_rows: a ``layer_first`` run of blocks of a fragmented chunk is one pitched copy of its (layer,
-            K/V) planes from this many planes (a span of 8 layers); shorter ones go a copy per plane. Pitched copies
-            cost the host ~5 us each to issue; a run of 2 planes (a layerwise load) took 82 ms for 36 layers at
-            8k tokens against 37 ms per plane (bench/results/probes/staged_pitched_h200.json).
+        pitched_min_rows: a ``layer_first`` run of blocks of a fragmented chunk is one pitched copy of its layers
+            from this many layers; shorter spans go a copy per layer. Pitched copies cost the host ~5 us each to
+            issue; a run of 2 rows (a layerwise load, K and V in planes of their own then) took 82 ms for 36 layers
+            at 8k tokens against 37 ms a row each (bench/results/probes/staged_pitched_h200.json).
         store_rows_min_bytes: a fragmented ``layer_first`` store moves its runs as rows (a ``cuMemcpyBatchAsync``
-            row per plane and run, issued from ``store_row_threads`` threads) rather than pitched rectangles when
-            the runs are at least this many bytes of a plane on average. The copy engine writes pitched 32 KiB rows
-            at ~41 GB/s and separate rows at PCIe speed, but each separate row costs the host 0.45-1.05 us to issue,
-            about what the engine takes to write 32 KiB, and a store's row mode is fast or slow per measurement
-            (tight within one). Runs of two 16-token Qwen3-8B pages (64 KiB rows), staged store at 8k tokens: 22.6-
-            22.8 ms as rows from two threads in 3 of 5 measurements, 28.6-30.5 in 2, against 29.3 pitched; at 1k
-            3.12-3.30 in 4 of 5 and 4.13 in one, against 3.70 pitched. Runs of one page (32 KiB): 29.5-41.8 ms from
-            two threads against 35.1-35.5 pitched, so they stay pitched (bench/results/probes/
-            staged_store_threads_h200.json, staged_store_default64k_h200.json, fragmentation_h200_store_rows32k*.json
-            and fragmentation_h200.json).
+            row per layer and run) rather than pitched rectangles when the runs are at least this many bytes of a
+            layer on average: one 16-token page of a Qwen3-8B layer, K and V. The copy engine writes pitched rows
+            slower than separate ones: 8k tokens in runs of one page stored in 29.45 ms pitched and 22.5-22.9 as
+            rows (one of six 25.0), one run 22.0; runs of two 26.71 against 24.17; 1k in runs of one 3.68 against
+            3.05 (all with the copies queued before the device ran them: bench/results/probes/
+            store_issue_bound_kv_adjacent_h200.json). Each row costs the host 0.45-1.05 us to issue, so a store of
+            single pages is at times bound by its issue (fragmentation_h200.json: 26.1 ms at 8k, 4.86 at 1k).
         store_row_threads: threads that issue a store's rows (the caller's and workers, each on its own stream).
-            The rows of 1k tokens in runs of one page, alone on the copy engine: 3.1-3.3 ms from two threads in
-            batches of 256 rows, 4.1-4.3 from one (one run 2.84); at 8k, 23.1-23.3 from two, 22.7 from one in batches
-            of 1024 rows in 8 of 9 samples (store_rows_threads_h200.json). In the staged store at 8k, runs of two
-            pages: 29.4 ms from one thread in batches of 256 (one measurement), 32.2 from three, 36.4 from four
-            (staged_store_threads_h200.json); one thread in batches of 1024 is not measured there.
-        row_batch: rows per ``cuMemcpyBatchAsync`` call of a store: the copy engine starts on a batch only once
-            it is issued, so short batches start it sooner (1k tokens' rows from two threads: 3.1-3.3 ms in batches
-            of 256 rows, 3.8-4.2 in batches of 1024; store_rows_threads_h200.json).
+            One: with K and V in planes of their own (32 KiB rows), three rounds of the staged store at 8k in runs
+            of one page took 24.87 / 41.15 / 26.03 ms from two threads in batches of 256 against 24.61 / 27.78 /
+            24.60 from one in batches of 1024, at 1k 4.79 / 5.29 / 4.32 against 3.63 / 3.64 / 3.63; runs of two
+            (64 KiB rows) 22.64 / 22.92 / 22.63 against 22.53 / 22.54 / 22.53 (probes/
+            store_issue_bound_kv_planes_h200.json; two threads went fast or slow per measurement in
+            staged_store_threads_h200.json too).
+        row_batch: rows per ``cuMemcpyBatchAsync`` call of a store. One thread, same rounds as above: 8k in runs of
+            one page 26.37 / 25.97 / 25.71 ms in batches of 256, 24.61 / 27.78 / 24.60 in batches of 1024; runs of
+            two 22.62 / 32.87 / 22.65 against 22.53 / 22.54 / 22.53; 1k alike (3.65-3.98 against 3.63-3.64).
     """
 
     programs: int = 4
@@ -80,10 +78,10 @@ class Tuning:
     gather_warps: int = 16
     scatter_programs: int = 64
     edge_chunk_divisor: int = 4
-    pitched_min_rows: int = 16
+    pitched_min_rows: int = 8
     store_rows_min_bytes: int = 64 * KiB
-    store_row_threads: int = 2
-    row_batch: int = 256
+    store_row_threads: int = 1
+    row_batch: int = 1024
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

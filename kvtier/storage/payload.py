@@ -1,7 +1,7 @@
 """A block's payload as the disk sees it: an array's bytes in order, moved in place or through an aligned buffer.
 
 A payload is an array that is contiguous, or has contiguous rows (a CPU block in ``layer_first``: one row per
-(layer, K/V) plane, the planes far apart). A contiguous one of whole aligned pages goes to and from the disk where
+layer, the layers far apart). A contiguous one of whole aligned pages goes to and from the disk where
 it is (O_DIRECT into the caller's memory); any other is gathered into, or scattered from, this thread's aligned
 buffer (:func:`kvtier.storage.aligned_io.scratch`) with one copy call. Rows are not moved in place although O_DIRECT
 could (rows of whole pages): a request of many short segments is slow on a virtual disk. On the CPU machine's, with

@@ -9,9 +9,9 @@ engines can DMA it. Pools up to :data:`PIN_MEMORY_MAX_BYTES` use ``torch.empty(p
 allocated as plain memory and registered with ``cudaHostRegister`` in chunks of at most :data:`REGISTER_CHUNK_BYTES`
 (one registration of hundreds of GiB fails, vllm#51081; torch's pinned allocator would round a 48 GiB request up to
 64 GiB). Chunk boundaries are page aligned and, where the geometry allows, fall between blocks (``page_first``) or
-between (layer, K/V) planes (``layer_first``), and a contiguous run handed out by :meth:`alloc` stays within one
-``page_first`` chunk. Ids from the no-run fallback may still be consecutive across a boundary, and a layer_first plane
-over the chunk limit is split mid-plane; a copy-engine copy may then span two registrations (pools over 64 GiB
+between layers (``layer_first``), and a contiguous run handed out by :meth:`alloc` stays within one
+``page_first`` chunk. Ids from the no-run fallback may still be consecutive across a boundary, and a layer_first layer
+over the chunk limit is split mid-layer; a copy-engine copy may then span two registrations (pools over 64 GiB
 only; see bench/results/tier_notes.md). Without CUDA nothing can be pinned and the pool is plain memory (the kernels
 only require pinning when the device side is CUDA).
 
@@ -209,11 +209,10 @@ class HostBlockPool:
                              f"available, {reserve_gb:.2f} GiB kept in reserve; lower cpu_cache_gb")
 
     def _register_unit(self) -> int:
-        """Bytes between natural boundaries of the host tensor: a block, or a (layer, K/V) plane."""
-        geo = self.geometry
+        """Bytes between natural boundaries of the host tensor: a block, or a layer."""
         if self.layout == "page_first":
             return self.block_bytes
-        return self.num_blocks * geo.plane_page_bytes
+        return self.num_blocks * self.geometry.page_bytes
 
     def _register_chunks(self) -> None:
         cudart = torch.cuda.cudart()
@@ -337,15 +336,14 @@ class HostBlockPool:
 
     @synchronized
     def block_rows(self, block_id: int) -> np.ndarray:
-        """Block ``block_id``'s bytes as a uint8 view ``[layers * kv, row]``, a row being one (layer, K/V) page:
-        contiguous in ``page_first``, one strided row per plane in ``layer_first``. Its row order is a
+        """Block ``block_id``'s bytes as a uint8 view ``[layers, row]``, a row being one layer's page, K then V:
+        contiguous in ``page_first``, one strided row per layer in ``layer_first``. Its byte order is a
         ``page_first`` block's, so bytes copied through it mean the same in both layouts."""
         self._check_alive()
-        geo = self.geometry
-        planes = geo.num_layers * geo.kv_count
+        layers = self.geometry.num_layers
         if self._bytes is None:
             flat = self._flat.numpy()
-            shape = (self.num_blocks, planes, -1) if self.layout == "page_first" else (planes, self.num_blocks, -1)
+            shape = (self.num_blocks, layers, -1) if self.layout == "page_first" else (layers, self.num_blocks, -1)
             self._bytes = flat.reshape(shape)
         return self._bytes[block_id] if self.layout == "page_first" else self._bytes[:, block_id]
 

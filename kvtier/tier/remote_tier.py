@@ -7,7 +7,7 @@ runs it:
 * :meth:`RemoteTier.put` stores CPU blocks (header + KV, zero-copy from the registered pool) on the put thread.
   The caller keeps the blocks unchanged until the job is done. Blocks beyond the owner's cap of queued puts are
   dropped and counted.
-* A block whose bytes are not one range (``layer_first``: one row per layer and K/V) is staged instead: copied
+* A block whose bytes are not one range (``layer_first``: one row per layer) is staged instead: copied
   into the worker's registered buffer behind its header, so that each value is one range (and read back the same
   way, copied into the block once verified). Mooncake's TCP transport moves every range as a transfer of its own:
   57 ranges of 32 KiB per value run at a third of one range's bandwidth, and a batch of them overflows its
@@ -62,11 +62,11 @@ RETRY_S = 1.0  # a down tier probes the master this often
 _CPUS = os.cpu_count() or 1
 PREP_THREADS = min(4, _CPUS // 4) if _CPUS >= 8 else 0
 
-ViewFn = Callable[[int], np.ndarray]  # CPU block id -> its bytes, uint8 [planes, row] (rows contiguous)
+ViewFn = Callable[[int], np.ndarray]  # CPU block id -> its bytes, uint8 [layers, row] (rows contiguous)
 
 
 def _ranges(rows: np.ndarray) -> list[tuple[int, int]]:
-    """(address, bytes) of a block's rows (``[planes, row]``, each row contiguous, one stride apart), adjacent
+    """(address, bytes) of a block's rows (``[layers, row]``, each row contiguous, one stride apart), adjacent
     rows merged: one range when the block is contiguous. From the strides: a loop over the rows' ``ctypes``
     costs about 0.1 ms a block (56 rows), a tenth of the block's time on the wire over loopback TCP."""
     a = rows.__array_interface__["data"][0]

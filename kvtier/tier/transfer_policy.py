@@ -50,19 +50,20 @@ AUTO_STAGED_LAYER_BYTES = 4 * 1024 * 1024
 # page_first layerwise loads: the copy engine moved 4 KiB rows at 20 GB/s and 64 KiB rows at 54 GB/s
 # (bench/results/probes/probe_copy2d_h200.json).
 AUTO_STAGED_MIN_SLICE_BYTES = 64 * 1024
-# Whole loads: layer_first rows of 32-128 KiB (runs of 1-4 16-token pages) took 1024 tokens in 3.4-6.9 ms staged,
-# 256 KiB rows 2.77 ms, as one run (bench/results/fragmentation_h200.json).
+# Whole loads: layer_first rows of 32-128 KiB took 1024 tokens in 3.4-6.9 ms staged, 256 KiB rows 2.77 ms, as one
+# run (bench/results/fragmentation_h200.json before K and V of a page were adjacent: rows of 32 KiB a 16-token
+# Qwen3-8B page, now 64 KiB).
 AUTO_STAGED_MIN_ROW_BYTES = 256 * 1024
 # Fragmented whole loads up to this size go direct in one launch, bigger ones a launch per layer: 36 launches add
 # ~0.18 ms (1024 tokens: 3.12-3.14 ms against 2.95-2.96 in one launch, 2.77 staged from one run), while one launch
 # holds its SMs for the whole copy (~3 ms at 1024 tokens; a GEMM beside it +10-15% for that long)
 # (bench/results/fragmentation_h200.json). 256 MiB is 1820 tokens of Qwen3-8B KV.
 AUTO_DIRECT_LOAD_MAX_BYTES = 256 * 1024 * 1024
-# Layerwise loads: a layer of one run is 1 (page_first) or 2 rows (layer_first, K and V) and issues 36 layers in
-# 1.3-2.4 ms of host time (one issue at a time on a drained device: bench/results/fragmentation_h200.json,
-# probes/layerwise_issue_cached_h200.json); 16 rows took 2.9-5.7 ms, 64 rows 4.9-6.8 ms (fragmentation_h200.json
-# at 3cfdcfd, issues back to back).
-AUTO_STAGED_MAX_LAYER_ROWS = 2
+# Layerwise loads: a layer of one run is one row (one 2-D copy of K and V before they were adjacent in layer_first)
+# and issues 36 layers in 1.3-2.4 ms of host time (one issue at a time on a drained device:
+# bench/results/fragmentation_h200.json, probes/layerwise_issue_cached_h200.json); 16 rows took 2.9-5.7 ms, 64 rows
+# 4.9-6.8 ms (fragmentation_h200.json at 3cfdcfd, issues back to back).
+AUTO_STAGED_MAX_LAYER_ROWS = 1
 
 
 class Path(str, enum.Enum):
@@ -116,7 +117,7 @@ class TransferPolicy:
 
     def staged_rows(self, plan: CopyPlan) -> int:
         """Copy-engine rows the staged path issues for ``plan``: a row per block and layer span (``page_first``;
-        one row per run when every layer moves) or per run, layer and K/V plane (``layer_first``). A single run
+        one row per run when every layer moves) or per run and layer (``layer_first``). A single run
         counts as one row: it is one 2-D copy per staging chunk, its rows as long as the layout makes them."""
         ids = plan.block_ids
         runs = 1 + int(np.count_nonzero(np.diff(ids) != 1)) if ids.size else 0
@@ -125,4 +126,4 @@ class TransferPolicy:
             return runs
         if self.layout == "page_first":
             return runs if plan.layers == geo.num_layers else ids.size
-        return runs * plan.layers * geo.kv_count
+        return runs * plan.layers

@@ -1,0 +1,73 @@
+"""Probe (issue 17): where a fragmented staged store's host issue goes (cProfile), ``layer_first``, runs of one page.
+
+Each store is issued with the device asleep (a 100 ms spin first, drained before), so no wait for queue space is
+timed; the profile covers ``--stores`` stores of 1k and of 8k tokens at the default tuning.
+
+Run (GPU machine): ``python3 bench/probes/store_issue_profile.py --out $OUT/store_issue_profile_h200.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+from bench.bench_fragmentation import fragmented_ids  # noqa: E402
+from bench.common import _sm_clock_hz, env_info, make_pool, random_slots, write_json  # noqa: E402
+from bench.probes.staged_store_chunks import GEO  # noqa: E402
+from kvtier.kernels import StagedTransfer  # noqa: E402
+from kvtier.tier import HostBlockPool  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stores", type=int, default=10)
+    args = ap.parse_args()
+    res = {"env": env_info(), "cases": []}
+    num_blocks = 2 * 8192 // GEO.page_size + 64
+    kv = make_pool(GEO, 2 * 8192 + 64 * GEO.page_size)
+    pool = HostBlockPool(GEO, num_blocks, layout="layer_first")
+    stager = StagedTransfer(kv, pool.host, layout="layer_first")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rng = np.random.default_rng(0)
+    spin = int(0.1 * _sm_clock_hz())
+    for tokens in (1024, 8192):
+        n = tokens // GEO.page_size
+        slots = random_slots(n, GEO.page_size, kv.num_slots, generator=gen)
+        ids = torch.from_numpy(fragmented_ids(n, 1, num_blocks, rng))
+        for _ in range(3):
+            stager.store(slots, ids, check=False)
+        prof, wall = cProfile.Profile(), []
+        for _ in range(args.stores):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(spin)
+            t = time.perf_counter()
+            prof.enable()
+            stager.store(slots, ids, check=False)
+            prof.disable()
+            wall.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        res["cases"].append(dict(tokens=tokens, issue_ms=wall, issue_ms_median=statistics.median(wall),
+                                 profile=text.getvalue()))
+        print(f"== {tokens} tokens, runs of one page: issue {statistics.median(wall):.2f} ms (median of {len(wall)})")
+        print(text.getvalue()[:6000], flush=True)
+    stager = None
+    pool.destroy()
+    write_json(args.out, res)
+
+
+if __name__ == "__main__":
+    main()
