@@ -20,7 +20,8 @@ holder, the same way for kvtier and for the raw client. For each cell (``--cells
   per value, in batches of the tier's size (``BATCH_BYTES`` / ``MAX_BATCH_BLOCKS`` of ``remote_tier.py``);
   ``raw_ranges``: the same with each value cut into the ranges kvtier hands Mooncake in that cell
   (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``): 1 when staged (``layer_first``), header +
-  block (``page_first``), header + one range per (layer, K/V) plane (``layer_first:zero_copy``, 57).
+  block (``page_first``), header + one range per layer (``layer_first:zero_copy``; a range per (layer, K/V) plane
+  before K and V of a page were adjacent: 57 at this bench's geometry).
 * hit latency: B's ``lookup_tiers`` -> ``wait(fetch)`` for a ``--hit-tokens`` prefix (512 blocks of 16 tokens at
   8k), next to the raw get of the same values.
 * worker CPU: microseconds per block of the remote workers' own work (checksum, header, ranges, staging copy).

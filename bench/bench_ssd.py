@@ -54,7 +54,7 @@ from kvtier.geometry import KVGeometry  # noqa: E402
 from bench import progress  # noqa: E402
 
 MiB = 1 << 20
-TOKENS, PLANES = 16, 36 * 2  # a block: 16 tokens; a row per (layer, K/V) of 8 KV heads x 128 x bf16 each
+TOKENS, PLANES = 16, 36 * 2  # a block: 16 tokens; a page per (layer, K/V) of 8 KV heads x 128 x bf16 each
 BLOCK_BYTES = TOKENS * PLANES * 8 * 128 * 2  # 2.25 MiB
 GEOMETRY = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=TOKENS)  # Qwen3-8B
 

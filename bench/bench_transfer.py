@@ -120,7 +120,7 @@ def method_fns(s: Setup, tokens: int, layout: str, to_host: bool, hicache, gen: 
     sop = staged.store if to_host else staged.load
     contig = torch.arange(pages, dtype=torch.int64)
     fns["kvtier_staged_contig"] = (lambda: sop(slots, contig, layers=0, check=False), nbytes)
-    if pages <= 1024 and not contiguous_blocks:  # random blocks: one copy per block (and K/V); host-bound beyond
+    if pages <= 1024 and not contiguous_blocks:  # random blocks: one copy per block; host-bound beyond
         fns["kvtier_staged_random"] = (lambda: sop(slots, blocks, layers=0, check=False), nbytes)
     # torch: gather into a device buffer, one copy to pinned host (and the reverse), layer 0's buffers
     bufs = kv.layer_buffers(0)

@@ -14,11 +14,11 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
   that is at least :data:`MIN_TOKENS_PER_BLOCK`: at engine page 1 one index node, one hash and one copy run per
   token would make the index slower than the engine's own tree (bench/results/index_cpu.json). A host hit is
   block-granular (the device tree keeps the engine's page granularity).
-* ``host_layout`` (``"layer_first"`` | ``"page_first"``, default ``"layer_first"``): ``layer_first`` keeps each
-  layer contiguous over blocks (a block's page of it K then V), so a layerwise load's per-layer copy of a run of
-  blocks is one contiguous region (one copy-engine copy, long sequential host reads for the direct kernel); the all-layer kernels run at the
-  same speed in both layouts (bench/results/transfer_h200.json). ``page_first`` keeps a block contiguous, which an
-  SSD tier will want for spilling whole blocks; its per-layer copies are a row per block (one 2-D copy-engine copy
+* ``host_layout`` (``"layer_first"`` | ``"page_first"``, default ``"layer_first"``): ``layer_first`` keeps each layer
+  contiguous over blocks (a block's page of it K then V), so a layerwise load's per-layer copy of a run of blocks is one
+  contiguous region (one copy-engine copy, long sequential host reads for the direct kernel); the all-layer kernels run
+  at the same speed in both layouts (bench/results/transfer_h200.json). ``page_first`` keeps a block contiguous, which
+  an SSD tier will want for spilling whole blocks; its per-layer copies are a row per block (one 2-D copy-engine copy
   per run: 54 GB/s from 64 KiB rows, 20 GB/s from 4 KiB rows, so page-1 layerwise loads take the direct kernel).
 * ``transfer_mode`` (``"auto"`` | ``"direct"`` | ``"staged"``, default ``"auto"``): ``auto`` stores through the
   staged path (copy engine: leaves the SMs to the forward pass, and a store can overlap a load) and loads through

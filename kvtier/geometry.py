@@ -85,7 +85,7 @@ class KVGeometry:
 
     @functools.cached_property
     def plane_page_bytes(self) -> int:
-        """Bytes of one page in one layer, K or V alone: a page of one ``layer_first`` (layer, K/V) plane."""
+        """Bytes of one page in one layer, K or V alone (one token row per token of the page)."""
         return self.page_size * self.row_bytes
 
     @functools.cached_property

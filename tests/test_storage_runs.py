@@ -18,12 +18,12 @@ from kvtier.storage.block_format import ALIGN
 
 FP = fingerprint(model="runs-test")
 ROOT = __file__.rsplit("/tests/", 1)[0]
-PLANES = 4  # rows of a block: one per (layer, K/V)
+PLANES = 4  # rows of a block
 
 
 def pool(n: int, row: int, layout: str) -> tuple[np.ndarray, callable]:
     """A page-aligned CPU pool of ``n`` blocks of ``PLANES`` rows of ``row`` bytes in ``layout``, random bytes, and
-    its block view (a contiguous block in ``page_first``, one strided row per plane in ``layer_first``)."""
+    its block view (a contiguous block in ``page_first``, rows one stride apart in ``layer_first``)."""
     flat = aligned(n * PLANES * row)
     flat[:] = np.random.default_rng(n + row).integers(0, 256, flat.size, np.uint8)
     if layout == "page_first":

@@ -49,9 +49,9 @@ class Tuning:
         store_rows_min_bytes: a fragmented ``layer_first`` store moves its runs as rows (a ``cuMemcpyBatchAsync``
             row per layer and run) rather than pitched rectangles when the runs are at least this many bytes of a
             layer on average: one 16-token page of a Qwen3-8B layer, K and V. The copy engine writes pitched rows
-            slower than separate ones: 8k tokens in runs of one page stored in 29.45 ms pitched and 22.5-22.9 as
-            rows (one of six 25.0), one run 22.0; runs of two 26.71 against 24.17; 1k in runs of one 3.68 against
-            3.05 (all with the copies queued before the device ran them: bench/results/probes/
+            slower than separate ones: 8k tokens in runs of one page stored in 29.45 ms pitched and 22.48-22.63 as
+            rows, one run 22.0; runs of two 26.71 against 24.17; 1k in runs of one 3.68 against 3.04-3.08 (all with
+            the copies queued before the device ran them: bench/results/probes/
             store_issue_bound_kv_adjacent_h200.json). Each row costs the host 0.45-1.05 us to issue, so a store of
             single pages is at times bound by its issue (fragmentation_h200.json: 26.1 ms at 8k, 4.86 at 1k).
         store_row_threads: threads that issue a store's rows (the caller's and workers, each on its own stream).

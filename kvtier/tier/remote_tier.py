@@ -68,7 +68,7 @@ ViewFn = Callable[[int], np.ndarray]  # CPU block id -> its bytes, uint8 [layers
 def _ranges(rows: np.ndarray) -> list[tuple[int, int]]:
     """(address, bytes) of a block's rows (``[layers, row]``, each row contiguous, one stride apart), adjacent
     rows merged: one range when the block is contiguous. From the strides: a loop over the rows' ``ctypes``
-    costs about 0.1 ms a block (56 rows), a tenth of the block's time on the wire over loopback TCP."""
+    costs about 0.1 ms a block of 56 rows, a tenth of the block's time on the wire over loopback TCP."""
     a = rows.__array_interface__["data"][0]
     if rows.flags.c_contiguous:
         return [(a, rows.nbytes)]

@@ -9,14 +9,15 @@ prefixes, bench/results/fragmentation_h200.json and bench/results/layerwise_h200
 * Stores go staged. A direct store slows a GEMM beside it by 30-100% (its SMs write host memory for the whole
   copy); the staged store by <= 3%, and it leaves the SMs to the forward pass.
 * Whole loads of at least :data:`AUTO_STAGED_LOAD_BYTES` go staged when the copy engine's rows are at least
-  :data:`AUTO_STAGED_MIN_ROW_BYTES` long on average. Shorter rows (host blocks in short runs) run the copy
-  engine below the PCIe bound (32 KiB rows, runs of one 16-token page in ``layer_first``: 1.23-1.37x the one-run
-  time in the copy engine alone, bench/results/probes/copy_engine_rows_h200.json), or make the host issue slower
-  than the copy. Such loads go ``direct_layers``, the direct kernel launched once per layer (23.8 ms at 8k tokens
-  for every run length, against 22.0 staged from one run), which slows a GEMM beside it by 1.5-2.5% where one
-  launch for all layers holds its SMs for the whole copy (10-15%); up to :data:`AUTO_DIRECT_LOAD_MAX_BYTES` they
-  go direct in one launch, where 36 launches would add ~6% to the load. Smaller loads take the direct kernel in one
-  launch: lowest latency, SMs held for microseconds.
+  :data:`AUTO_STAGED_MIN_ROW_BYTES` long on average. Shorter rows (host blocks in short runs) run the copy engine below
+  the PCIe bound (32 KiB rows: 1.23-1.37x the one-run time in the copy engine alone,
+  bench/results/probes/copy_engine_rows_h200.json; a ``layer_first`` row is 64 KiB a 16-token Qwen3-8B page), or hold
+  the issuing thread for most of the copy (8k tokens in runs of two pages staged: 22.8 ms, 15.6 ms of it host issue,
+  against 1.0 ms of issue for the direct kernel a layer at a time, bench/results/fragmentation_h200.json). Such loads go
+  ``direct_layers``, the direct kernel launched once per layer (23.8 ms at 8k tokens for every run length, against 22.0
+  staged from one run), which slows a GEMM beside it by 1.5-2.5% where one launch for all layers holds its SMs for the
+  whole copy (10-15%); up to :data:`AUTO_DIRECT_LOAD_MAX_BYTES` they go direct in one launch, where 36 launches would
+  add ~6% to the load. Smaller loads take the direct kernel in one launch: lowest latency, SMs held for microseconds.
 * Layerwise loads go staged (a :class:`~kvtier.kernels.StagedCopy`) when a layer moves at least
   :data:`AUTO_STAGED_LAYER_BYTES` in at most :data:`AUTO_STAGED_MAX_LAYER_ROWS` copy-engine rows. More rows fill
   the copy engine's queue and the host waits on it while it issues (24 ms for 36 layers at runs of one page,
