@@ -309,25 +309,11 @@ def fragmentation_table() -> str:
          ["host time to issue a 36-layer layerwise load of 8k tokens at the worst R (target <= 3 ms)",
           f"{s['frag_layerwise_issue_ms_max']:.2f} ms", "–"],
          ["8192³ bf16 GEMM slowdown beside what `auto` picks (8k tokens, R = 1 and one run), worst (target <= 3%)",
-          f"{s['gemm_slowdown_pct']:+.2f}%", f"`{s['gemm_slowdown_cell']}`"],
-         *_store_at_default(res)])
+          f"{s['gemm_slowdown_pct']:+.2f}%", f"`{s['gemm_slowdown_cell']}`"]])
     churn = _table(["run lengths R after LRU churn (multi-turn)", "median", "p10"],
                    [["loads", f"{s['churn_load_median_R']:.0f}", f"{s['churn_load_p10_R']:.0f}"],
                     ["stores", f"{s['churn_store_median_R']:.0f}", f"{s['churn_store_p10_R']:.0f}"]])
     return _join(summary, churn)
-
-
-def _store_at_default(res: dict) -> list[list[str]]:
-    """A row for a run measured off the default store tuning: the default's staged layer_first store, measured
-    in the same session by the probe the run names (``store_at_default``)."""
-    probe = _load(res["store_at_default"]) if "store_at_default" in res else None
-    if probe is None:
-        return []
-    worst = max(probe["summary"].items(), key=lambda kv: kv[1]["worst_over_one_run"])
-    measured = ", ".join(f"{k} = {v}" for k, v in res.get("measured_tuning", {}).items())
-    return [[f"store at the committed tuning (the run above: `{measured}`), staged "
-             "`layer_first`, same session: worst R / one run", f"{worst[1]['worst_over_one_run']:.3f}",
-             f"`{worst[0]}` (`{res['store_at_default']}`)"]]
 
 
 # --- SSD and remote tiers ----------------------------------------------------------------------------------------

@@ -17,16 +17,13 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from bench.bench_fragmentation import fragmented_ids  # noqa: E402
-from bench.common import _sm_clock_hz, env_info, make_pool, random_slots, write_json  # noqa: E402
-from bench.probes.staged_store_chunks import GEO  # noqa: E402
+from bench.common import _sm_clock_hz, env_info, write_json  # noqa: E402
+from bench.probes.store_affinity import store_cases  # noqa: E402
 from kvtier.kernels import StagedTransfer  # noqa: E402
-from kvtier.tier import HostBlockPool  # noqa: E402
 
 
 def main() -> None:
@@ -35,17 +32,10 @@ def main() -> None:
     ap.add_argument("--stores", type=int, default=10)
     args = ap.parse_args()
     res = {"env": env_info(), "cases": []}
-    num_blocks = 2 * 8192 // GEO.page_size + 64
-    kv = make_pool(GEO, 2 * 8192 + 64 * GEO.page_size)
-    pool = HostBlockPool(GEO, num_blocks, layout="layer_first")
+    kv, pool, cases = store_cases(((1024, 1), (8192, 1)))
     stager = StagedTransfer(kv, pool.host, layout="layer_first")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rng = np.random.default_rng(0)
     spin = int(0.1 * _sm_clock_hz())
-    for tokens in (1024, 8192):
-        n = tokens // GEO.page_size
-        slots = random_slots(n, GEO.page_size, kv.num_slots, generator=gen)
-        ids = torch.from_numpy(fragmented_ids(n, 1, num_blocks, rng))
+    for tokens, _, slots, ids in cases:
         for _ in range(3):
             stager.store(slots, ids, check=False)
         prof, wall = cProfile.Profile(), []
