@@ -97,8 +97,7 @@ def run_transfer(monkeypatch, to_host: bool, num_buffers: int, pages: int, layer
     log, work, d = stand_ins(stager, to_host)
     index = {buf.data_ptr(): b for b, buf in enumerate(d.buffers)}
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(log))
-    monkeypatch.setattr(stager, "_gather", lambda staging, *a, **k: log.ops.append(
-        ("fire", "work", index[staging.data_ptr()])))
+    monkeypatch.setattr(stager, "chunk_launch", lambda staging, *a, **k: FakeLaunch(log, index[staging.data_ptr()]))
     monkeypatch.setattr(stager, "copy_runs", lambda staging, host_ids, span, *, to_host, stream, **_: log.ops.append(
         ("copy", stream.name, index[staging.data_ptr()])))
     ids = torch.arange(pages).numpy()
@@ -118,7 +117,7 @@ class FakeLaunch:
         self.log, self.buffer = log, buffer
 
     def fire(self, span, programs, handle, blocks_layer0=None) -> None:
-        self.log.ops.append(("fire", {1: "work", 2: "copy"}[handle], self.buffer))
+        self.log.ops.append(("fire", {1: "work", 2: "copy", None: "work"}[handle], self.buffer))  # None: current
 
 
 def run_staged_copy(to_host: bool, num_buffers: int, pages: int, layer_order: list[int]) -> Log:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable, NamedTuple, Optional, Union
 
 import numpy as np
@@ -95,6 +94,10 @@ class Rows(NamedTuple):
     host_off: np.ndarray
     stg_off: np.ndarray
     width: np.ndarray
+
+    def shifted(self, host_bytes: int) -> "Rows":
+        """The same rows ``host_bytes`` further into the host blocks (another layer's rows)."""
+        return self._replace(host_off=self.host_off + np.uint64(host_bytes))
 
 
 class Rects(NamedTuple):
@@ -315,21 +318,22 @@ class StagedTransfer:
         return geo
 
     def copy_runs(self, staging: torch.Tensor, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool,
-                  stream, runs: Optional[list[tuple[int, int]]] = None, rects: Optional[Rects] = None) -> None:
+                  stream, plan: Optional[ChunkRuns] = None) -> None:
         """Copy-engine copies between the staging buffer and the host blocks of ``host_ids``' runs.
 
         With CuPy and a stream the copies are issued from byte offsets alone (no tensor views: a layerwise load
-        issues them once per layer): one 2-D copy for a single run, one batched call for several (``rects``:
-        :meth:`run_rects` of the chunk when the caller has them; see :func:`_copy_batched`); otherwise through views
-        and :func:`_copy_2d`. ``runs``: ``block_runs(host_ids)`` when the caller has it."""
+        issues them once per layer): one 2-D copy for a single run, one batched call for several (``plan``: the
+        chunk's :class:`ChunkRuns` when the caller keeps one, whose rectangles and rows serve every layer group; see
+        :func:`_copy_batched`); otherwise through views and :func:`_copy_2d`."""
+        plan = ChunkRuns(block_runs(host_ids)) if plan is None else plan
+        runs = plan.runs
         if stream is not None and _cupy is not None:
             host_ptr, stg_ptr = self._host_bytes.data_ptr(), staging.data_ptr()
-            runs = block_runs(host_ids) if runs is None else runs
             if len(runs) > 1 and batch_copy.available():
-                rects = self.run_rects(host_ids, span, runs) if rects is None else rects
-                _copy_batched(host_ptr, stg_ptr, rects, to_host=to_host, stream=stream,
-                              pitched=self.pitched(span, host_ids, to_host, runs),
-                              issuer=self._row_issuer() if to_host else None)
+                pitched = self.pitched(span, host_ids, to_host, runs)
+                _copy_batched(host_ptr, stg_ptr, self.span_rects(plan, host_ids, span), to_host=to_host,
+                              stream=stream, pitched=pitched, issuer=self._row_issuer() if to_host else None,
+                              rows=None if pitched else self.span_rows(plan, host_ids, span))
                 return
             for r in self._run_rects(host_ids, span, runs):
                 _copy_rect(host_ptr + r.host_off, stg_ptr + r.stg_off, r.height, r.width, r.host_pitch,
@@ -397,21 +401,17 @@ class StagedTransfer:
                chunk: Chunk, to_host: bool, plan: ChunkRuns) -> Optional[torch.cuda.Event]:
         b = d.take_buffer()
         # The staging buffer holds the chunk's pages of the span's layers, laid out like the host blocks.
-        shape = self.span_geometry(span.count).host_shape(chunk.pages, self.layout)
-        staging = d.buffers[b][:math.prod(shape)].view(shape)
+        staging = d.buffers[b]
+        launch = plan.launches.get((b, span.count))
+        if launch is None:  # one per buffer and span width: the other layer groups fire it at their first layer
+            launch = plan.launches[(b, span.count)] = self.chunk_launch(staging, chunk_slots, chunk, span.count,
+                                                                        to_host)
         cuda = work is not None
         return issue_chunk(
             d, b, work, to_host,
-            fire=lambda: self._gather(staging, chunk_slots, chunk, span, to_host),
-            copy=lambda: self.copy_runs(staging, host_ids, span, to_host=to_host, stream=d.copy_stream,
-                                        runs=plan.runs, rects=self.span_rects(plan, host_ids, span)),
+            fire=lambda: launch.fire(span, self.tuning.staged_programs(to_host), None, blocks_layer0=span.start),
+            copy=lambda: self.copy_runs(staging, host_ids, span, to_host=to_host, stream=d.copy_stream, plan=plan),
             handoff=torch.cuda.Event() if cuda else None, free=torch.cuda.Event() if cuda else None)
-
-    def _gather(self, staging: torch.Tensor, chunk_slots: torch.Tensor, chunk: Chunk, span: LayerSpan,
-                to_host: bool) -> None:
-        """The gather (``to_host``) or scatter of one chunk, on the current stream."""
-        launch = self.chunk_launch(staging, chunk_slots, chunk, span.count, to_host, first_layer=span.start)
-        launch.fire(span, self.tuning.staged_programs(to_host), None)
 
     def run_rects(self, host_ids: np.ndarray, span: LayerSpan,
                   runs: Optional[list[tuple[int, int]]] = None) -> Rects:
@@ -442,16 +442,21 @@ class StagedTransfer:
         return (span.start * host_pitch + h0 * page, start * page, length * page, span.count, host_pitch,
                 num_pages * page)
 
-    def span_rects(self, plan: ChunkRuns, host_ids: np.ndarray, span: LayerSpan) -> Optional[Rects]:
-        """The batched copy's rectangles of a chunk of ``host_ids`` (runs ``plan.runs``) for ``span`` (None where
-        the chunk is one run or there is no batched copy): built once per span width from layer 0 and kept in
-        ``plan``, then moved to ``span.start`` (a layer's host rows are a fixed distance from the previous
-        layer's; its staging rows do not move)."""
-        if len(plan.runs) < 2 or not self.batched:
-            return None
+    def span_rects(self, plan: ChunkRuns, host_ids: np.ndarray, span: LayerSpan) -> Rects:
+        """The batched copy's rectangles of a chunk of ``host_ids`` (runs ``plan.runs``) for ``span``: built once
+        per span width from layer 0 and kept in ``plan``, then moved to ``span.start`` (a layer's host rows are a
+        fixed distance from the previous layer's; its staging rows do not move)."""
         base = plan.rects.get(span.count)
         if base is None:
             base = plan.rects[span.count] = self.run_rects(host_ids, LayerSpan(0, span.count), plan.runs)
+        return base if span.start == 0 else base.shifted(span.start * self.layer_shift())
+
+    def span_rows(self, plan: ChunkRuns, host_ids: np.ndarray, span: LayerSpan) -> Rows:
+        """Every row of :meth:`span_rects` (chunk ``host_ids``, runs ``plan.runs``), built once per span width from
+        layer 0 and kept in ``plan``, then moved to ``span.start`` as the rectangles are."""
+        base = plan.rows.get(span.count)
+        if base is None:
+            base = plan.rows[span.count] = self.span_rects(plan, host_ids, LayerSpan(0, span.count)).rows()
         return base if span.start == 0 else base.shifted(span.start * self.layer_shift())
 
     def run_rows(self, host_ids: np.ndarray, span: LayerSpan,
@@ -483,11 +488,14 @@ class StagedTransfer:
 
 @dataclasses.dataclass
 class ChunkRuns:
-    """A chunk's runs of blocks and its batched copy's rectangles by span width, from layer 0 (built on first
-    use: a copy staged in groups of layers, or launched layer by layer, reuses them)."""
+    """A chunk's runs of blocks, and by span width its batched copy's rectangles and rows from layer 0 and its
+    gather or scatter launches by staging buffer (built on first use: a copy staged in groups of layers, or
+    launched layer by layer, reuses them)."""
 
     runs: list[tuple[int, int]]
     rects: dict[int, Rects] = dataclasses.field(default_factory=dict)
+    rows: dict[int, Rows] = dataclasses.field(default_factory=dict)
+    launches: dict[tuple[int, int], KernelLaunch] = dataclasses.field(default_factory=dict)
 
 
 class _Rect(NamedTuple):
@@ -513,12 +521,13 @@ def _copy_2d(host: torch.Tensor, staging: torch.Tensor, *, to_host: bool, stream
 
 
 def _copy_batched(host_ptr: int, stg_ptr: int, rects: Rects, *, to_host: bool, stream, pitched: bool,
-                  issuer: Optional[RowIssuer] = None) -> None:
+                  issuer: Optional[RowIssuer] = None, rows: Optional[Rows] = None) -> None:
     """The copies of ``rects`` between the host blocks at ``host_ptr`` and the staging buffer at ``stg_ptr`` in
     batched driver calls: with ``pitched`` (:meth:`StagedTransfer.pitched`), a pitched copy per rectangle of
     several rows whose pitches fit the device's limit and whose host bytes lie in one host registration
     (``cuMemcpy3DBatchAsync``); a copy per row of the rest (``cuMemcpyBatchAsync``, rows split at host
-    registration boundaries), in one call, or issued by ``issuer`` where given."""
+    registration boundaries), in one call, or issued by ``issuer`` where given. ``rows``: every row of ``rects``
+    when the caller has them (used where nothing goes pitched)."""
     rest = rects
     if pitched:
         host = rects.host_off + np.uint64(host_ptr)
@@ -535,7 +544,7 @@ def _copy_batched(host_ptr: int, stg_ptr: int, rects: Rects, *, to_host: bool, s
             rest = rects.select(~two_d)
     if rest.width.size == 0:
         return
-    rows = rest.rows()
+    rows = rest.rows() if rows is None or pitched else rows
     host, stg, width = batch_copy.split_rows(rows.host_off + np.uint64(host_ptr), rows.stg_off + np.uint64(stg_ptr),
                                              rows.width)
     dst, src = (host, stg) if to_host else (stg, host)

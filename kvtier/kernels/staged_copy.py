@@ -128,4 +128,4 @@ class StagedCopy:
 
     def _copy(self, staging: torch.Tensor, chunk: _Chunk, span: LayerSpan, copy_stream) -> None:
         self.stager.copy_runs(staging, chunk.host_ids, span, to_host=self.to_host, stream=copy_stream,
-                              runs=chunk.plan.runs, rects=self.stager.span_rects(chunk.plan, chunk.host_ids, span))
+                              plan=chunk.plan)
