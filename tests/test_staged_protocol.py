@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvtier.geometry import KVGeometry
 from kvtier.kernels import StagedTransfer, Tuning
 from kvtier.kernels.checks import LayerSpan
-from kvtier.kernels.staged import ChunkRuns, block_runs
+from kvtier.kernels.staged import ChunkRuns, block_runs, issue_chunks
 from kvtier.kernels.staged_copy import StagedCopy
 from tests.kv_helpers import make_host, make_kv
 
@@ -92,7 +92,8 @@ def stand_ins(stager: StagedTransfer, to_host: bool):
 
 
 def run_transfer(monkeypatch, to_host: bool, num_buffers: int, pages: int, layer_order: list[int]) -> Log:
-    """One-layer transfers of ``pages`` pages, layer after layer, through ``StagedTransfer._chunk``."""
+    """One-layer transfers of ``pages`` pages, layer after layer, through ``StagedTransfer._chunk`` and
+    :func:`issue_chunks`."""
     stager = make_stager(num_buffers)
     log, work, d = stand_ins(stager, to_host)
     index = {buf.data_ptr(): b for b, buf in enumerate(d.buffers)}
@@ -103,10 +104,10 @@ def run_transfer(monkeypatch, to_host: bool, num_buffers: int, pages: int, layer
     ids = torch.arange(pages).numpy()
     slots = torch.arange(pages * GEO.page_size)
     for layer in layer_order:
-        for c in stager.chunks(pages, 1, to_host, short_edge=True):
-            chunk_ids = ids[c.first:c.first + c.pages]
-            stager._chunk(d, work, slots[c.slot_lo:c.slot_hi], chunk_ids, LayerSpan(layer, 1), c, to_host,
-                          ChunkRuns(block_runs(chunk_ids)))
+        issue_chunks(d, work, to_host, [
+            stager._chunk(d, work, slots[c.slot_lo:c.slot_hi], ids[c.first:c.first + c.pages], LayerSpan(layer, 1),
+                          c, to_host, ChunkRuns(block_runs(ids[c.first:c.first + c.pages])))
+            for c in stager.chunks(pages, 1, to_host, short_edge=True)])
     return log
 
 
@@ -133,8 +134,8 @@ def run_staged_copy(to_host: bool, num_buffers: int, pages: int, layer_order: li
     for chunk in plan:
         chunk.launches = [FakeLaunch(log, b) for b in range(num_buffers)]
     for layer in layer_order:
-        for chunk in copy._plan(1, True):
-            copy._issue(d, work, chunk, LayerSpan(layer, 1))
+        issue_chunks(d, work, to_host,
+                     [copy._issue(d, work, chunk, LayerSpan(layer, 1)) for chunk in copy._plan(1, True)])
     return log
 
 
@@ -186,3 +187,12 @@ def test_staged_copy_issues_what_staged_transfer_issues(monkeypatch, to_host, nu
 def test_staged_copy_alternates_buffers_across_launches():
     copies = [b for kind, _, b in run_staged_copy(False, 2, 6, [2, 0, 3]).ops if kind == "copy"]
     assert copies == list(itertools.islice(itertools.cycle([0, 1]), 9))  # 3 chunks a layer, buffers alternate
+
+
+@pytest.mark.parametrize("to_host", [False, True], ids=["load", "store"])
+def test_each_chunk_is_written_before_the_previous_chunk_is_read(monkeypatch, to_host):
+    """With two buffers, a chunk's first step (a store's gather, a load's copy) is issued before the previous chunk's
+    second step: the stream of the second step never waits for the host to issue the next chunk's first."""
+    ops = [(kind, b) for kind, _, b in run_transfer(monkeypatch, to_host, 2, 6, [0]).ops]
+    w, r = ("fire", "copy") if to_host else ("copy", "fire")
+    assert ops == [(w, 0), (w, 1), (r, 0), (w, 0), (r, 1), (r, 0)]  # 3 chunks of 2 pages, buffers 0, 1, 0

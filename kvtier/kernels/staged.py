@@ -19,9 +19,10 @@ calls (a driver older than CUDA 12.8) each run is its own 2-D copy.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -154,36 +155,62 @@ class StagingBuffers:
         return b
 
 
-def issue_chunk(d: StagingBuffers, b: int, work, to_host: bool, fire: Callable[[], None], copy: Callable[[], None],
-                handoff: Optional[torch.cuda.Event], free: Optional[torch.cuda.Event]) -> Optional[torch.cuda.Event]:
-    """One staging chunk through buffer ``b`` of ``d``: ``fire`` (the gather or scatter launch, on ``work``) and
-    ``copy`` (the copy-engine copies, on ``d.copy_stream``), in the direction's order, each handing the buffer to
-    the other through ``handoff``; ``free`` is recorded after the chunk's last use of the buffer, becomes its free
-    event (the next chunk in it waits for it) and is returned. ``work`` is None on the CPU (no events there)."""
-    cuda = work is not None
-    if to_host:  # gather on the work stream, then copy on the copy stream
-        if cuda and d.free_events[b] is not None:
-            work.wait_event(d.free_events[b])
-        fire()
-        if cuda:
-            handoff.record(work)
-            d.copy_stream.wait_event(handoff)
-        copy()
-        last = d.copy_stream
-    else:  # load: copy on the copy stream, then scatter on the work stream
-        if cuda and d.free_events[b] is not None:
-            d.copy_stream.wait_event(d.free_events[b])
-        copy()
-        if cuda:
-            handoff.record(d.copy_stream)
-            work.wait_event(handoff)
-        fire()
-        last = work
-    if not cuda:
+class ChunkIssue(NamedTuple):
+    """One staging chunk through buffer ``buffer``: ``fire`` (the gather or scatter launch, on the work stream) and
+    ``copy`` (the copy-engine copies, on the copy stream); ``handoff`` hands the buffer from the chunk's first step
+    to its second, ``free`` is recorded after its last use of the buffer (None on the CPU: no events there)."""
+
+    buffer: int
+    fire: Callable[[], None]
+    copy: Callable[[], None]
+    handoff: Optional[torch.cuda.Event]
+    free: Optional[torch.cuda.Event]
+
+
+def issue_chunks(d: StagingBuffers, work, to_host: bool, chunks: Iterable[ChunkIssue]) -> Optional[torch.cuda.Event]:
+    """Issue ``chunks`` through ``d``'s buffers in the direction's order (a store gathers, then copies; a load
+    copies, then scatters); returns the last chunk's free event (None on the CPU, where ``work`` is None).
+
+    Each chunk's first step is issued up to ``len(d.buffers) - 1`` chunks ahead of the earlier chunks' second steps:
+    a store's gather of chunk c + 1 is queued before the copies of chunk c, so the copy engine finds it done when it
+    reaches chunk c + 1 instead of waiting for the host to launch it after issuing chunk c's rows (a staged store of
+    many rows issues them at about the rate the engine moves them). A chunk's first step waits for the free event of
+    the chunk that last used its buffer, whose second step is issued by then."""
+    ahead = len(d.buffers) - 1
+    pending: collections.deque[ChunkIssue] = collections.deque()
+    done = None
+    for chunk in chunks:
+        _first_step(d, work, to_host, chunk)
+        pending.append(chunk)
+        if len(pending) > ahead:
+            done = _second_step(d, work, to_host, pending.popleft())
+    while pending:
+        done = _second_step(d, work, to_host, pending.popleft())
+    return done
+
+
+def _first_step(d: StagingBuffers, work, to_host: bool, chunk: ChunkIssue) -> None:
+    """A chunk's write of its buffer (a store's gather, a load's copy), after the buffer's last reader."""
+    stream = work if to_host else d.copy_stream
+    free = d.free_events[chunk.buffer] if work is not None else None
+    if free is not None:
+        stream.wait_event(free)
+    (chunk.fire if to_host else chunk.copy)()
+    if work is not None:
+        chunk.handoff.record(stream)
+
+
+def _second_step(d: StagingBuffers, work, to_host: bool, chunk: ChunkIssue) -> Optional[torch.cuda.Event]:
+    """A chunk's read of its buffer (a store's copy, a load's scatter), after its write; records its free event."""
+    stream = d.copy_stream if to_host else work
+    if work is not None:
+        stream.wait_event(chunk.handoff)
+    (chunk.copy if to_host else chunk.fire)()
+    if work is None:
         return None
-    free.record(last)
-    d.free_events[b] = free
-    return free
+    chunk.free.record(stream)
+    d.free_events[chunk.buffer] = chunk.free
+    return chunk.free
 
 
 class StagedTransfer:
@@ -368,37 +395,32 @@ class StagedTransfer:
                 # Host-to-staging copies start on the copy stream: order them after the caller's work so far
                 # (e.g. the previous reader of the staging buffers or of the host blocks).
                 direction.copy_stream.wait_stream(work)
-            done = None
             subs = self.layer_groups(span, host_ids, to_host)
-            plans: dict[tuple[int, int], ChunkRuns] = {}  # a group's chunk plans serve the other groups
-            for i, sub in enumerate(subs):
-                edge = i == (0 if to_host else len(subs) - 1)  # the span that starts a store or ends a load
-                done = self._run_span(direction, work, slots, host_ids, sub, to_host, short_edge=edge, skip=skip,
-                                      plans=plans)
-        return done
+            return issue_chunks(direction, work, to_host, self._span_chunks(direction, work, slots, host_ids, subs,
+                                                                            to_host, skip))
 
-    def _run_span(self, direction: StagingBuffers, work, slots: torch.Tensor, host_ids: np.ndarray,
-                  span: LayerSpan, to_host: bool, short_edge: bool, skip: int,
-                  plans: dict[tuple[int, int], ChunkRuns]) -> Optional[torch.cuda.Event]:
-        """Stage ``span``'s layers of every page, chunk by chunk; returns the last chunk's completion event.
-        ``short_edge``: this span starts a store or ends a load (see :func:`chunk_pages`); ``skip``: tokens of the
-        first block not moved; ``plans``: each chunk's runs and layer-0 rectangles by (first page, pages), filled
-        on first use."""
-        done = None
-        for c in self.chunks(host_ids.size, span.count, to_host, short_edge=short_edge, skip=skip):
-            ids = host_ids[c.first:c.first + c.pages]
-            plan = plans.get((c.first, c.pages))
-            if plan is None:
-                plan = plans[(c.first, c.pages)] = ChunkRuns(block_runs(ids))
-            done = self._chunk(direction, work, slots[c.slot_lo:c.slot_hi], ids, span, c, to_host, plan)
-        return done
+    def _span_chunks(self, direction: StagingBuffers, work, slots: torch.Tensor, host_ids: np.ndarray,
+                     subs: list[LayerSpan], to_host: bool, skip: int) -> Iterator[ChunkIssue]:
+        """The chunks that stage ``subs``' layers of every page, group after group (the first group starts a store
+        with a short chunk, the last ends a load with one: :func:`chunk_pages`); ``skip``: tokens of the first
+        block not moved. A chunk's runs and layer-0 rectangles serve the chunk of the same pages in other groups."""
+        plans: dict[tuple[int, int], ChunkRuns] = {}
+        for i, span in enumerate(subs):
+            edge = i == (0 if to_host else len(subs) - 1)
+            for c in self.chunks(host_ids.size, span.count, to_host, short_edge=edge, skip=skip):
+                ids = host_ids[c.first:c.first + c.pages]
+                plan = plans.get((c.first, c.pages))
+                if plan is None:
+                    plan = plans[(c.first, c.pages)] = ChunkRuns(block_runs(ids))
+                yield self._chunk(direction, work, slots[c.slot_lo:c.slot_hi], ids, span, c, to_host, plan)
 
     def _pages_per_chunk(self, num_layers: int) -> int:
         """Pages of ``num_layers`` layers one staging buffer holds (>= 1: it holds at least a whole block)."""
         return self.staging_bytes // self.span_geometry(num_layers).block_bytes
 
     def _chunk(self, d: StagingBuffers, work, chunk_slots: torch.Tensor, host_ids: np.ndarray, span: LayerSpan,
-               chunk: Chunk, to_host: bool, plan: ChunkRuns) -> Optional[torch.cuda.Event]:
+               chunk: Chunk, to_host: bool, plan: ChunkRuns) -> ChunkIssue:
+        """``chunk`` of ``span``'s layers through the next staging buffer, ready for :func:`issue_chunks`."""
         b = d.take_buffer()
         # The staging buffer holds the chunk's pages of the span's layers, laid out like the host blocks.
         staging = d.buffers[b]
@@ -407,9 +429,8 @@ class StagedTransfer:
             launch = plan.launches[(b, span.count)] = self.chunk_launch(staging, chunk_slots, chunk, span.count,
                                                                         to_host)
         cuda = work is not None
-        return issue_chunk(
-            d, b, work, to_host,
-            fire=lambda: launch.fire(span, self.tuning.staged_programs(to_host), None, blocks_layer0=span.start),
+        return ChunkIssue(
+            b, fire=lambda: launch.fire(span, self.tuning.staged_programs(to_host), None, blocks_layer0=span.start),
             copy=lambda: self.copy_runs(staging, host_ids, span, to_host=to_host, stream=d.copy_stream, plan=plan),
             handoff=torch.cuda.Event() if cuda else None, free=torch.cuda.Event() if cuda else None)
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional, Union
+from typing import Union
 
 import numpy as np
 import torch
 
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
-from kvtier.kernels.staged import ChunkRuns, StagedTransfer, StagingBuffers, block_runs, issue_chunk
+from kvtier.kernels.staged import ChunkIssue, ChunkRuns, StagedTransfer, StagingBuffers, block_runs, issue_chunks
 from kvtier.kernels.transfer import KernelLaunch, on_device, on_stream, raw_stream, torch_stream
 
 
@@ -80,11 +80,9 @@ class StagedCopy:
                 self._follow.record(work)
                 d.copy_stream.wait_event(self._follow)
             subs = self._layer_groups(span)
-            last = None
-            for i, sub in enumerate(subs):
-                edge = i == (0 if self.to_host else len(subs) - 1)
-                for chunk in self._plan(sub.count, edge):
-                    last = self._issue(d, work, chunk, sub)
+            last = issue_chunks(d, work, self.to_host, (
+                self._issue(d, work, chunk, sub) for i, sub in enumerate(subs)
+                for chunk in self._plan(sub.count, i == (0 if self.to_host else len(subs) - 1))))
             if self.to_host and work is not None and last is not None:
                 work.wait_event(last)
 
@@ -115,14 +113,12 @@ class StagedCopy:
         self._plans[key] = plan
         return plan
 
-    def _issue(self, d: StagingBuffers, work, chunk: _Chunk, span: LayerSpan) -> Optional[torch.cuda.Event]:
-        """One chunk, as :class:`StagedTransfer` issues it (:func:`issue_chunk`), with this copy's events;
-        returns the buffer's free event."""
+    def _issue(self, d: StagingBuffers, work, chunk: _Chunk, span: LayerSpan) -> ChunkIssue:
+        """One chunk through the next buffer, as :class:`StagedTransfer` stages it, with this copy's events."""
         b = d.take_buffer()
         handle = raw_stream(work) if work is not None else None
-        return issue_chunk(
-            d, b, work, self.to_host,
-            fire=lambda: chunk.launches[b].fire(span, self._programs, handle, blocks_layer0=span.start),
+        return ChunkIssue(
+            b, fire=lambda: chunk.launches[b].fire(span, self._programs, handle, blocks_layer0=span.start),
             copy=lambda: self._copy(d.buffers[b], chunk, span, d.copy_stream),
             handoff=self._handoff[b], free=self._free[b])
 
