@@ -62,7 +62,7 @@ class RowIssuer:
     """
 
     def __init__(self, device: torch.device, threads: int, batch: int) -> None:
-        self.threads, self.batch = threads, batch
+        self.batch = batch
         workers = threads - 1 if device.type == "cuda" else 0
         self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) \
             if workers else None
