@@ -3,7 +3,8 @@
 The staged store of a fragmented ``layer_first`` chunk ends in one batched driver call per staging chunk; alone,
 the copy engine moves the same rows in fewer ms (``probes/copy_engine_rows_h200.json``). This probe times
 ``StagedTransfer.store`` (Qwen3-8B KV, 1k and 8k tokens, host blocks in shuffled runs of R) with staging buffers of
-32 / 64 / 128 MiB, pitched rectangles or rows (rows issued from 1-4 threads), and the default; every variant's
+32 / 64 / 128 MiB, pitched rectangles or rows (rows issued from 1-4 threads), the default, and the default with one
+knob moved (staging size, buffers, rows per call, threads); every variant's
 R=1 store is checked byte for byte once. ``--variants`` and ``--layouts`` pick a subset.
 
 Run (GPU machine): ``python3 bench/probes/staged_store_chunks.py --out $OUT/staged_store_chunks_h200.json``
@@ -41,6 +42,11 @@ VARIANTS = {
     "128MiB_rows": Tuning(staging_bytes=128 * MiB, **ROWS),
     # rows issued from 1-4 threads (Tuning.store_row_threads), every store run as rows
     **{f"32MiB_rows_{t}threads": Tuning(store_rows_min_bytes=1, store_row_threads=t) for t in (1, 2, 3, 4)},
+    # the default with one knob moved: bigger staging, a third buffer, calls of 128 rows (from one or two threads)
+    "64MiB_default": Tuning(staging_bytes=64 * MiB),
+    "32MiB_3buffers": Tuning(num_buffers=3),
+    "32MiB_batch128": Tuning(row_batch=128),
+    "32MiB_batch128_2threads": Tuning(row_batch=128, store_row_threads=2),
 }
 
 
