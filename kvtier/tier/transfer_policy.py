@@ -9,15 +9,16 @@ prefixes, bench/results/fragmentation_h200.json and bench/results/layerwise_h200
 * Stores go staged. A direct store slows a GEMM beside it by 30-100% (its SMs write host memory for the whole
   copy); the staged store by <= 3%, and it leaves the SMs to the forward pass.
 * Whole loads of at least :data:`AUTO_STAGED_LOAD_BYTES` go staged when the copy engine's rows are at least
-  :data:`AUTO_STAGED_MIN_ROW_BYTES` long on average. Shorter rows (host blocks in short runs) run the copy engine below
-  the PCIe bound (32 KiB rows: 1.23-1.37x the one-run time in the copy engine alone,
+  :data:`AUTO_STAGED_MIN_ROW_BYTES` long on average. Shorter rows (host blocks in short runs) run the copy engine
+  below the PCIe bound (32 KiB rows: 1.23-1.37x the one-run time in the copy engine alone,
   bench/results/probes/copy_engine_rows_h200.json; a ``layer_first`` row is 64 KiB a 16-token Qwen3-8B page), or hold
   the issuing thread for most of the copy (8k tokens in runs of two pages staged: 22.8 ms, 15.6 ms of it host issue,
-  against 1.0 ms of issue for the direct kernel a layer at a time, bench/results/fragmentation_h200.json). Such loads go
-  ``direct_layers``, the direct kernel launched once per layer (23.8 ms at 8k tokens for every run length, against 22.0
-  staged from one run), which slows a GEMM beside it by 1.5-2.5% where one launch for all layers holds its SMs for the
-  whole copy (10-15%); up to :data:`AUTO_DIRECT_LOAD_MAX_BYTES` they go direct in one launch, where 36 launches would
-  add ~6% to the load. Smaller loads take the direct kernel in one launch: lowest latency, SMs held for microseconds.
+  against 1.0 ms of issue for the direct kernel a layer at a time,
+  bench/results/probes/fragmentation_h200_c2748ea.json). Such loads go ``direct_layers``, the direct kernel launched
+  once per layer (23.8 ms at 8k tokens for every run length, against 22.0 staged from one run), which slows a GEMM
+  beside it by 1.5-2.5% where one launch for all layers holds its SMs for the whole copy (10-15%); up to
+  :data:`AUTO_DIRECT_LOAD_MAX_BYTES` they go direct in one launch, where 36 launches would add ~6% to the load.
+  Smaller loads take the direct kernel in one launch: lowest latency, SMs held for microseconds.
 * Layerwise loads go staged (a :class:`~kvtier.kernels.StagedCopy`) when a layer moves at least
   :data:`AUTO_STAGED_LAYER_BYTES` in at most :data:`AUTO_STAGED_MAX_LAYER_ROWS` copy-engine rows. More rows fill
   the copy engine's queue and the host waits on it while it issues (24 ms for 36 layers at runs of one page,
@@ -52,13 +53,13 @@ AUTO_STAGED_LAYER_BYTES = 4 * 1024 * 1024
 # (bench/results/probes/probe_copy2d_h200.json).
 AUTO_STAGED_MIN_SLICE_BYTES = 64 * 1024
 # Whole loads: layer_first rows of 32-128 KiB took 1024 tokens in 3.4-6.9 ms staged, 256 KiB rows 2.77 ms, as one
-# run (bench/results/fragmentation_h200.json before K and V of a page were adjacent: rows of 32 KiB a 16-token
-# Qwen3-8B page, now 64 KiB).
+# run (bench/results/probes/fragmentation_h200_kv_planes.json and earlier runs, before K and V of a page were
+# adjacent: rows of 32 KiB a 16-token Qwen3-8B page, now 64 KiB).
 AUTO_STAGED_MIN_ROW_BYTES = 256 * 1024
 # Fragmented whole loads up to this size go direct in one launch, bigger ones a launch per layer: 36 launches add
 # ~0.18 ms (1024 tokens: 3.12-3.14 ms against 2.95-2.96 in one launch, 2.77 staged from one run), while one launch
 # holds its SMs for the whole copy (~3 ms at 1024 tokens; a GEMM beside it +10-15% for that long)
-# (bench/results/fragmentation_h200.json). 256 MiB is 1820 tokens of Qwen3-8B KV.
+# (bench/results/probes/fragmentation_h200_c2748ea.json). 256 MiB is 1820 tokens of Qwen3-8B KV.
 AUTO_DIRECT_LOAD_MAX_BYTES = 256 * 1024 * 1024
 # Layerwise loads: a layer of one run is one row (one 2-D copy of K and V before they were adjacent in layer_first)
 # and issues 36 layers in 1.3-2.4 ms of host time (one issue at a time on a drained device:
