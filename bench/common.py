@@ -153,6 +153,13 @@ def env_info() -> dict:
     return info
 
 
+def finish_probe(res: dict, pool, out: str, t0: float) -> None:
+    """A probe's end: free its host pool, note its seconds since ``t0`` and write ``res`` to ``out``."""
+    pool.destroy()
+    res["seconds"] = time.time() - t0
+    write_json(out, res)
+
+
 def write_json(path: str, obj: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

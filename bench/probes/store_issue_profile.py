@@ -26,6 +26,26 @@ from bench.probes.store_affinity import store_cases  # noqa: E402
 from kvtier.kernels import StagedTransfer  # noqa: E402
 
 
+def profile_stores(stager: StagedTransfer, slots, ids, stores: int, spin: int, lines: int) -> tuple[list, str]:
+    """Issue ``stores`` stores under cProfile, each with the device asleep (a ``spin`` first, drained before) after
+    three warm-ups; returns each store's issue wall ms and the profile's ``lines`` costliest lines by own time."""
+    for _ in range(3):
+        stager.store(slots, ids, check=False)
+    prof, wall = cProfile.Profile(), []
+    for _ in range(stores):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(spin)
+        t = time.perf_counter()
+        prof.enable()
+        stager.store(slots, ids, check=False)
+        prof.disable()
+        wall.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(lines)
+    return wall, text.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -36,24 +56,11 @@ def main() -> None:
     stager = StagedTransfer(kv, pool.host, layout="layer_first")
     spin = int(0.1 * _sm_clock_hz())
     for tokens, _, slots, ids in cases:
-        for _ in range(3):
-            stager.store(slots, ids, check=False)
-        prof, wall = cProfile.Profile(), []
-        for _ in range(args.stores):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(spin)
-            t = time.perf_counter()
-            prof.enable()
-            stager.store(slots, ids, check=False)
-            prof.disable()
-            wall.append((time.perf_counter() - t) * 1e3)
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        wall, text = profile_stores(stager, slots, ids, args.stores, spin, 25)
         res["cases"].append(dict(tokens=tokens, issue_ms=wall, issue_ms_median=statistics.median(wall),
-                                 profile=text.getvalue()))
+                                 profile=text))
         print(f"== {tokens} tokens, runs of one page: issue {statistics.median(wall):.2f} ms (median of {len(wall)})")
-        print(text.getvalue()[:6000], flush=True)
+        print(text[:6000], flush=True)
     stager = None
     pool.destroy()
     write_json(args.out, res)

@@ -15,10 +15,7 @@ Run (GPU machine): ``python3 bench/probes/store_row_order.py --out $OUT/store_ro
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -28,9 +25,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from bench.common import _sm_clock_hz, env_info, write_json  # noqa: E402
+from bench.common import _sm_clock_hz, env_info, finish_probe  # noqa: E402
 from bench.probes.store_affinity import store_cases  # noqa: E402
-from kvtier.kernels import StagedTransfer, batch_copy  # noqa: E402
+from bench.probes.store_issue_profile import profile_stores  # noqa: E402
+from bench.probes.store_row_width import time_calls  # noqa: E402
+from kvtier.kernels import StagedTransfer  # noqa: E402
 from kvtier.kernels.checks import LayerSpan  # noqa: E402
 from kvtier.kernels.staged import ChunkRuns, block_runs  # noqa: E402
 
@@ -66,24 +65,6 @@ def reorder(call, order: str, rng, pitch: int) -> tuple[np.ndarray, np.ndarray, 
     return h[idx], d[idx], z[idx]
 
 
-def time_calls(calls, stream, reps: int, spin: int) -> list[float]:
-    """GPU ms of the batched calls ``calls`` ((dst, src, size) arrays each) queued behind a spin, ``reps`` times
-    after a warm-up."""
-    out = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(spin)
-            start.record(stream)
-            for dst, src, size in calls:
-                batch_copy.memcpy_batch(dst, src, size, stream.cuda_stream)
-            end.record(stream)
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out[1:]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -111,33 +92,12 @@ def main() -> None:
         res["rows"].append(row)
         print(f"{tokens:5d} R={run or 'one':>3} ({row['calls']} calls, {row['rows']} rows): "
               + " ".join(f"{o} {row[o]:.3f}" for o in ORDERS), flush=True)
-    tokens, run, slots, ids = next(c for c in cases if c[:2] == (1024, 1))
-    for _ in range(3 if args.stores else 0):
-        stager.store(slots, ids, check=False)
-    prof, wall = cProfile.Profile(), []
-    for _ in range(args.stores):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(0.1 * _sm_clock_hz()))
-        t = time.perf_counter()
-        prof.enable()
-        stager.store(slots, ids, check=False)
-        prof.disable()
-        wall.append((time.perf_counter() - t) * 1e3)
-    torch.cuda.synchronize()
-    if not args.stores:
-        finish(res, pool, args.out, t0)
-        return
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
-    res["profile"] = dict(tokens=tokens, run=run, issue_ms=wall, text=text.getvalue())
-    print(text.getvalue()[:7000])
-    finish(res, pool, args.out, t0)
-
-
-def finish(res: dict, pool, out: str, t0: float) -> None:
-    pool.destroy()
-    res["seconds"] = time.time() - t0
-    write_json(out, res)
+    if args.stores:
+        _, _, slots, ids = next(c for c in cases if c[:2] == (1024, 1))
+        wall, text = profile_stores(stager, slots, ids, args.stores, int(0.1 * _sm_clock_hz()), 35)
+        res["profile"] = dict(tokens=1024, run=1, issue_ms=wall, text=text)
+        print(text[:7000])
+    finish_probe(res, pool, args.out, t0)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from bench.common import _sm_clock_hz, env_info, write_json  # noqa: E402
+from bench.common import _sm_clock_hz, env_info, finish_probe  # noqa: E402
 from kvtier.kernels import batch_copy  # noqa: E402
 from bench.probes.staged_store_chunks import GEO  # noqa: E402
 from kvtier.tier import HostBlockPool  # noqa: E402
@@ -40,8 +40,9 @@ def rows_for(total: int, width: int, host_bytes: int, rng) -> np.ndarray:
     return rng.permutation(host_bytes // width)[:n].astype(np.uint64) * np.uint64(width)
 
 
-def time_rows(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, batch: int, stream, reps: int, spin: int) -> list:
-    """GPU ms of the rows queued behind a spin, ``reps`` times."""
+def time_calls(calls, stream, reps: int, spin: int) -> list[float]:
+    """GPU ms of the batched calls ``calls`` ((dst, src, size) arrays each) queued behind a spin, ``reps`` times
+    after a warm-up."""
     out = []
     for _ in range(reps + 1):
         torch.cuda.synchronize()
@@ -49,12 +50,18 @@ def time_rows(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, batch: int, s
         with torch.cuda.stream(stream):
             torch.cuda._sleep(spin)
             start.record(stream)
-            for a in range(0, sizes.size, batch):
-                batch_copy.memcpy_batch(dst[a:a + batch], src[a:a + batch], sizes[a:a + batch], stream.cuda_stream)
+            for dst, src, size in calls:
+                batch_copy.memcpy_batch(dst, src, size, stream.cuda_stream)
             end.record(stream)
         end.synchronize()
         out.append(start.elapsed_time(end))
-    return out[1:]  # the first is a warm-up
+    return out[1:]
+
+
+def time_rows(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, batch: int, stream, reps: int, spin: int) -> list:
+    """GPU ms of the rows, in calls of ``batch``, queued behind a spin, ``reps`` times."""
+    calls = [(dst[a:a + batch], src[a:a + batch], sizes[a:a + batch]) for a in range(0, sizes.size, batch)]
+    return time_calls(calls, stream, reps, spin)
 
 
 def main() -> None:
@@ -96,9 +103,7 @@ def main() -> None:
                       f"rows {row['rows']:6d}: {row['median_ms']:7.3f} ms ({row['gbps']:.1f} GB/s) "
                       + " ".join(f"{m:.2f}" for m in ms), flush=True)
     torch.cuda.synchronize()
-    pool.destroy()
-    res["seconds"] = time.time() - t0
-    write_json(args.out, res)
+    finish_probe(res, pool, args.out, t0)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from bench.common import env_info, time_gpu_ms, write_json  # noqa: E402
+from bench.common import env_info, finish_probe, time_gpu_ms  # noqa: E402
 from bench.probes.store_affinity import store_cases  # noqa: E402
 from kvtier.kernels import StagedTransfer, Tuning  # noqa: E402
 from kvtier.kernels.transfer import KernelLaunch  # noqa: E402
@@ -63,9 +63,7 @@ def main() -> None:
                                     store=[ms]))
             print(f"{tokens:5d} R={run or 'one':>3}: gather on {programs} programs of {args.gather_warps} warps "
                   f"{ms:.2f}", flush=True)
-    pool.destroy()
-    res["seconds"] = time.time() - t0
-    write_json(args.out, res)
+    finish_probe(res, pool, args.out, t0)
 
 
 if __name__ == "__main__":
