@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -38,6 +39,7 @@ class Log:
     def __init__(self) -> None:
         self.ops: list[tuple[str, str, int]] = []
         self.waits: list[tuple[str, int, object]] = []
+        self.layer0: list[object] = []  # the first layer each fire names
 
     def last_on(self, stream: str):
         return max((i for i, op in enumerate(self.ops) if op[1] == stream), default=None)
@@ -95,12 +97,7 @@ def run_transfer(monkeypatch, to_host: bool, num_buffers: int, pages: int, layer
     """One-layer transfers of ``pages`` pages, layer after layer, through ``StagedTransfer._chunk`` and
     :func:`issue_chunks`."""
     stager = make_stager(num_buffers)
-    log, work, d = stand_ins(stager, to_host)
-    index = {buf.data_ptr(): b for b, buf in enumerate(d.buffers)}
-    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(log))
-    monkeypatch.setattr(stager, "chunk_launch", lambda staging, *a, **k: FakeLaunch(log, index[staging.data_ptr()]))
-    monkeypatch.setattr(stager, "copy_runs", lambda staging, host_ids, span, *, to_host, stream, **_: log.ops.append(
-        ("copy", stream.name, index[staging.data_ptr()])))
+    log, work, d = recorded_stager(monkeypatch, stager, to_host)
     ids = torch.arange(pages).numpy()
     slots = torch.arange(pages * GEO.page_size)
     for layer in layer_order:
@@ -111,14 +108,28 @@ def run_transfer(monkeypatch, to_host: bool, num_buffers: int, pages: int, layer
     return log
 
 
+def recorded_stager(monkeypatch, stager: StagedTransfer, to_host: bool):
+    """``stager`` with stand-in streams and events, and its gather/scatter launches and copies recorded in a log;
+    returns (log, work, direction) as :func:`stand_ins`."""
+    log, work, d = stand_ins(stager, to_host)
+    index = {buf.data_ptr(): b for b, buf in enumerate(d.buffers)}
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(log))
+    monkeypatch.setattr(stager, "chunk_launch", lambda staging, *a, **k: FakeLaunch(log, index[staging.data_ptr()]))
+    monkeypatch.setattr(stager, "copy_runs", lambda staging, host_ids, span, *, to_host, stream, **_: log.ops.append(
+        ("copy", stream.name, index[staging.data_ptr()])))
+    return log, work, d
+
+
 class FakeLaunch:
-    """Stands in for a StagedCopy chunk's gather/scatter launch into staging buffer ``buffer``."""
+    """Stands in for a StagedCopy chunk's gather/scatter launch into staging buffer ``buffer``; logs each fire and
+    the first layer it names (``log.layer0``)."""
 
     def __init__(self, log: Log, buffer: int) -> None:
         self.log, self.buffer = log, buffer
 
     def fire(self, span, programs, handle, blocks_layer0=None) -> None:
         self.log.ops.append(("fire", {1: "work", 2: "copy", None: "work"}[handle], self.buffer))  # None: current
+        self.log.layer0.append(blocks_layer0)
 
 
 def run_staged_copy(to_host: bool, num_buffers: int, pages: int, layer_order: list[int]) -> Log:
@@ -195,4 +206,24 @@ def test_each_chunk_is_written_before_the_previous_chunk_is_read(monkeypatch, to
     second step: the stream of the second step never waits for the host to issue the next chunk's first."""
     ops = [(kind, b) for kind, _, b in run_transfer(monkeypatch, to_host, 2, 6, [0]).ops]
     w, r = ("fire", "copy") if to_host else ("copy", "fire")
-    assert ops == [(w, 0), (w, 1), (r, 0), (w, 0), (r, 1), (r, 0)]  # 3 chunks of 2 pages, buffers 0, 1, 0
+    # 3 chunks (1, 4, 1 pages for a store; 4, 1, 1 for a load) through buffers 0, 1, 0
+    assert ops == [(w, 0), (w, 1), (r, 0), (w, 0), (r, 1), (r, 0)]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(to_host=st.booleans(), num_buffers=st.integers(1, 3), pages=st.integers(1, HOST_BLOCKS),
+       group=st.sampled_from([1, 2]), order=st.permutations(range(HOST_BLOCKS)))
+def test_layer_groups_through_the_lazy_plan(monkeypatch, to_host, num_buffers, pages, group, order):
+    """A copy staged in groups of layers, its chunks built lazily and their plans and launches shared between groups
+    (``StagedTransfer._span_chunks``): every handoff is ordered, and each chunk's launch names its group's first
+    layer."""
+    stager = make_stager(num_buffers)
+    log, work, d = recorded_stager(monkeypatch, stager, to_host)
+    ids = np.array(order[:pages])
+    subs = [LayerSpan(layer, group) for layer in range(0, GEO.num_layers, group)]
+    issue_chunks(d, work, to_host, stager._span_chunks(d, work, torch.arange(pages * GEO.page_size), ids, subs,
+                                                        to_host, 0))
+    check_handoffs(log, to_host)
+    want = [sub.start for i, sub in enumerate(subs)
+            for _ in stager.chunks(pages, group, to_host, short_edge=i == (0 if to_host else len(subs) - 1))]
+    assert log.layer0 == want

@@ -172,14 +172,16 @@ def issue_chunks(d: StagingBuffers, work, to_host: bool, chunks: Iterable[ChunkI
     copies, then scatters); returns the last chunk's free event (None on the CPU, where ``work`` is None).
 
     Each chunk's first step is issued up to ``len(d.buffers) - 1`` chunks ahead of the earlier chunks' second steps:
-    a store's gather of chunk c + 1 is queued before the copies of chunk c, so the copy engine finds it done when it
-    reaches chunk c + 1 instead of waiting for the host to launch it after issuing chunk c's rows (a staged store of
-    many rows issues them at about the rate the engine moves them). A chunk's first step waits for the free event of
-    the chunk that last used its buffer, whose second step is issued by then."""
+    a store's gather of chunk c + 1 is queued before the copies of chunk c, so the copy engine does not wait for the
+    host to launch it after issuing chunk c's rows (no gain measured yet: the host issued ahead of the copy engine, or
+    paced it either way, bench/results/probes/store_lookahead_h200*.json). A chunk's first step waits for the free
+    event of the chunk that last used its buffer; a pending chunk on the same buffer gets its second step first."""
     ahead = len(d.buffers) - 1
     pending: collections.deque[ChunkIssue] = collections.deque()
     done = None
     for chunk in chunks:
+        while any(p.buffer == chunk.buffer for p in pending):  # never with buffers taken in turn
+            done = _second_step(d, work, to_host, pending.popleft())
         _first_step(d, work, to_host, chunk)
         pending.append(chunk)
         if len(pending) > ahead:
@@ -328,14 +330,13 @@ class StagedTransfer:
         return chunks_of(counts, self.kv.geometry.page_size, skip)
 
     def chunk_launch(self, staging: torch.Tensor, chunk_slots: torch.Tensor, chunk: Chunk, num_layers: int,
-                     to_host: bool, first_layer: int = 0) -> KernelLaunch:
+                     to_host: bool) -> KernelLaunch:
         """The gather (``to_host``) or scatter of ``chunk`` between ``chunk_slots`` and ``staging``, for a group of
-        ``num_layers`` layers, packed for :meth:`KernelLaunch.fire`; ``first_layer``: the layer the staging
-        buffer holds first (a fire may name another)."""
+        ``num_layers`` layers, packed for :meth:`KernelLaunch.fire` (each fire names the group's first layer)."""
         strides = self.span_geometry(num_layers).host_row_strides(chunk.pages, self.layout)
         return KernelLaunch(self.kv, staging, chunk_slots, self._local_ids[:chunk.pages], strides, to_blocks=to_host,
                             tile_bytes=self.tuning.gather_tile_bytes, num_warps=self.tuning.gather_warps,
-                            blocks_layer0=first_layer, skip_rows=chunk.skip)
+                            skip_rows=chunk.skip)
 
     def span_geometry(self, num_layers: int) -> KVGeometry:
         """The geometry of a staging chunk holding ``num_layers`` layers (cached: built on every call otherwise)."""

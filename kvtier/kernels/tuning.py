@@ -54,7 +54,7 @@ class Tuning:
             the copies queued before the device ran them: bench/results/probes/
             store_issue_bound_kv_adjacent_h200.json). Each row costs the host 0.45-1.05 us to issue, so a store of
             single pages is at times bound by its issue (1k tokens: 3.62 ms in fragmentation_h200.json, 3.05 in
-            probes/fragmentation_h200_store_pipeline_run1.json, against 2.80 one run).
+            bench/results/probes/fragmentation_h200_store_pipeline_run1.json, against 2.80 one run).
         store_row_threads: threads that issue a store's rows (the caller's and workers, each on its own stream).
             One: with K and V in planes of their own (32 KiB rows), three rounds of the staged store at 8k in runs
             of one page took 24.87 / 41.15 / 26.03 ms from two threads in batches of 256 against 24.61 / 27.78 /

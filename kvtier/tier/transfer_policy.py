@@ -6,7 +6,7 @@ between it and the host blocks). ``direct`` and ``staged`` modes use that path f
 copy from its direction, bytes and host block runs, by the figures below (H200, Qwen3-8B KV, 8192- and 1024-token
 prefixes, bench/results/fragmentation_h200.json and bench/results/layerwise_h200.json):
 
-* Stores go staged. A direct store slows a GEMM beside it by 30-100% (its SMs write host memory for the whole
+* Stores go staged. A direct store slows a GEMM beside it by 30-130% (its SMs write host memory for the whole
   copy); the staged store by <= 3%, and it leaves the SMs to the forward pass.
 * Whole loads of at least :data:`AUTO_STAGED_LOAD_BYTES` go staged when the copy engine's rows are at least
   :data:`AUTO_STAGED_MIN_ROW_BYTES` long on average. Shorter rows (host blocks in short runs) run the copy engine
@@ -53,8 +53,8 @@ AUTO_STAGED_LAYER_BYTES = 4 * 1024 * 1024
 # (bench/results/probes/probe_copy2d_h200.json).
 AUTO_STAGED_MIN_SLICE_BYTES = 64 * 1024
 # Whole loads: layer_first rows of 32-128 KiB took 1024 tokens in 3.4-6.9 ms staged, 256 KiB rows 2.77 ms, as one
-# run (bench/results/probes/fragmentation_h200_kv_planes.json and earlier runs, before K and V of a page were
-# adjacent: rows of 32 KiB a 16-token Qwen3-8B page, now 64 KiB).
+# run (bench/results/fragmentation_h200.json as committed in 968d9d4, when a 16-token Qwen3-8B page of a layer was
+# two rows of 32 KiB, K and V in planes of their own).
 AUTO_STAGED_MIN_ROW_BYTES = 256 * 1024
 # Fragmented whole loads up to this size go direct in one launch, bigger ones a launch per layer: 36 launches add
 # ~0.18 ms (1024 tokens: 3.12-3.14 ms against 2.95-2.96 in one launch, 2.77 staged from one run), while one launch
