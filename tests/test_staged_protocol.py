@@ -67,6 +67,9 @@ class FakeStream:
     def wait_event(self, ev: "FakeEvent") -> None:
         self.log.waits.append((self.name, len(self.log.ops), ev.ref))
 
+    def wait_stream(self, other: "FakeStream") -> None:
+        self.log.waits.append((self.name, len(self.log.ops), self.log.last_on(other.name)))
+
 
 class FakeEvent:
     def __init__(self, log: Log) -> None:
@@ -227,3 +230,49 @@ def test_layer_groups_through_the_lazy_plan(monkeypatch, to_host, num_buffers, p
     want = [sub.start for i, sub in enumerate(subs)
             for _ in stager.chunks(pages, group, to_host, short_edge=i == (0 if to_host else len(subs) - 1))]
     assert log.layer0 == want
+
+
+class Injected(RuntimeError):
+    pass
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(to_host=st.booleans(), num_buffers=st.integers(1, 3), pages=st.integers(2, HOST_BLOCKS),
+       failing=st.sampled_from(["copy", "fire"]), at=st.integers(0, 3))
+def test_a_failed_issue_leaves_the_work_stream_after_every_copy(monkeypatch, to_host, num_buffers, pages, failing,
+                                                                 at):
+    """A copy or launch that raises after part of its work reached its stream (a batch call failing after the first,
+    a launch error): the error propagates, and a fence on the work stream then follows every op already on the copy
+    stream, so the caller's unwind waits for copies that may still touch the host blocks."""
+    stager = make_stager(num_buffers)
+    log, work, d = recorded_stager(monkeypatch, stager, to_host)
+    calls = {"copy": 0, "fire": 0}
+    index = {buf.data_ptr(): b for b, buf in enumerate(d.buffers)}
+
+    def copy_runs(staging, host_ids, span, *, to_host, stream, **_):
+        log.ops.append(("copy", stream.name, index[staging.data_ptr()]))
+        calls["copy"] += 1
+        if failing == "copy" and calls["copy"] == at + 1:
+            raise Injected("batch call failed")
+    monkeypatch.setattr(stager, "copy_runs", copy_runs)
+
+    class FailingLaunch(FakeLaunch):
+        def fire(self, *a, **k) -> None:
+            super().fire(*a, **k)
+            calls["fire"] += 1
+            if failing == "fire" and calls["fire"] == at + 1:
+                raise Injected("launch failed")
+    monkeypatch.setattr(stager, "chunk_launch", lambda staging, *a, **k: FailingLaunch(log, index[staging.data_ptr()]))
+    ids = np.arange(pages)
+    subs = [LayerSpan(layer, 1) for layer in range(GEO.num_layers)]
+    try:
+        issue_chunks(d, work, to_host, stager._span_chunks(d, work, torch.arange(pages * GEO.page_size), ids, subs,
+                                                            to_host, 0))
+    except Injected:
+        pass
+    else:
+        return  # fewer calls than ``at``: nothing failed
+    log.ops.append(("fence", "work", -1))
+    fence = len(log.ops) - 1
+    for i, (_, stream, _) in enumerate(log.ops[:-1]):
+        assert stream != "copy" or log.ordered_after(fence, i), f"op {i} on the copy stream is not fenced"

@@ -169,7 +169,9 @@ class ChunkIssue(NamedTuple):
 
 def issue_chunks(d: StagingBuffers, work, to_host: bool, chunks: Iterable[ChunkIssue]) -> Optional[torch.cuda.Event]:
     """Issue ``chunks`` through ``d``'s buffers in the direction's order (a store gathers, then copies; a load
-    copies, then scatters); returns the last chunk's free event (None on the CPU, where ``work`` is None).
+    copies, then scatters); returns the last chunk's free event (None on the CPU, where ``work`` is None). If an
+    issue raises, ``work`` waits for everything already on the copy stream before the error propagates, so a fence
+    on ``work`` covers every copy that may still touch the slots, staging or host blocks.
 
     Each chunk's first step is issued up to ``len(d.buffers) - 1`` chunks ahead of the earlier chunks' second steps:
     a store's gather of chunk c + 1 is queued before the copies of chunk c, so the copy engine does not wait for the
@@ -179,15 +181,20 @@ def issue_chunks(d: StagingBuffers, work, to_host: bool, chunks: Iterable[ChunkI
     ahead = len(d.buffers) - 1
     pending: collections.deque[ChunkIssue] = collections.deque()
     done = None
-    for chunk in chunks:
-        while any(p.buffer == chunk.buffer for p in pending):  # never with buffers taken in turn
+    try:
+        for chunk in chunks:
+            while any(p.buffer == chunk.buffer for p in pending):  # never with buffers taken in turn
+                done = _second_step(d, work, to_host, pending.popleft())
+            _first_step(d, work, to_host, chunk)
+            pending.append(chunk)
+            if len(pending) > ahead:
+                done = _second_step(d, work, to_host, pending.popleft())
+        while pending:
             done = _second_step(d, work, to_host, pending.popleft())
-        _first_step(d, work, to_host, chunk)
-        pending.append(chunk)
-        if len(pending) > ahead:
-            done = _second_step(d, work, to_host, pending.popleft())
-    while pending:
-        done = _second_step(d, work, to_host, pending.popleft())
+    except BaseException:
+        if work is not None:  # what reached the copy stream may still read or write: the caller's fence covers it
+            work.wait_stream(d.copy_stream)
+        raise
     return done
 
 
