@@ -14,6 +14,8 @@ Variants, alternating, ``--rounds`` rounds of ``--reps`` stores each:
 * ``split_64k``: with gathers, every copy row wider than 64 KiB issued as 64 KiB pieces (the same bytes).
 * ``all_gathers_first``: as many staging buffers as chunks, so every gather is issued (and runs) before the copies
   need them; the copies then run with no gather beside them after the first few.
+* ``evict_l2``: each gather followed, on the work stream, by a 64 MiB memset of a scratch buffer, which pushes the
+  gathered chunk out of the L2 (50 MiB on an H200) before the copy engine reads it.
 
 Run (GPU machine): ``python3 bench/probes/store_gather_interference.py --out $OUT/store_gather_interference_h200.json``
 """
@@ -39,7 +41,7 @@ from kvtier.kernels.row_issue import RowIssuer  # noqa: E402
 from kvtier.kernels.transfer import KernelLaunch  # noqa: E402
 
 CASES = ((8192, 1), (8192, 2), (8192, 4), (8192, 0), (1024, 1), (1024, 2), (1024, 0))
-VARIANTS = ("store", "no_gather", "tiny_kernel", "side_stream", "split_64k", "all_gathers_first")
+VARIANTS = ("store", "no_gather", "tiny_kernel", "side_stream", "split_64k", "all_gathers_first", "evict_l2")
 PIECE = 64 << 10
 
 
@@ -52,7 +54,7 @@ def split_rows(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> tuple[n
 
 
 @contextlib.contextmanager
-def variant(name: str, side: torch.cuda.Stream):
+def variant(name: str, side: torch.cuda.Stream, scratch: torch.Tensor):
     """Patches of ``name``'s variant, undone on exit."""
     fire, issue = KernelLaunch.fire, RowIssuer.issue
     if name == "no_gather":
@@ -67,6 +69,11 @@ def variant(name: str, side: torch.cuda.Stream):
                 fire(self, span, programs, None, blocks_layer0=blocks_layer0)
             work.wait_stream(side)
         KernelLaunch.fire = on_side
+    elif name == "evict_l2":
+        def then_evict(self, *a, **k):
+            fire(self, *a, **k)
+            scratch.zero_()
+        KernelLaunch.fire = then_evict
     elif name == "split_64k":
         RowIssuer.issue = lambda self, dsts, srcs, sizes, stream: issue(self, *split_rows(dsts, srcs, sizes), stream)
     try:
@@ -87,13 +94,14 @@ def main() -> None:
     stager = StagedTransfer(kv, pool.host, layout="layer_first")
     many = StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(num_buffers=48))  # > 8k's 37 chunks
     side = torch.cuda.Stream()
+    scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     res = {"env": env_info(), "rows": []}
     for tokens, run, slots, ids in cases:
         row = dict(tokens=tokens, run=run, **{name: [] for name in args.variants})
         for _ in range(args.rounds):
             for name in args.variants:
                 s = many if name == "all_gathers_first" else stager
-                with variant(name, side):
+                with variant(name, side, scratch):
                     row[name].append(time_gpu_ms(lambda: s.store(slots, ids, check=False), reps=args.reps)["median_ms"])
         res["rows"].append(row)
         print(f"{tokens:5d} R={run or 'one':>3}: " + "  ".join(
