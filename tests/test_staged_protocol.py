@@ -4,10 +4,11 @@ On the GPU a staged chunk hands its staging buffer between two streams. A load c
 stream and scatters staging -> slots on the work stream: the copy into a buffer must follow the scatter that last
 read it, and the scatter must follow its copy. A store gathers on the work stream and copies on the copy stream:
 the gather into a buffer must follow the copy that last read it, and the copy must follow its gather. These tests
-drive :meth:`StagedTransfer._chunk` and :class:`StagedCopy` (which reuses its events across launches) through
-stand-ins over many chunks and layers and check that every such dependency is ordered, by stream order or by an
-event wait that resolves to the right operation, and that both issue the same operations. (The GPU tests see a
-missed wait only when the timing exposes it.)
+drive :func:`issue_chunks` with :meth:`StagedTransfer._chunk` (and its lazy plan over layer groups) and with
+:class:`StagedCopy` (which reuses its events across launches) through stand-ins over many chunks and layers and check
+that every such dependency is ordered, by stream order or by an event wait that resolves to the right operation,
+that both issue the same operations, and that an issue failing part-way leaves the work stream after every copy
+already queued. (The GPU tests see a missed wait only when the timing exposes it.)
 """
 
 from __future__ import annotations
