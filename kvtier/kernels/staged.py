@@ -365,10 +365,13 @@ class StagedTransfer:
         if stream is not None and _cupy is not None:
             host_ptr, stg_ptr = self._host_bytes.data_ptr(), staging.data_ptr()
             if len(runs) > 1 and batch_copy.available():
-                pitched = self.pitched(span, host_ids, to_host, runs)
-                _copy_batched(host_ptr, stg_ptr, self.span_rects(plan, host_ids, span), to_host=to_host,
-                              stream=stream, pitched=pitched, issuer=self._row_issuer() if to_host else None,
-                              rows=None if pitched else self.span_rows(plan, host_ids, span))
+                issuer = self._row_issuer() if to_host else None
+                if self.pitched(span, host_ids, to_host, runs):
+                    _copy_batched(host_ptr, stg_ptr, to_host=to_host, stream=stream, issuer=issuer,
+                                  rects=self.span_rects(plan, host_ids, span))
+                else:
+                    _copy_batched(host_ptr, stg_ptr, to_host=to_host, stream=stream, issuer=issuer,
+                                  rows=self.span_rows(plan, host_ids, span))
                 return
             for r in self._run_rects(host_ids, span, runs):
                 _copy_rect(host_ptr + r.host_off, stg_ptr + r.stg_off, r.height, r.width, r.host_pitch,
@@ -549,16 +552,15 @@ def _copy_2d(host: torch.Tensor, staging: torch.Tensor, *, to_host: bool, stream
         _copy(host[row], staging[row], to_host=to_host, stream=stream)
 
 
-def _copy_batched(host_ptr: int, stg_ptr: int, rects: Rects, *, to_host: bool, stream, pitched: bool,
-                  issuer: Optional[RowIssuer] = None, rows: Optional[Rows] = None) -> None:
-    """The copies of ``rects`` between the host blocks at ``host_ptr`` and the staging buffer at ``stg_ptr`` in
-    batched driver calls: with ``pitched`` (:meth:`StagedTransfer.pitched`), a pitched copy per rectangle of
-    several rows whose pitches fit the device's limit and whose host bytes lie in one host registration
-    (``cuMemcpy3DBatchAsync``); a copy per row of the rest (``cuMemcpyBatchAsync``, rows split at host
-    registration boundaries), in one call, or issued by ``issuer`` where given. ``rows``: every row of ``rects``
-    when the caller has them (used where nothing goes pitched)."""
-    rest = rects
-    if pitched:
+def _copy_batched(host_ptr: int, stg_ptr: int, *, to_host: bool, stream, issuer: Optional[RowIssuer] = None,
+                  rects: Optional[Rects] = None, rows: Optional[Rows] = None) -> None:
+    """Copies between the host blocks at ``host_ptr`` and the staging buffer at ``stg_ptr`` in batched driver calls:
+    of ``rects`` (runs that go pitched, :meth:`StagedTransfer.pitched`), a pitched copy per rectangle of several rows
+    whose pitches fit the device's limit and whose host bytes lie in one host registration
+    (``cuMemcpy3DBatchAsync``), and a copy per row of the rest; or a copy per row of ``rows``
+    (``cuMemcpyBatchAsync``, rows split at host registration boundaries), in one call, or issued by ``issuer`` where
+    given."""
+    if rects is not None:
         host = rects.host_off + np.uint64(host_ptr)
         extent = host + (rects.height - np.uint64(1)) * rects.host_pitch + rects.width
         two_d = ((rects.height > 1) & (np.maximum(rects.host_pitch, rects.stg_pitch) <= _max_pitch())
@@ -570,10 +572,10 @@ def _copy_batched(host_ptr: int, stg_ptr: int, rects: Rects, *, to_host: bool, s
                 batch_copy.memcpy_rects(host, p.host_pitch, stg, p.stg_pitch, p.width, p.height, stream.cuda_stream)
             else:
                 batch_copy.memcpy_rects(stg, p.stg_pitch, host, p.host_pitch, p.width, p.height, stream.cuda_stream)
-            rest = rects.select(~two_d)
-    if rest.width.size == 0:
+            rects = rects.select(~two_d)
+        rows = rects.rows()
+    if rows.width.size == 0:
         return
-    rows = rest.rows() if rows is None or pitched else rows
     host, stg, width = batch_copy.split_rows(rows.host_off + np.uint64(host_ptr), rows.stg_off + np.uint64(stg_ptr),
                                              rows.width)
     dst, src = (host, stg) if to_host else (stg, host)
