@@ -16,6 +16,16 @@ Variants, alternating, ``--rounds`` rounds of ``--reps`` stores each:
   need them; the copies then run with no gather beside them after the first few.
 * ``evict_l2``: each gather followed, on the work stream, by a 64 MiB memset of a scratch buffer, which pushes the
   gathered chunk out of the L2 (50 MiB on an H200) before the copy engine reads it.
+* ``no_gather_evict_l2``: no gather, but the same memset in its place: are ``no_gather``'s copies fast because they
+  read staging bytes the L2 still holds from the last copy?
+* ``staging_16m``, ``staging_8m``, ``staging_4m``: with gathers, staging buffers of 16, 8 or 4 MiB (32 by default): a chunk small enough
+  to stay in the L2 between its gather and its copy.
+* ``pitched_256k``, ``pitched_1m``: with gathers, runs narrower than 256 KiB (1 MiB) a plane go as one pitched
+  rectangle each (``Tuning.store_rows_min_bytes``; 64 KiB by default: every run of a 16-token page and up as rows).
+* ``gather_plain``, ``gather_wt``, ``gather_cs``, ``gather_cg``, ``gather_evict_first``: the gather as a copy of
+  kvtier's kernel launched through Triton's own launcher, its staging stores plain (the control) or with that cache
+  modifier / eviction policy (``.wt`` writes through to memory, leaving no dirty lines in the L2).
+* ``threads_2``, ``threads_4``: the rows issued from 2 or 4 threads (``Tuning.store_row_threads``; 1 by default).
 
 Run (GPU machine): ``python3 bench/probes/store_gather_interference.py --out $OUT/store_gather_interference_h200.json``
 """
@@ -31,18 +41,58 @@ import time
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from bench.common import env_info, finish_probe, time_gpu_ms  # noqa: E402
+from bench.common import env_info, finish_probe, host_us_per_call, time_gpu_ms  # noqa: E402
 from bench.probes.store_affinity import store_cases  # noqa: E402
 from kvtier.kernels import StagedTransfer, Tuning  # noqa: E402
 from kvtier.kernels.row_issue import RowIssuer  # noqa: E402
-from kvtier.kernels.transfer import KernelLaunch  # noqa: E402
+from kvtier.kernels.transfer import _CONST_NAMES, KernelLaunch  # noqa: E402
 
 CASES = ((8192, 1), (8192, 2), (8192, 4), (8192, 0), (1024, 1), (1024, 2), (1024, 0))
-VARIANTS = ("store", "no_gather", "tiny_kernel", "side_stream", "split_64k", "all_gathers_first", "evict_l2")
+VARIANTS = ("store", "no_gather", "tiny_kernel", "side_stream", "split_64k", "all_gathers_first", "evict_l2",
+            "no_gather_evict_l2", "staging_16m", "staging_8m", "staging_4m", "pitched_256k", "pitched_1m",
+            "threads_2", "threads_4", "gather_plain", "gather_wt", "gather_cs", "gather_cg", "gather_evict_first")
+GATHER_STORE = {"gather_plain": ("", ""), "gather_wt": (".wt", ""), "gather_cs": (".cs", ""),
+                "gather_cg": (".cg", ""), "gather_evict_first": ("", "evict_first")}
 PIECE = 64 << 10
+
+
+@triton.jit
+def _gather_kernel(dev_base, dev_offsets, blocks, slots, block_ids, n_rows, skip_rows, layer_start, n_layers,
+                   stride_block, stride_layer, stride_kv, blocks_layer0, TO_BLOCKS: tl.constexpr,
+                   KV: tl.constexpr, PAGE: tl.constexpr, ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr,
+                   SEGS: tl.constexpr, ALIGN: tl.constexpr, CACHE: tl.constexpr, EVICT: tl.constexpr):
+    """kvtier's ``_copy_pages_kernel``, slots -> blocks only, its stores with a cache modifier."""
+    CHUNKS_PER_ROW: tl.constexpr = ROW_WORDS // CHUNK
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_segs = n_rows * CHUNKS_PER_ROW
+    n_tiles = tl.cdiv(n_segs, SEGS)
+    kv = tl.arange(0, KV)
+    lane_seg = tl.arange(0, SEGS)
+    word = tl.arange(0, CHUNK)
+    for item in range(pid, n_layers * n_tiles, nprog):
+        layer = (layer_start + item // n_tiles).to(tl.int64)
+        seg = (item % n_tiles).to(tl.int64) * SEGS + lane_seg
+        seg_ok = seg < n_segs
+        row = seg // CHUNKS_PER_ROW
+        col = (seg % CHUNKS_PER_ROW) * CHUNK
+        slot = tl.load(slots + row, mask=seg_ok, other=0)
+        row = row + skip_rows
+        block = tl.load(block_ids + row // PAGE, mask=seg_ok, other=0)
+        dev_off = tl.load(dev_offsets + layer * KV + kv) * ALIGN
+        dev_word = dev_off[:, None] + (slot * ROW_WORDS + col)[None, :]
+        blk_row = block * stride_block + (layer - blocks_layer0) * stride_layer + row % PAGE
+        blk_row = blk_row[None, :] + (kv * stride_kv)[:, None]
+        blk_word = blk_row * ROW_WORDS + col[None, :]
+        dev_ptrs = dev_base + dev_word[:, :, None] + word[None, None, :]
+        blk_ptrs = blocks + blk_word[:, :, None] + word[None, None, :]
+        mask = seg_ok[None, :, None]
+        tl.store(blk_ptrs, tl.load(dev_ptrs, mask=mask), mask=mask, cache_modifier=CACHE, eviction_policy=EVICT)
 
 
 def split_rows(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -69,11 +119,23 @@ def variant(name: str, side: torch.cuda.Stream, scratch: torch.Tensor):
                 fire(self, span, programs, None, blocks_layer0=blocks_layer0)
             work.wait_stream(side)
         KernelLaunch.fire = on_side
+    elif name == "no_gather_evict_l2":
+        KernelLaunch.fire = lambda self, *a, **k: scratch.zero_()
     elif name == "evict_l2":
         def then_evict(self, *a, **k):
             fire(self, *a, **k)
             scratch.zero_()
         KernelLaunch.fire = then_evict
+    elif name in GATHER_STORE:
+        cache, evict = GATHER_STORE[name]
+
+        def modified(self, span, programs, stream, blocks_layer0=None):
+            grid = max(1, min(programs, span.count * self.tiles_per_layer))
+            layer0 = self.blocks_layer0 if blocks_layer0 is None else blocks_layer0
+            _gather_kernel[(grid,)](*self.pointers, self.n_rows, self.skip_rows, span.start, span.count,
+                                    *self.strides, layer0, **dict(zip(_CONST_NAMES, self.consts)), CACHE=cache,
+                                    EVICT=evict, num_warps=self.num_warps)
+        KernelLaunch.fire = modified
     elif name == "split_64k":
         RowIssuer.issue = lambda self, dsts, srcs, sizes, stream: issue(self, *split_rows(dsts, srcs, sizes), stream)
     try:
@@ -82,17 +144,43 @@ def variant(name: str, side: torch.cuda.Stream, scratch: torch.Tensor):
         KernelLaunch.fire, RowIssuer.issue = fire, issue
 
 
+def same_bytes(name: str, stager: StagedTransfer, host: torch.Tensor, slots, ids, side, scratch) -> bool:
+    """Whether ``name``'s store writes the blocks ``ids`` of the layer_first ``host`` as kvtier's store does."""
+    host[:, ids] = 0
+    with variant(name, side, scratch):
+        stager.store(slots, ids, check=False)
+    torch.cuda.synchronize()
+    got = host[:, ids]
+    stager.store(slots, ids, check=False)
+    torch.cuda.synchronize()
+    return bool(got.any()) and torch.equal(got, host[:, ids])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--hide-host-us", type=float, default=200.0,
+                    help="GPU spin before each timed store: long enough (e.g. 60000) queues the whole store first, so "
+                         "the GPU time leaves out a host-paced issue")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     args = ap.parse_args()
     t0 = time.time()
     kv, pool, cases = store_cases(CASES)
     stager = StagedTransfer(kv, pool.host, layout="layer_first")
     many = StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(num_buffers=48))  # > 8k's 37 chunks
+    stagers = {"all_gathers_first": many,
+               "staging_16m": StagedTransfer(kv, pool.host, layout="layer_first",
+                                             tuning=Tuning(staging_bytes=16 << 20)),
+               "staging_8m": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(staging_bytes=8 << 20)),
+               "staging_4m": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(staging_bytes=4 << 20)),
+               "pitched_256k": StagedTransfer(kv, pool.host, layout="layer_first",
+                                              tuning=Tuning(store_rows_min_bytes=256 << 10)),
+               "pitched_1m": StagedTransfer(kv, pool.host, layout="layer_first",
+                                            tuning=Tuning(store_rows_min_bytes=1 << 20)),
+               "threads_2": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(store_row_threads=2)),
+               "threads_4": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(store_row_threads=4))}
     side = torch.cuda.Stream()
     scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     res = {"env": env_info(), "rows": []}
@@ -100,12 +188,20 @@ def main() -> None:
         row = dict(tokens=tokens, run=run, **{name: [] for name in args.variants})
         for _ in range(args.rounds):
             for name in args.variants:
-                s = many if name == "all_gathers_first" else stager
+                s = stagers.get(name, stager)
                 with variant(name, side, scratch):
-                    row[name].append(time_gpu_ms(lambda: s.store(slots, ids, check=False), reps=args.reps)["median_ms"])
+                    row[name].append(time_gpu_ms(lambda: s.store(slots, ids, check=False), reps=args.reps,
+                                                hide_host_us=args.hide_host_us)["median_ms"])
+        for name in [v for v in args.variants if v in GATHER_STORE]:  # the modified gathers move the same bytes
+            row[f"{name}_exact"] = same_bytes(name, stager, pool.host, slots, ids, side, scratch)
+        for name in args.variants:  # host issue of one store, the GPU busy meanwhile
+            with variant(name, side, scratch):
+                s = stagers.get(name, stager)
+                row[f"{name}_host_ms"] = host_us_per_call(lambda: s.store(slots, ids, check=False), reps=5) / 1e3
         res["rows"].append(row)
         print(f"{tokens:5d} R={run or 'one':>3}: " + "  ".join(
-            f"{name} {statistics.median(row[name]):.2f}" for name in args.variants), flush=True)
+            f"{name} {statistics.median(row[name]):.2f} (host {row[name + '_host_ms']:.2f})" for name in args.variants),
+            flush=True)
     finish_probe(res, pool, args.out, t0)
 
 
