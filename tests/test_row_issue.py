@@ -140,7 +140,7 @@ def test_a_fragmented_layer_first_store_from_several_threads_is_byte_exact(monke
     pairs = np.random.default_rng(2).permutation(80)[:n // 2]  # runs of two blocks, shuffled
     blocks = torch.from_numpy(np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1))
     src = torch.randperm(4096, device="cuda")[:n * 16]
-    expect = host.clone()
+    before, expect = host.clone(), host.clone()
     copy_pages_ref(kv, expect, src, blocks, to_host=True, layout="layer_first")
     if layerwise:
         copy = StagedCopy(stager, src, blocks, to_host=True)
@@ -151,3 +151,10 @@ def test_a_fragmented_layer_first_store_from_several_threads_is_byte_exact(monke
     torch.cuda.synchronize()
     assert torch.equal(as_bytes(host), as_bytes(expect))
     assert len(threads_seen) >= 2, "no worker issued rows"
+    stager.close()  # its issuing threads stop; a later store starts them again
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvtier-rows")], "close left a row thread"
+    host.copy_(before)
+    stager.store(src, blocks)
+    torch.cuda.synchronize()
+    stager.close()
+    assert torch.equal(as_bytes(host), as_bytes(expect))

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from kvtier.geometry import KVGeometry
 from kvtier.kernels import StagedTransfer, Tuning
 from kvtier.kernels.checks import LayerSpan
-from kvtier.kernels.staged import ChunkRuns, block_runs, issue_chunks
+from kvtier.kernels.staged import ChunkRuns, Rects, block_runs, issue_chunks
 from kvtier.kernels.staged_copy import StagedCopy
 from tests.kv_helpers import make_host, make_kv
 
@@ -277,3 +277,19 @@ def test_a_failed_issue_leaves_the_work_stream_after_every_copy(monkeypatch, to_
     fence = len(log.ops) - 1
     for i, (_, stream, _) in enumerate(log.ops[:-1]):
         assert stream != "copy" or log.ordered_after(fence, i), f"op {i} on the copy stream is not fenced"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40), st.integers(1, 1 << 20),
+                          st.integers(1, 40), st.integers(0, 1 << 22), st.integers(0, 1 << 22)), max_size=12),
+       st.booleans())
+def test_rect_rows_are_each_rectangles_rows_top_to_bottom(rects, one_height):
+    """Rects.rows (outer sums when every rectangle has one height, repeats otherwise) lists rectangle after rectangle,
+    row after row, each at its pitches."""
+    if one_height:
+        rects = [(h, s, w, rects[0][3], hp, sp) for h, s, w, _, hp, sp in rects]
+    cols = [np.array(c, dtype=np.uint64) for c in zip(*rects)] if rects else [np.zeros(0, np.uint64)] * 6
+    got = Rects(*cols).rows()
+    want = [(h + i * hp, s + i * sp, w) for h, s, w, n, hp, sp in rects for i in range(n)]
+    assert [tuple(map(int, r)) for r in zip(*got)] == want
+    assert all(a.dtype == np.uint64 for a in got)

@@ -114,6 +114,11 @@ class Rects(NamedTuple):
 
     def rows(self) -> Rows:
         """Every row of every rectangle, rectangle by rectangle, top to bottom."""
+        if self.height.size and (self.height == self.height[0]).all():  # one height (a layer group's runs): outer sums
+            row = np.arange(int(self.height[0]), dtype=np.uint64)
+            at = lambda off, pitch: (off[:, None] + pitch[:, None] * row).ravel()  # noqa: E731
+            return Rows(at(self.host_off, self.host_pitch), at(self.stg_off, self.stg_pitch),
+                        np.repeat(self.width, row.size))
         height = self.height.astype(np.int64)
         rect = np.repeat(np.arange(height.size), height)
         row = (np.arange(rect.size) - np.repeat(np.cumsum(height) - height, height)).astype(np.uint64)
@@ -146,7 +151,14 @@ class StagingBuffers:
         self.buffers = [torch.empty(elems, dtype=kv.geometry.dtype, device=kv.device) for _ in range(num_buffers)]
         self.free_events: list[Optional[torch.cuda.Event]] = [None] * num_buffers
         self.copy_stream = torch.cuda.Stream(device=kv.device) if kv.is_cuda else None
+        self._follow = torch.cuda.Event() if kv.is_cuda else None
         self.next_buffer = 0
+
+    def follow(self, work) -> None:
+        """Order the copy stream's next copies after ``work``'s work so far (a load's host-to-staging copies start
+        on the copy stream, after the previous reader of the staging buffers or writer of the host blocks)."""
+        self._follow.record(work)
+        self.copy_stream.wait_event(self._follow)
 
     def take_buffer(self) -> int:
         """The staging buffer the next chunk uses (round robin)."""
@@ -380,6 +392,13 @@ class StagedTransfer:
         for host_view, staging_view in self._run_views(staging, host_ids, span, runs):
             _copy_2d(host_view, staging_view, to_host=to_host, stream=stream)
 
+    def close(self) -> None:
+        """Stop the threads that issue stores' rows, if any (``Tuning.store_row_threads`` > 1); idempotent. A store
+        after it starts them again."""
+        issuer, self._store_rows = self._store_rows, None
+        if issuer is not None:
+            issuer.close()
+
     def _row_issuer(self) -> RowIssuer:
         """The threads that issue stores' row batches (``Tuning.store_row_threads``)."""
         if self._store_rows is None:
@@ -403,9 +422,7 @@ class StagedTransfer:
             work = torch.cuda.current_stream() if kv.is_cuda else None
             direction = self.buffers(to_host)
             if work is not None and not to_host:
-                # Host-to-staging copies start on the copy stream: order them after the caller's work so far
-                # (e.g. the previous reader of the staging buffers or of the host blocks).
-                direction.copy_stream.wait_stream(work)
+                direction.follow(work)
             subs = self.layer_groups(span, host_ids, to_host)
             return issue_chunks(direction, work, to_host, self._span_chunks(direction, work, slots, host_ids, subs,
                                                                             to_host, skip))
@@ -458,7 +475,7 @@ class StagedTransfer:
         starts, lengths = r[:, 0], r[:, 1]
         h0 = np.asarray(host_ids, dtype=np.uint64)[starts.astype(np.int64)]
         fields = self._rect_fields(span, h0, starts, lengths, host_ids.size)
-        return Rects(*(np.array(np.broadcast_to(np.asarray(f, dtype=np.uint64), starts.shape)) for f in fields))
+        return Rects(*(f if isinstance(f, np.ndarray) else np.full(starts.shape, f, dtype=np.uint64) for f in fields))
 
     def _rect_fields(self, span: LayerSpan, h0, start, length, num_pages: int) -> tuple:
         """(host_off, stg_off, width, height, host_pitch, stg_pitch) of the rectangle of a run of ``length`` host

@@ -63,7 +63,6 @@ class StagedCopy:
         self._plans: dict[tuple[int, bool], list[_Chunk]] = {}
         self._groups: dict[int, list[tuple[int, int]]] = {}
         self._programs = stager.tuning.staged_programs(to_host)
-        self._follow = torch.cuda.Event() if kv.is_cuda and not to_host else None
 
     def launch(self, layers: Union[None, int, range] = None, *, stream=None) -> None:
         """Copy ``layers`` (None: all, an int, or a range) of every page, on ``stream`` (default: current)."""
@@ -76,9 +75,7 @@ class StagedCopy:
         d = self._direction
         with on_device(kv) if kv.is_cuda else contextlib.nullcontext():
             if work is not None and not self.to_host:
-                # as StagedTransfer: host-to-staging copies follow the caller's work
-                self._follow.record(work)
-                d.copy_stream.wait_event(self._follow)
+                d.follow(work)
             subs = self._layer_groups(span)
             last = issue_chunks(d, work, self.to_host, (
                 self._issue(d, work, chunk, sub) for i, sub in enumerate(subs)
