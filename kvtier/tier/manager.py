@@ -559,6 +559,8 @@ class KVTier(HostTier):
                 self.ssd.close()
             if self.remote is not None:
                 self.remote.close()
+            if self._staged_transfer is not None:
+                self._staged_transfer.close()  # its row-issuing threads, if any
             self.pool.destroy()
 
     # --- accounting ---
