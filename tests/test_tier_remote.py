@@ -298,3 +298,94 @@ def test_puts_and_gets_in_many_batches_round_trip_and_stop_at_a_missing_block(mo
     assert_accounted(b)
     a.destroy()
     b.destroy()
+
+
+def slowed(store, method: str, seconds: float) -> None:
+    """Make every call of the real client's ``method`` start ``seconds`` late (a slow or hung peer)."""
+    real = getattr(store, method)
+
+    def late(*args):
+        time.sleep(seconds)
+        return real(*args)
+    setattr(store, method, late)
+
+
+def test_a_fetch_that_returns_after_it_was_abandoned_is_counted_once(mooncake_master):
+    a = make_remote_tier(mooncake_master.addr)
+    toks = prompt(1, 4)
+    store_and_put(a, toks)
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    slowed(b.remote.medium.store, "get", 1.5 * TIMEOUT)  # the get succeeds, after its timeout
+    b.wait(b.lookup_tiers(toks, None).promotion)
+    t0 = time.monotonic()
+    while b.stats()["held_cpu_blocks"] and time.monotonic() - t0 < 10:  # the get returns; its blocks come back
+        time.sleep(0.1)
+        b.poll()
+    s = b.stats()
+    assert s["remote_fetches_abandoned"] == 1 and s["pages_fetch_failed"] == 4 and s["pages_fetched"] == 0
+    assert s["remote_blocks_fetched"] == 0 and s["remote_bytes_fetched"] == 0  # what it brought was never used
+    assert b.lookup(toks) == 0
+    assert_accounted(b)
+    a.destroy()
+    b.destroy()
+
+
+def test_time_queued_behind_healthy_gets_does_not_count_against_a_fetch(mooncake_master):
+    a = make_remote_tier(mooncake_master.addr)
+    t1, t2 = prompt(1, 2), prompt(2, 2)
+    store_and_put(a, t1)
+    store_and_put(a, t2, first_page=4)
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    slowed(b.remote.medium.store, "get", 0.7 * TIMEOUT)  # each get within its timeout; two in a row are not
+    k1, k2 = (b.lookup_tiers(t, None).promotion for t in (t1, t2))
+    for k in (k1, k2):
+        assert b._inflight[k.id].completion.wait(30)  # both probes returned
+    b.poll()  # both gets start, one behind the other on the fetch thread
+    b.wait(k2)
+    b.wait(k1)
+    s = b.stats()
+    assert s["remote_fetches_abandoned"] == 0 and s["remote_up"] and s["pages_fetched"] == 4
+    assert b.lookup(t1) == 2 and b.lookup(t2) == 2
+    assert_accounted(b)
+    a.destroy()
+    b.destroy()
+
+
+def test_a_polled_fetch_whose_get_hangs_ends_by_its_timeout(mooncake_master):
+    """An engine that only polls (SGLang's backend) never waits for a fetch: the fetch still ends by its
+    timeout, the tier goes down, and the CPU blocks stay held until the hung call returns."""
+    a = make_remote_tier(mooncake_master.addr)
+    toks = prompt(1, 4)
+    store_and_put(a, toks)
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    slowed(b.remote.medium.store, "get", 4 * TIMEOUT)
+    task = b.lookup_tiers(toks, None).promotion
+    t0 = time.monotonic()
+    while not b.completed(task) and time.monotonic() - t0 < 3 * TIMEOUT:
+        b.poll()
+        time.sleep(0.05)
+    assert b.completed(task) and time.monotonic() - t0 < 2 * TIMEOUT + 1
+    s = b.stats()
+    assert not s["remote_up"] and s["remote_fetches_abandoned"] == 1 and s["pages_fetch_failed"] == 4
+    assert s["held_cpu_blocks"] == 4 and b.lookup(toks) == 0  # the late get may still write them
+    t0 = time.monotonic()
+    while b.stats()["held_cpu_blocks"] and time.monotonic() - t0 < 10:
+        b.poll()
+        time.sleep(0.1)
+    assert_accounted(b)
+    a.destroy()
+    b.destroy()
+
+
+def test_puts_queued_behind_a_hung_put_are_skipped_once_it_outlasts_its_timeout(mooncake_master):
+    a = make_remote_tier(mooncake_master.addr, num_blocks=32)
+    slowed(a.remote.medium.store, "put", 3.0)  # every put call hangs for 3 s
+    for i in range(3):  # three stores, three put jobs: one runs, two queue behind it
+        a.wait(a.store(prompt(10 + i, 2), None, page_slots(2 * i, 2, P)))
+    t0 = time.monotonic()
+    a.reset()  # waits for the put that runs (it reads CPU blocks), not 3 s more for each queued one
+    assert time.monotonic() - t0 < 3.0 + 2 * TIMEOUT
+    s = a.stats()  # the running put lands late; the queued ones are skipped, counted failed
+    assert not s["remote_up"] and s["remote_blocks_put"] == 2 and s["remote_blocks_put_failed"] == 4
+    assert s["held_cpu_blocks"] == 0 and a.pool.num_free == a.pool.num_blocks
+    a.destroy()

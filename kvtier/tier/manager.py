@@ -48,7 +48,6 @@ import dataclasses
 import functools
 import logging
 import threading
-import time
 from typing import Callable, Mapping, NamedTuple, Optional, Union
 
 import numpy as np
@@ -675,12 +674,10 @@ class KVTier(HostTier):
             rec.completion.wait()
             return
         job, medium = rec.completion, self.remote.medium
-        deadline = time.monotonic() + medium.stage_timeout(job)
         while not job.done():
             if job.awaiting_blocks():
                 self._advance_fetch(rec)
-                deadline = time.monotonic() + medium.stage_timeout(job)
-            elif not self.remote.medium.wait(job, deadline):
+            elif not medium.wait(job):
                 return
 
     def _launch(self, stream: str, fn):
@@ -846,6 +843,8 @@ class KVTier(HostTier):
         for rec in list(self._inflight.values()):
             if rec.task.kind == TaskKind.FETCH and rec.completion.awaiting_blocks():
                 self._advance_fetch(rec)
+            if rec.task.kind == TaskKind.FETCH and self.remote.medium.expired(rec.completion):
+                self.remote.medium.abandon(rec.completion)  # polled, never waited for: the same deadline
             if rec.completion.done():
                 self._finalize(rec, cancelled=False)
 

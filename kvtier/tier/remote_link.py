@@ -133,10 +133,11 @@ class RemoteLink:
 
     def drain(self, wait: bool = False) -> None:
         """Account finished puts and abandoned fetches and free the CPU blocks they held; with ``wait``, every
-        one first (a call that hangs returns by Mooncake's own RPC timeout; queued calls are skipped while the
-        tier is down), so that no remote call still uses a CPU block."""
+        one first, so that no remote call still uses a CPU block: a call past its timeout marks the tier down, so
+        the calls queued behind it are skipped, and it returns by Mooncake's own RPC timeout."""
         for job in self._puts + self._abandoned if wait else ():
-            job.wait()
+            while not job.wait(0.05):
+                self.medium.watch()
         self._puts = self.holds.settle(self._puts, RemoteJob.finished, self.medium.finish)
         self._abandoned = self.holds.settle(self._abandoned, RemoteJob.finished, self.medium.finish)
         self.medium.tick()
@@ -192,6 +193,7 @@ class RemoteLink:
         if job.finished():
             self.medium.finish(job)
         else:
+            job.discarded = True
             self.holds.hold(job.host_ids)
             self._abandoned.append(job)
 

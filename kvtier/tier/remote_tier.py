@@ -57,6 +57,7 @@ BATCH_BYTES = 64 << 20  # one put or get call per this many bytes
 MAX_BATCH_BLOCKS = 256  # and at most this many blocks (the header buffer)
 STAGE_RANGES = 1  # a block in more ranges than this is staged: copied, header first, into one range per value
 RETRY_S = 1.0  # a down tier probes the master this often
+_WATCH_S = 0.02  # how often a waiting owner checks the calls' deadlines
 # Threads that copy and checksum a batch's blocks (numpy and xxhash release the GIL): a quarter of the CPUs, at most
 # 4; none (the worker alone) below 8 CPUs, where Mooncake's own calls already keep the cores busy.
 _CPUS = os.cpu_count() or 1
@@ -113,6 +114,8 @@ class RemoteJob:
     error: Optional[BaseException] = None
     down: bool = False  # a call found the master unreachable
     abandoned: bool = False  # the owner stopped waiting (the calls may still run)
+    discarded: bool = False  # fetch: ended while its get still ran (what it brings is never used)
+    started: Optional[float] = None  # time.monotonic() when the running stage's calls began (None: queued)
     io_seconds: float = 0.0
     _stage: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
     _ended: bool = False  # the owner ended the fetch after its probe
@@ -176,12 +179,14 @@ class _Worker:
         for buf in self.buffers:
             store.register(buf.ctypes.data, buf.nbytes)
         self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-call")
+        self.running: Optional[RemoteJob] = None  # the job whose stage runs now
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], None], job: RemoteJob) -> None:
         job._stage.clear()
+        job.started = None
         self._q.put((fn, job))
 
     def _loop(self) -> None:
@@ -191,11 +196,14 @@ class _Worker:
                 return
             fn, job = item
             t0 = time.perf_counter()
+            job.started = time.monotonic()
+            self.running = job
             try:
                 fn()
             except BaseException as e:  # the job ends here; its owner counts it
                 job.error = e
             job.io_seconds += time.perf_counter() - t0
+            self.running = None
             job._stage.set()
 
     def close(self, timeout: float) -> bool:
@@ -296,15 +304,44 @@ class RemoteTier:
         blocks is several batched calls)."""
         return self.timeout_s * max(1, -(-job.host_ids.size // self._batch))
 
-    def wait(self, job: RemoteJob, deadline: float) -> bool:
-        """Wait for ``job``'s running stage until ``deadline`` (``time.monotonic``); past it the job is
-        abandoned and the tier marked down. Whether the stage returned."""
-        if job.wait(max(0.0, deadline - time.monotonic())):
-            return True
+    def wait(self, job: RemoteJob) -> bool:
+        """Wait for ``job``'s stage; whether it returned. The stage is abandoned (and the tier marked down) once
+        its calls have run :meth:`stage_timeout` from when they began, or, still queued, once the tier is down (a
+        call ahead of it outlasted its own timeout: :meth:`watch`); time spent queued behind healthy calls does not
+        count."""
+        while not job.wait(_WATCH_S):
+            self.watch()  # may abandon this job, or the call ahead of it
+            if self.expired(job):
+                self.abandon(job)
+            if job.abandoned:
+                return False
+        return True
+
+    def expired(self, job: RemoteJob) -> bool:
+        """Whether the owner gives up on ``job``'s stage: its calls outlasted :meth:`stage_timeout`, or it has
+        not started and the tier is down (it is skipped when it runs)."""
+        if job.abandoned or job._stage.is_set():  # given up on already, or its stage returned
+            return False
+        if job.started is None:
+            return not self.up
+        return time.monotonic() - job.started > self.stage_timeout(job)
+
+    def abandon(self, job: RemoteJob) -> None:
+        """Stop waiting for ``job`` (its calls may still run; its blocks stay the job's) and mark the tier
+        down."""
+        if job.abandoned:
+            return
         job.abandoned = True
         self.stats.fetches_abandoned += job.kind == "fetch"
         self._mark_down(f"a {job.kind} call outlasted remote_timeout_s ({self.timeout_s:g} s)")
-        return False
+
+    def watch(self) -> None:
+        """Abandon a put or get whose calls outlasted their timeout (whoever waits for it), so that the jobs
+        queued behind it end too: a hung master or peer never holds the owner longer than one timeout."""
+        for worker in (self._putter, self._fetcher):
+            job = worker.running if worker is not None else None
+            if job is not None and job.started is not None and self.expired(job):
+                self.abandon(job)
 
     def finish(self, job: RemoteJob) -> None:
         """Account a finished job (puts and gets; a job abandoned earlier too, once finished)."""
@@ -327,6 +364,8 @@ class RemoteTier:
                 self.on_stored(job.hashes[job.stored], job.host_ids[job.stored])
         elif job.kind == "fetch":
             s.blocks_probed_hit += max(job.found, 0)
+            if job.discarded:  # its owner counted it failed: what it brought was never used
+                return
             s.blocks_fetched += job.ok
             s.blocks_missing += job.missing
             s.blocks_corrupt += job.corrupt
@@ -342,7 +381,9 @@ class RemoteTier:
         self._next_retry = time.monotonic() + RETRY_S
 
     def tick(self) -> None:
-        """While down, probe the master every :data:`RETRY_S`; up again once it answers."""
+        """Abandon calls past their timeout (:meth:`watch`); while down, probe the master every
+        :data:`RETRY_S`; up again once it answers."""
+        self.watch()
         h = self._health
         if h is not None and h.finished():
             self._health = None
