@@ -315,7 +315,7 @@ def test_a_fetch_that_returns_after_it_was_abandoned_is_counted_once(mooncake_ma
     toks = prompt(1, 4)
     store_and_put(a, toks)
     b = make_remote_tier(mooncake_master.addr, seed=1)
-    slowed(b.remote.medium.store, "get", 1.5 * TIMEOUT)  # the get succeeds, after its timeout
+    slowed(b.remote.medium.store, "get", 2.5 * TIMEOUT)  # the get succeeds, after its timeout
     b.wait(b.lookup_tiers(toks, None).promotion)
     t0 = time.monotonic()
     while b.stats()["held_cpu_blocks"] and time.monotonic() - t0 < 10:  # the get returns; its blocks come back
@@ -335,8 +335,8 @@ def test_time_queued_behind_healthy_gets_does_not_count_against_a_fetch(mooncake
     t1, t2 = prompt(1, 2), prompt(2, 2)
     store_and_put(a, t1)
     store_and_put(a, t2, first_page=4)
-    b = make_remote_tier(mooncake_master.addr, seed=1)
-    slowed(b.remote.medium.store, "get", 0.7 * TIMEOUT)  # each get within its timeout; two in a row are not
+    b = make_remote_tier(mooncake_master.addr, seed=1, remote_timeout_s=2.0)
+    slowed(b.remote.medium.store, "get", 1.2)  # each get within its timeout (2 s); two in a row are not
     k1, k2 = (b.lookup_tiers(t, None).promotion for t in (t1, t2))
     for k in (k1, k2):
         assert b._inflight[k.id].completion.wait(30)  # both probes returned
@@ -389,3 +389,51 @@ def test_puts_queued_behind_a_hung_put_are_skipped_once_it_outlasts_its_timeout(
     assert not s["remote_up"] and s["remote_blocks_put"] == 2 and s["remote_blocks_put_failed"] == 4
     assert s["held_cpu_blocks"] == 0 and a.pool.num_free == a.pool.num_blocks
     a.destroy()
+
+
+def test_a_probe_queued_behind_a_hung_probe_ends_by_the_timeout(mooncake_master):
+    a = make_remote_tier(mooncake_master.addr)
+    t1, t2 = prompt(1, 2), prompt(2, 2)
+    store_and_put(a, t1)
+    store_and_put(a, t2, first_page=4)
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    slowed(b.remote.medium.store, "exists", 4 * TIMEOUT)  # the first probe hangs; the second queues behind it
+    b.lookup_tiers(t1, None)
+    task = b.lookup_tiers(t2, None).promotion
+    t0 = time.monotonic()
+    b.wait(task)
+    assert time.monotonic() - t0 < TIMEOUT + 1
+    s = b.stats()
+    assert not s["remote_up"] and s["remote_fetches_abandoned"] == 2 and b.lookup(t2) == 0
+    b.remote.drain(wait=True)  # the hung probe returns
+    assert_accounted(b)
+    a.destroy()
+    b.destroy()
+
+
+def test_a_get_queued_behind_an_abandoned_get_ends_at_once_after_the_tier_is_back(mooncake_master):
+    """The master answers while a peer's get hangs: the tier comes back up after its health probe, and a get
+    queued behind the abandoned one must not wait for that call to return."""
+    a = make_remote_tier(mooncake_master.addr)
+    t1, t2 = prompt(1, 2), prompt(2, 2)
+    store_and_put(a, t1)
+    store_and_put(a, t2, first_page=4)
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    slowed(b.remote.medium.store, "get", 6 * TIMEOUT)
+    b.wait(b.lookup_tiers(t1, None).promotion)  # abandoned by its timeout; the call runs on
+    t0 = time.monotonic()
+    while not b.stats()["remote_up"] and time.monotonic() - t0 < 5:  # the health probe finds the master
+        b.poll()
+        time.sleep(0.05)
+    assert b.stats()["remote_up"]
+    task = b.lookup_tiers(t2, None).promotion
+    assert b._inflight[task.id].completion.wait(30)  # its probe returned
+    t0 = time.monotonic()
+    b.wait(task)  # its get queues behind the hung one
+    assert time.monotonic() - t0 < 0.5 * TIMEOUT
+    s = b.stats()
+    assert not s["remote_up"] and s["remote_fetches_abandoned"] == 2 and b.lookup(t2) == 0
+    b.remote.drain(wait=True)
+    assert_accounted(b)
+    a.destroy()
+    b.destroy()

@@ -875,7 +875,7 @@ class KVTier(HostTier):
             ok = 0 if cancelled else job.ok
         else:
             self.remote.end_fetch(job)
-            ok = 0 if cancelled or not job.finished() else job.ok
+            ok = 0 if cancelled or job.discarded else job.ok
         self.holds.release(rec.block_ids[ok:])
         inserted = int(self._insert(rec, ok).sum()) * G if ok else 0
         failed = 0 if cancelled else (rec.block_ids.size - ok) * G

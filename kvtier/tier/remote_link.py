@@ -171,7 +171,7 @@ class RemoteLink:
     def admit(self, job: RemoteJob, tokens: int, held_tokens: int) -> int:
         """Blocks of a probed fetch to read: those the store holds, if reading them beats recomputing them."""
         k = max(job.found, 0)
-        if job.down or job.error is not None or k == 0:
+        if job.down or job.error is not None or k == 0 or not self.medium.up:
             return 0
         B = self.block_tokens
         if not self.admission.admit(k * B, tokens - held_tokens, k * self.pool.block_bytes,
@@ -185,15 +185,17 @@ class RemoteLink:
         self.fetch_bytes_inflight += ids.size * self.pool.block_bytes
 
     def end_fetch(self, job: RemoteJob) -> None:
-        """The fetch's task is being finalized: its CPU blocks are held while its calls still run."""
+        """The fetch's task is being finalized: its CPU blocks are held while its calls still run. A fetch given
+        up on, or ended before its get returned, is ``discarded``: it brings nothing, even if its get returns
+        first."""
         self._fetching.pop(int(job.hashes[0]), None)
         self.fetch_bytes_inflight -= job.host_ids.size * self.pool.block_bytes
         if not job.host_ids.size:
             self.medium.end(job)  # no get follows the probe
+        job.discarded = job.abandoned or not job.finished()
         if job.finished():
             self.medium.finish(job)
         else:
-            job.discarded = True
             self.holds.hold(job.host_ids)
             self._abandoned.append(job)
 

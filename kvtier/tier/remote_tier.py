@@ -116,6 +116,7 @@ class RemoteJob:
     abandoned: bool = False  # the owner stopped waiting (the calls may still run)
     discarded: bool = False  # fetch: ended while its get still ran (what it brings is never used)
     started: Optional[float] = None  # time.monotonic() when the running stage's calls began (None: queued)
+    queue: Optional["_Worker"] = dataclasses.field(default=None, repr=False)  # the worker running its stages
     io_seconds: float = 0.0
     _stage: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
     _ended: bool = False  # the owner ended the fetch after its probe
@@ -186,7 +187,7 @@ class _Worker:
 
     def submit(self, fn: Callable[[], None], job: RemoteJob) -> None:
         job._stage.clear()
-        job.started = None
+        job.started, job.queue = None, self
         self._q.put((fn, job))
 
     def _loop(self) -> None:
@@ -318,13 +319,22 @@ class RemoteTier:
         return True
 
     def expired(self, job: RemoteJob) -> bool:
-        """Whether the owner gives up on ``job``'s stage: its calls outlasted :meth:`stage_timeout`, or it has
-        not started and the tier is down (it is skipped when it runs)."""
+        """Whether the owner gives up on ``job``'s stage: its calls outlasted :meth:`stage_timeout`; or it has
+        not started and the tier is down (it is skipped when it runs) or the call ahead of it on its thread was
+        given up on or is past its own timeout (it would wait for that call)."""
         if job.abandoned or job._stage.is_set():  # given up on already, or its stage returned
             return False
         if job.started is None:
-            return not self.up
-        return time.monotonic() - job.started > self.stage_timeout(job)
+            ahead = job.queue.running if job.queue is not None else None
+            return not self.up or (ahead is not None and ahead is not job
+                                   and (ahead.abandoned or self._overdue(ahead)))
+        return self._overdue(job)
+
+    def _overdue(self, job: RemoteJob) -> bool:
+        """Whether ``job``'s running stage has run longer than :meth:`stage_timeout`."""
+        started = job.started
+        return (started is not None and not job._stage.is_set()
+                and time.monotonic() - started > self.stage_timeout(job))
 
     def abandon(self, job: RemoteJob) -> None:
         """Stop waiting for ``job`` (its calls may still run; its blocks stay the job's) and mark the tier
@@ -338,9 +348,9 @@ class RemoteTier:
     def watch(self) -> None:
         """Abandon a put or get whose calls outlasted their timeout (whoever waits for it), so that the jobs
         queued behind it end too: a hung master or peer never holds the owner longer than one timeout."""
-        for worker in (self._putter, self._fetcher):
+        for worker in (self._putter, self._fetcher, self._prober):
             job = worker.running if worker is not None else None
-            if job is not None and job.started is not None and self.expired(job):
+            if job is not None and self.expired(job):
                 self.abandon(job)
 
     def finish(self, job: RemoteJob) -> None:
@@ -373,12 +383,12 @@ class RemoteTier:
             s.seconds_fetch += job.io_seconds if job.host_ids.size else 0.0
 
     def _mark_down(self, why: str) -> None:
-        if self.up:
+        if self.up:  # already down: the next health probe stays when it was due
             self.up = False
             self.stats.times_down += 1
             logger.warning("kvtier: remote tier down (%s); the local tiers carry on, retrying every %g s", why,
                            RETRY_S)
-        self._next_retry = time.monotonic() + RETRY_S
+            self._next_retry = time.monotonic() + RETRY_S
 
     def tick(self) -> None:
         """Abandon calls past their timeout (:meth:`watch`); while down, probe the master every
