@@ -310,6 +310,15 @@ def slowed(store, method: str, seconds: float) -> None:
     setattr(store, method, late)
 
 
+def two_prompts_put(master: str) -> tuple[KVTier, np.ndarray, np.ndarray]:
+    """A tier that stored two prompts of two pages each and put them; the tier and the prompts."""
+    a = make_remote_tier(master)
+    t1, t2 = prompt(1, 2), prompt(2, 2)
+    store_and_put(a, t1)
+    store_and_put(a, t2, first_page=4)
+    return a, t1, t2
+
+
 def test_a_fetch_that_returns_after_it_was_abandoned_is_counted_once(mooncake_master):
     a = make_remote_tier(mooncake_master.addr)
     toks = prompt(1, 4)
@@ -331,10 +340,7 @@ def test_a_fetch_that_returns_after_it_was_abandoned_is_counted_once(mooncake_ma
 
 
 def test_time_queued_behind_healthy_gets_does_not_count_against_a_fetch(mooncake_master):
-    a = make_remote_tier(mooncake_master.addr)
-    t1, t2 = prompt(1, 2), prompt(2, 2)
-    store_and_put(a, t1)
-    store_and_put(a, t2, first_page=4)
+    a, t1, t2 = two_prompts_put(mooncake_master.addr)
     b = make_remote_tier(mooncake_master.addr, seed=1, remote_timeout_s=2.0)
     slowed(b.remote.medium.store, "get", 1.2)  # each get within its timeout (2 s); two in a row are not
     k1, k2 = (b.lookup_tiers(t, None).promotion for t in (t1, t2))
@@ -392,10 +398,7 @@ def test_puts_queued_behind_a_hung_put_are_skipped_once_it_outlasts_its_timeout(
 
 
 def test_a_probe_queued_behind_a_hung_probe_ends_by_the_timeout(mooncake_master):
-    a = make_remote_tier(mooncake_master.addr)
-    t1, t2 = prompt(1, 2), prompt(2, 2)
-    store_and_put(a, t1)
-    store_and_put(a, t2, first_page=4)
+    a, t1, t2 = two_prompts_put(mooncake_master.addr)
     b = make_remote_tier(mooncake_master.addr, seed=1)
     slowed(b.remote.medium.store, "exists", 4 * TIMEOUT)  # the first probe hangs; the second queues behind it
     b.lookup_tiers(t1, None)
@@ -414,10 +417,7 @@ def test_a_probe_queued_behind_a_hung_probe_ends_by_the_timeout(mooncake_master)
 def test_a_get_queued_behind_an_abandoned_get_ends_at_once_after_the_tier_is_back(mooncake_master):
     """The master answers while a peer's get hangs: the tier comes back up after its health probe, and a get
     queued behind the abandoned one must not wait for that call to return."""
-    a = make_remote_tier(mooncake_master.addr)
-    t1, t2 = prompt(1, 2), prompt(2, 2)
-    store_and_put(a, t1)
-    store_and_put(a, t2, first_page=4)
+    a, t1, t2 = two_prompts_put(mooncake_master.addr)
     b = make_remote_tier(mooncake_master.addr, seed=1)
     slowed(b.remote.medium.store, "get", 6 * TIMEOUT)
     b.wait(b.lookup_tiers(t1, None).promotion)  # abandoned by its timeout; the call runs on
