@@ -114,7 +114,7 @@ class RemoteJob:
     error: Optional[BaseException] = None
     down: bool = False  # a call found the master unreachable
     abandoned: bool = False  # the owner stopped waiting (the calls may still run)
-    discarded: bool = False  # fetch: ended while its get still ran (what it brings is never used)
+    discarded: bool = False  # fetch: given up on, or ended before its get returned (it brings nothing)
     started: Optional[float] = None  # time.monotonic() when the running stage's calls began (None: queued)
     queue: Optional["_Worker"] = dataclasses.field(default=None, repr=False)  # the worker running its stages
     io_seconds: float = 0.0
@@ -346,8 +346,8 @@ class RemoteTier:
         self._mark_down(f"a {job.kind} call outlasted remote_timeout_s ({self.timeout_s:g} s)")
 
     def watch(self) -> None:
-        """Abandon a put or get whose calls outlasted their timeout (whoever waits for it), so that the jobs
-        queued behind it end too: a hung master or peer never holds the owner longer than one timeout."""
+        """Abandon a put, get or probe whose calls outlasted their timeout (whoever waits for it), so that the
+        jobs queued behind it end too: a hung master or peer never holds the owner longer than one timeout."""
         for worker in (self._putter, self._fetcher, self._prober):
             job = worker.running if worker is not None else None
             if job is not None and self.expired(job):
