@@ -310,6 +310,14 @@ def slowed(store, method: str, seconds: float) -> None:
     setattr(store, method, late)
 
 
+def poll_until(tier: KVTier, done, seconds: float) -> None:
+    """Poll ``tier`` as an engine does until ``done()`` holds or ``seconds`` have passed."""
+    t0 = time.monotonic()
+    while not done() and time.monotonic() - t0 < seconds:
+        tier.poll()
+        time.sleep(0.05)
+
+
 def two_prompts_put(master: str) -> tuple[KVTier, np.ndarray, np.ndarray]:
     """A tier that stored two prompts of two pages each and put them; the tier and the prompts."""
     a = make_remote_tier(master)
@@ -326,10 +334,7 @@ def test_a_fetch_that_returns_after_it_was_abandoned_is_counted_once(mooncake_ma
     b = make_remote_tier(mooncake_master.addr, seed=1)
     slowed(b.remote.medium.store, "get", 2.5 * TIMEOUT)  # the get succeeds, after its timeout
     b.wait(b.lookup_tiers(toks, None).promotion)
-    t0 = time.monotonic()
-    while b.stats()["held_cpu_blocks"] and time.monotonic() - t0 < 10:  # the get returns; its blocks come back
-        time.sleep(0.1)
-        b.poll()
+    poll_until(b, lambda: not b.stats()["held_cpu_blocks"], 10)  # the get returns; its blocks come back
     s = b.stats()
     assert s["remote_fetches_abandoned"] == 1 and s["pages_fetch_failed"] == 4 and s["pages_fetched"] == 0
     assert s["remote_blocks_fetched"] == 0 and s["remote_bytes_fetched"] == 0  # what it brought was never used
@@ -367,17 +372,12 @@ def test_a_polled_fetch_whose_get_hangs_ends_by_its_timeout(mooncake_master):
     slowed(b.remote.medium.store, "get", 4 * TIMEOUT)
     task = b.lookup_tiers(toks, None).promotion
     t0 = time.monotonic()
-    while not b.completed(task) and time.monotonic() - t0 < 3 * TIMEOUT:
-        b.poll()
-        time.sleep(0.05)
+    poll_until(b, lambda: b.completed(task), 3 * TIMEOUT)
     assert b.completed(task) and time.monotonic() - t0 < 2 * TIMEOUT + 1
     s = b.stats()
     assert not s["remote_up"] and s["remote_fetches_abandoned"] == 1 and s["pages_fetch_failed"] == 4
     assert s["held_cpu_blocks"] == 4 and b.lookup(toks) == 0  # the late get may still write them
-    t0 = time.monotonic()
-    while b.stats()["held_cpu_blocks"] and time.monotonic() - t0 < 10:
-        b.poll()
-        time.sleep(0.1)
+    poll_until(b, lambda: not b.stats()["held_cpu_blocks"], 10)
     assert_accounted(b)
     a.destroy()
     b.destroy()
@@ -421,10 +421,7 @@ def test_a_get_queued_behind_an_abandoned_get_ends_at_once_after_the_tier_is_bac
     b = make_remote_tier(mooncake_master.addr, seed=1)
     slowed(b.remote.medium.store, "get", 6 * TIMEOUT)
     b.wait(b.lookup_tiers(t1, None).promotion)  # abandoned by its timeout; the call runs on
-    t0 = time.monotonic()
-    while not b.stats()["remote_up"] and time.monotonic() - t0 < 5:  # the health probe finds the master
-        b.poll()
-        time.sleep(0.05)
+    poll_until(b, lambda: b.stats()["remote_up"], 5)  # the health probe finds the master
     assert b.stats()["remote_up"]
     task = b.lookup_tiers(t2, None).promotion
     assert b._inflight[task.id].completion.wait(30)  # its probe returned

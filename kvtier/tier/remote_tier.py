@@ -116,7 +116,7 @@ class RemoteJob:
     abandoned: bool = False  # the owner stopped waiting (the calls may still run)
     discarded: bool = False  # fetch: given up on, or ended before its get returned (it brings nothing)
     started: Optional[float] = None  # time.monotonic() when the running stage's calls began (None: queued)
-    queue: Optional["_Worker"] = dataclasses.field(default=None, repr=False)  # the worker running its stages
+    worker: Optional["_Worker"] = dataclasses.field(default=None, repr=False)  # the thread running its stages
     io_seconds: float = 0.0
     _stage: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
     _ended: bool = False  # the owner ended the fetch after its probe
@@ -187,7 +187,7 @@ class _Worker:
 
     def submit(self, fn: Callable[[], None], job: RemoteJob) -> None:
         job._stage.clear()
-        job.started, job.queue = None, self
+        job.started, job.worker = None, self
         self._q.put((fn, job))
 
     def _loop(self) -> None:
@@ -325,7 +325,7 @@ class RemoteTier:
         if job.abandoned or job._stage.is_set():  # given up on already, or its stage returned
             return False
         if job.started is None:
-            ahead = job.queue.running if job.queue is not None else None
+            ahead = job.worker.running if job.worker is not None else None
             return not self.up or (ahead is not None and ahead is not job
                                    and (ahead.abandoned or self._overdue(ahead)))
         return self._overdue(job)
