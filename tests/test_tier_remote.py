@@ -1,10 +1,11 @@
 """The remote tier behind KVTier, against a real ``mooncake_master`` on loopback: two processes sharing a prefix,
-the master unreachable at start, killed and hung mid-run, keys gone between probe and get, forged values, and
-the key scheme. Every wait is bounded (``remote_timeout_s``) and checked against the wall clock."""
+the master unreachable at start, killed and hung mid-run, a peer holding the values hung then killed, keys gone
+between probe and get, forged values, and the key scheme. Every wait is bounded (``remote_timeout_s``) and checked against the wall clock."""
 
 from __future__ import annotations
 
 import dataclasses
+import signal
 import subprocess
 import sys
 import textwrap
@@ -32,6 +33,7 @@ ROOT = __file__.rsplit("/tests/", 1)[0]
 ID = {"model": "tiny-test", "tp_rank": 0, "tp_size": 1}
 P = TINY.page_size  # tokens per page = per block here
 TIMEOUT = 1.0  # remote_timeout_s of these tests
+RETRY = remote_tier.RETRY_S
 
 
 def make_remote_tier(master: str, *, layout: str = "layer_first", num_blocks: int = 16, seed: int = 0,
@@ -414,23 +416,70 @@ def test_a_probe_queued_behind_a_hung_probe_ends_by_the_timeout(mooncake_master)
     b.destroy()
 
 
-def test_a_get_queued_behind_an_abandoned_get_ends_at_once_after_the_tier_is_back(mooncake_master):
-    """The master answers while a peer's get hangs: the tier comes back up after its health probe, and a get
-    queued behind the abandoned one must not wait for that call to return."""
+def test_no_fetch_starts_while_a_get_given_up_on_still_runs(mooncake_master):
+    """The master answers while a peer's get hangs: the tier comes back up after its health probe, and no fetch
+    starts (its get would queue behind the hung call) until that call returns; the tier does not go down again."""
     a, t1, t2 = two_prompts_put(mooncake_master.addr)
     b = make_remote_tier(mooncake_master.addr, seed=1)
-    slowed(b.remote.medium.store, "get", 6 * TIMEOUT)
+    store = b.remote.medium.store
+    slowed(store, "get", 8 * TIMEOUT)
     b.wait(b.lookup_tiers(t1, None).promotion)  # abandoned by its timeout; the call runs on
     poll_until(b, lambda: b.stats()["remote_up"], 5)  # the health probe finds the master
-    assert b.stats()["remote_up"]
-    task = b.lookup_tiers(t2, None).promotion
-    assert b._inflight[task.id].completion.wait(30)  # its probe returned
-    t0 = time.monotonic()
-    b.wait(task)  # its get queues behind the hung one
-    assert time.monotonic() - t0 < 0.5 * TIMEOUT
+    for _ in range(3):  # within the call's 8 s
+        assert b.lookup_tiers(t2, None).promotion is None  # not started: the fetch thread is still in the call
+        poll_until(b, lambda: False, RETRY)
     s = b.stats()
-    assert not s["remote_up"] and s["remote_fetches_abandoned"] == 2 and b.lookup(t2) == 0
-    b.remote.drain(wait=True)
+    assert s["remote_up"] and s["remote_times_down"] == 1 and s["remote_fetches_skipped"] == 3
+    b.remote.drain(wait=True)  # the hung get returns
+    del store.get  # the client's own method again
+    pages, got = fetch_and_load(b, t2)
+    assert pages == 2 and b.stats()["remote_fetches_abandoned"] == 1
     assert_accounted(b)
     a.destroy()
     b.destroy()
+
+
+_PEER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from tests.test_tier_remote import make_remote_tier, store_and_put, prompt
+    a = make_remote_tier({master!r})  # the only segment: the values live in this process
+    store_and_put(a, prompt(1, 4))
+    print("stored", a.stats()["remote_blocks_put"], flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_hung_then_dead_peer_is_a_counted_transfer_failure_never_corruption(mooncake_master):
+    """The values' holder (another instance's segment) hangs, then dies, while the master still lists its keys
+    (until its client TTL, ~10 s): the hung get ends by its timeout and takes the tier down once; the dead
+    holder's values fail at once as transfer failures (``remote_blocks_fetch_failed``), not as corrupt ones, and
+    the tier stays up."""
+    peer = subprocess.Popen([sys.executable, "-c", _PEER.format(root=ROOT, master=mooncake_master.addr)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert peer.stdout.readline().split() == ["stored", "4"]
+        b = make_remote_tier(mooncake_master.addr, seed=1)
+        toks = prompt(1, 4)
+        peer.send_signal(signal.SIGSTOP)  # hung: its sockets open, nothing served
+        t0 = time.monotonic()
+        b.wait(b.lookup_tiers(toks, None).promotion)
+        assert time.monotonic() - t0 < 2 * TIMEOUT + 1
+        assert b.stats()["remote_fetches_abandoned"] == 1 and b.lookup(toks) == 0
+        peer.kill()  # dead: the hung call fails
+        peer.wait(10)
+        t0 = time.monotonic()
+        b.remote.drain(wait=True)
+        assert time.monotonic() - t0 < 10
+        poll_until(b, lambda: b.stats()["remote_up"], 5)
+        t0 = time.monotonic()
+        pages, _ = fetch_and_load(b, toks)  # the master still lists the keys: the get fails at once
+        assert pages == 0 and time.monotonic() - t0 < TIMEOUT
+        s = b.stats()
+        assert s["remote_blocks_corrupt"] == 0 and s["remote_blocks_fetch_failed"] == 1
+        assert s["remote_up"] and s["remote_times_down"] == 1
+        assert_accounted(b)
+        b.destroy()
+    finally:
+        peer.kill()
+        peer.wait(10)

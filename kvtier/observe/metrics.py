@@ -79,10 +79,12 @@ METRICS: tuple[Metric, ...] = (
            ((("ssd",), "ssd_blocks_corrupt", 1), (("remote",), "remote_blocks_corrupt", 1))),
     Metric("failures_total", "counter",
            "Transfers that failed (cpu: the copy's issue raised, unwound; ssd: read errors; remote: failed "
-           "calls; fetches abandoned past remote_timeout_s count under reason=timeout).", ("tier", "reason"),
+           "calls; fetches abandoned past remote_timeout_s count under reason=timeout, values their holder did "
+           "not serve under reason=peer_error).", ("tier", "reason"),
            ((("cpu", "store_error"), "failed_stores", 1), (("cpu", "load_error"), "failed_loads", 1),
             (("ssd", "read_error"), "ssd_read_errors", 1), (("remote", "call_error"), "remote_errors", 1),
-            (("remote", "timeout"), "remote_fetches_abandoned", 1))),
+            (("remote", "timeout"), "remote_fetches_abandoned", 1),
+            (("remote", "peer_error"), "remote_blocks_fetch_failed", 1))),
     Metric("admission_refused_total", "counter", "Reads the cost admission refused (recomputing was cheaper).",
            ("tier",), ((("ssd",), "ssd_refused", 1), (("remote",), "remote_refused", 1))),
     Metric("remote_down_total", "counter", "Times the remote tier went down.", (),

@@ -19,13 +19,18 @@ import socket
 import threading
 from typing import Optional, Sequence
 
-__all__ = ["MooncakeStore", "RemoteStoreError", "block_key", "Ranges", "CODE_UNREACHABLE"]
+__all__ = ["MooncakeStore", "RemoteStoreError", "block_key", "Ranges", "CODE_UNREACHABLE", "unreachable", "gone",
+           "transfer_failed"]
 
 Ranges = Sequence[tuple[int, int]]  # (address, bytes) of registered memory, in value order
 
 # Mooncake error codes (mooncake-store/include/types.h) the tier tells apart; other negatives are per-key failures.
 CODE_NOT_FOUND = -704
 CODE_UNREACHABLE = (-900, -901)  # RPC_FAIL, the master did not answer (dead, stopped, unreachable)
+# The value is not there to read: not found, its replica not ready, gone or its lease expired, its holder's segment
+# or client unknown to the master.
+CODE_GONE = (CODE_NOT_FOUND, -703, -707, -710, -712, -101, -103)
+CODE_TRANSFER_FAIL = (-899, -800)  # TRANSFER_FAIL and its range: the holder did not serve the bytes (dead, hung)
 
 
 class RemoteStoreError(RuntimeError):
@@ -118,6 +123,10 @@ class MooncakeStore:
         return list(self._store.batch_get_into_multi_buffers(
             keys, [[a for a, _ in v] for v in values], [[n for _, n in v] for v in values]))
 
+    def size(self, key: str) -> int:
+        """The bytes of ``key``'s value, as the master records them (no transfer), or a negative code."""
+        return int(self._store.get_size(key))
+
     def exists(self, keys: list[str]) -> list[int]:
         """Per key 1 (held), 0 (not held) or a negative code."""
         return list(self._store.batch_is_exist(keys))
@@ -135,3 +144,15 @@ class MooncakeStore:
 def unreachable(code: Optional[int]) -> bool:
     """Whether a call's code says the master did not answer."""
     return code in CODE_UNREACHABLE
+
+
+def gone(code: Optional[int]) -> bool:
+    """Whether a get's code says the value is not in the store (any more)."""
+    return code in CODE_GONE
+
+
+def transfer_failed(code: Optional[int]) -> bool:
+    """Whether a get's code says the transfer of a value the master knows failed: its holder dead (at once:
+    connection refused) or hung (after Mooncake's own transfer timeout, about a minute), or the value not the size
+    of the ranges read into (at once; :meth:`MooncakeStore.size` tells them apart)."""
+    return code is not None and CODE_TRANSFER_FAIL[0] <= code <= CODE_TRANSFER_FAIL[1]

@@ -19,11 +19,13 @@ runs it:
 * :meth:`RemoteTier.probe` asks the store, on the probe thread, how many leading blocks of a prefix it holds
   (``batch_is_exist``); :meth:`RemoteTier.get` then reads them into CPU blocks the caller owns. Every block is
   checked before it counts (value size, header checksum, fingerprint, chain hash, namespace, tokens, payload
-  checksum); reading stops at the first that fails, which is counted as missing or corrupt.
+  checksum); reading stops at the first that fails, which is counted as missing, failed (its holder, another
+  client's segment, did not serve it: a dead peer) or corrupt.
 * The owner never blocks on the network except in :meth:`RemoteTier.wait`, bounded by ``timeout_s`` per call. A
   call that outlasts it, or that finds the master unreachable, marks the tier down: no probes, puts dropped
   (counted), until a health probe (every :data:`RETRY_S`) finds the master again. Mooncake's client reconnects by
-  itself.
+  itself. A call given up on still occupies its thread until it returns (a get from a hung peer: about a minute),
+  so until then no fetch starts (counted skipped) and puts are dropped, also once the master answers again.
 
 A job's blocks stay the job's until its calls have returned (:meth:`RemoteJob.finished`), also when the owner
 stopped waiting for it. Single-owner: every method except the workers' is called under the owner's lock.
@@ -45,7 +47,7 @@ import xxhash
 
 from kvtier.storage.aligned_io import aligned
 from kvtier.storage.block_format import ALIGN, BlockHeader, pack_block_header, unpack_block_header
-from kvtier.storage.mooncake_store import CODE_NOT_FOUND, MooncakeStore, block_key, unreachable
+from kvtier.storage.mooncake_store import MooncakeStore, block_key, gone, transfer_failed, unreachable
 from kvtier.tier.room_advice import RoomAdvice
 
 logger = logging.getLogger(__name__)
@@ -111,6 +113,7 @@ class RemoteJob:
     found: int = -1  # fetch: leading blocks the store holds (-1: not probed yet)
     missing: int = 0  # fetch: blocks gone between probe and get
     corrupt: int = 0  # fetch: values that failed a check
+    failed: int = 0  # fetch: values whose holder did not serve them (a dead or hung peer)
     error: Optional[BaseException] = None
     down: bool = False  # a call found the master unreachable
     abandoned: bool = False  # the owner stopped waiting (the calls may still run)
@@ -160,7 +163,9 @@ class RemoteStats:
     blocks_fetched: int = 0
     blocks_missing: int = 0  # held at the probe, gone at the get
     blocks_corrupt: int = 0  # wrong size, header, identity, tokens or checksum: a miss
+    blocks_fetch_failed: int = 0  # the holder did not serve the value (a dead or hung peer): a miss
     fetches_abandoned: int = 0  # outlasted the timeout
+    fetches_skipped: int = 0  # not started: the fetch thread still runs a call given up on
     errors: int = 0
     times_down: int = 0
     bytes_put: int = 0
@@ -217,6 +222,12 @@ class _Worker:
         return True
 
 
+def _stuck(worker: Optional[_Worker]) -> bool:
+    """Whether ``worker`` still runs a call its owner gave up on (jobs queued behind it would wait for it)."""
+    job = worker.running if worker is not None else None
+    return job is not None and job.abandoned
+
+
 class RemoteTier:
     """The remote medium over ``store`` for blocks of ``block_tokens`` tokens and ``block_bytes`` bytes.
 
@@ -263,7 +274,7 @@ class RemoteTier:
     def put(self, hashes: np.ndarray, namespace: int, tokens: np.ndarray, host_ids: np.ndarray) -> Optional[RemoteJob]:
         """Start storing CPU blocks ``host_ids`` (chain ``hashes``, ``tokens`` rows); None when nothing is put
         (the tier is down or the queue full: the blocks are dropped, counted)."""
-        room = self._max_pending - self._pending_blocks if self.up else 0
+        room = self._max_pending - self._pending_blocks if self.up and not _stuck(self._putter) else 0
         k = max(0, min(hashes.size, room))  # the first blocks: a prefix's head serves most
         self.stats.blocks_put_dropped += hashes.size - k
         if self.up and k < hashes.size:  # down: the tier-down warning says why
@@ -279,8 +290,12 @@ class RemoteTier:
         return job
 
     def probe(self, hashes: np.ndarray, namespace: int, tokens: np.ndarray) -> Optional[RemoteJob]:
-        """Start asking how many leading ``hashes`` the store holds (a fetch's first stage); None when down."""
+        """Start asking how many leading ``hashes`` the store holds (a fetch's first stage); None when down, or
+        while the fetch thread still runs a get given up on (a get queued behind it would wait for it)."""
         if not self.up:
+            return None
+        if _stuck(self._fetcher):
+            self.stats.fetches_skipped += 1
             return None
         job = RemoteJob("fetch", hashes.astype(np.uint64), namespace, np.array(tokens, dtype=np.int64),
                         np.empty(0, np.int64))
@@ -379,6 +394,7 @@ class RemoteTier:
             s.blocks_fetched += job.ok
             s.blocks_missing += job.missing
             s.blocks_corrupt += job.corrupt
+            s.blocks_fetch_failed += job.failed
             s.bytes_fetched += job.ok * self.block_bytes
             s.seconds_fetch += job.io_seconds if job.host_ids.size else 0.0
 
@@ -546,11 +562,15 @@ class RemoteTier:
             if ok < got:
                 job.corrupt += 1
                 return False
-            if got < b - a:  # gone since the probe, the master down, or a value of another size
+            if got < b - a:  # gone since the probe, the master down, its holder dead, or a value of another size
                 code = codes[got]
+                if transfer_failed(code):  # a dead or hung holder, or a value of another size: ask the master
+                    size = self.store.size(self.keys(job.hashes[a + got:a + got + 1])[0])
+                    code = size if size < 0 else (code if size == self.value_bytes else None)
                 job.down = unreachable(code)
-                job.missing += code == CODE_NOT_FOUND
-                job.corrupt += not job.down and code != CODE_NOT_FOUND
+                job.missing += gone(code)
+                job.failed += transfer_failed(code)
+                job.corrupt += not (job.down or gone(code) or transfer_failed(code))
                 return False
             return True
 
