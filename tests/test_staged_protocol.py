@@ -293,3 +293,59 @@ def test_rect_rows_are_each_rectangles_rows_top_to_bottom(rects, one_height):
     want = [(h + i * hp, s + i * sp, w) for h, s, w, n, hp, sp in rects for i in range(n)]
     assert [tuple(map(int, r)) for r in zip(*got)] == want
     assert all(a.dtype == np.uint64 for a in got)
+
+
+class FakeRawEvent:
+    """Stands in for a RawEvent: records and waits on raw handles (1: work, 2: copy)."""
+
+    NAMES = {1: "work", 2: "copy"}
+
+    def __init__(self, log: Log) -> None:
+        self.log, self.ref = log, None
+
+    def record(self, stream: int) -> None:
+        self.ref = self.log.last_on(self.NAMES[stream])
+
+    def wait(self, stream: int) -> None:
+        self.log.waits.append((self.NAMES[stream], len(self.log.ops), self.ref))
+
+
+class FakeSingleCopy:
+    """Stands in for a SingleCopy into staging buffer ``buffer``."""
+
+    def __init__(self, log: Log, buffer: int) -> None:
+        self.log, self.buffer = log, buffer
+
+    def issue(self, first_layer: int, stream: int) -> None:
+        self.log.ops.append(("copy", FakeRawEvent.NAMES[stream], self.buffer))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(num_buffers=st.integers(1, 3), pages=st.integers(1, 4),
+       layers=st.lists(st.integers(0, GEO.num_layers - 1), min_size=1, max_size=6),
+       between=st.lists(st.booleans(), min_size=6, max_size=6))
+def test_one_chunk_loads_order_every_handoff_beside_staged_transfers(monkeypatch, num_buffers, pages, layers,
+                                                                     between):
+    """A StagedCopy load of one chunk of one run goes through raw events (``_launch_one_chunk``); launched layer
+    after layer, some launches followed by a StagedTransfer load through the same staging buffers (torch events),
+    every buffer's copy follows its last scatter (either path's) and every scatter its copy."""
+    from kvtier.kernels.staged_copy import _OneChunk
+    stager = make_stager(num_buffers)  # a chunk holds 4 pages of one layer: pages <= 4 is one chunk
+    copy = StagedCopy(stager, torch.arange(pages * GEO.page_size), torch.arange(pages), to_host=False)
+    log, work, d = recorded_stager(monkeypatch, stager, False)
+    one = _OneChunk([FakeSingleCopy(log, b) for b in range(num_buffers)],
+                    [FakeLaunch(log, b) for b in range(num_buffers)],
+                    [FakeRawEvent(log) for _ in range(num_buffers)], [FakeRawEvent(log) for _ in range(num_buffers)],
+                    FakeRawEvent(log))
+    ids = np.arange(HOST_BLOCKS - pages, HOST_BLOCKS)
+    slots = torch.arange(pages * GEO.page_size)
+    for layer, other in zip(layers, between):
+        copy._launch_one_chunk(one, LayerSpan(layer, 1), work.cuda_stream)
+        if other:
+            issue_chunks(d, work, False, [
+                stager._chunk(d, work, slots[c.slot_lo:c.slot_hi], ids[c.first:c.first + c.pages],
+                              LayerSpan(layer, 1), c, False, ChunkRuns(block_runs(ids[c.first:c.first + c.pages])))
+                for c in stager.chunks(pages, 1, False, short_edge=True)])
+    check_handoffs(log, False)
+    fires = [op for op in log.ops if op[0] == "fire"]
+    assert len(fires) == len(layers) + sum(between[:len(layers)]) * -(-pages // 4)

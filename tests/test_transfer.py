@@ -368,3 +368,36 @@ def test_fragmented_staged_copies_go_in_one_driver_batch_per_chunk(monkeypatch, 
         if batched:
             rects = layout == "layer_first" and not layerwise
             assert {kind for kind, _ in calls} == ({"rects", "rows"} if rects else {"rows"}), calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_one_chunk_layerwise_loads_beside_whole_loads_are_exact(layout: str):
+    """A layerwise load of one run whose layer fits a staging buffer issues through raw handles (StagedCopy's
+    one-chunk path, a few event calls a layer); launched layer by layer out of order, skipping the first tokens,
+    each launch followed by a whole staged load of scattered blocks through the same staging buffers (torch events),
+    every layer of both lands byte-exact."""
+    geo = KVGeometry(4, 8, 128, torch.bfloat16, page_size=16)
+    gen = torch.Generator().manual_seed(9)
+    kv = make_kv(geo, 4096, "cuda", gen)
+    host = make_host(geo, 160, layout, "cuda", gen)
+    stager = StagedTransfer(kv, host, layout=layout, tuning=Tuning(staging_bytes=40 * geo.page_bytes))
+    run, scattered = torch.arange(20, 60), torch.arange(150, 70, -2)  # one run of 40 blocks; 40 runs of one
+    perm = torch.randperm(4096, device="cuda")
+    skip = 5
+    src, dst = perm[:40 * 16], perm[40 * 16:80 * 16 - skip]
+    src2, dst2 = perm[2560:3200], perm[3200:3840]
+    stager.store(src, run)
+    stager.store(src2, scattered)
+    torch.cuda.synchronize()
+    load = StagedCopy(stager, dst, run, to_host=False, skip_tokens=skip)
+    assert load._plan_one_chunk(1) is not None and load._plan_one_chunk(geo.num_layers) is None
+    for layer in (2, 0, 3, 1):
+        load.launch(layer)
+        stager.load(dst2, scattered)
+    torch.cuda.synchronize()
+    for layer in range(geo.num_layers):
+        for buf in kv.layer_buffers(layer):
+            rows = as_bytes(buf).view(4096, -1)
+            assert torch.equal(rows[dst.cpu()], rows[src[skip:].cpu()]), f"layer {layer} differs"
+            assert torch.equal(rows[dst2.cpu()], rows[src2.cpu()]), f"layer {layer} differs (whole loads)"

@@ -7,7 +7,9 @@ of host blocks through a :class:`StagedCopy`; runs of one through a :class:`Dire
 and one issue at a time after a synchronize, the GPU spinning 40 ms (longer than the issue) so that the copies
 queue behind it. Then, the second way, the issue's host time split by the functions it calls (wrapped with
 timers: the layer groups, the chunk plan, the copy-engine copies, the gather/scatter launch, event records and
-stream waits; the rest is the loop itself).
+stream waits, raw events and the one-chunk copy; the rest is the loop itself). Paths: ``staged_copy`` (a load of one
+chunk of one run issues through raw handles), ``staged_copy_generic`` (the same copy forced through
+``issue_chunks``), ``direct_copy``; ``--layouts`` and ``--runs`` choose the cells.
 
 Run (GPU machine): ``python3 bench/probes/layerwise_issue.py --out $OUT/layerwise_issue_h200.json``
 """
@@ -30,7 +32,7 @@ sys.path.insert(0, ROOT)
 from bench.bench_fragmentation import fragmented_ids  # noqa: E402
 from bench.common import env_info, host_us_per_call, make_pool, random_slots, write_json  # noqa: E402
 from bench.probes.store_rows_locality import GEO  # noqa: E402
-from kvtier.kernels import DirectCopy, StagedTransfer, staged, transfer  # noqa: E402
+from kvtier.kernels import DirectCopy, StagedTransfer, raw_events, staged, transfer  # noqa: E402
 from kvtier.kernels.staged_copy import StagedCopy  # noqa: E402
 from kvtier.tier import HostBlockPool  # noqa: E402
 
@@ -96,6 +98,9 @@ def breakdown(fn, reps: int) -> dict:
     t.wrap(torch.cuda.Stream, "wait_event", "wait_event")
     t.wrap(torch.cuda.Stream, "wait_stream", "wait_stream")
     t.wrap(staged.StagingBuffers, "take_buffer", "take_buffer")
+    t.wrap(raw_events.RawEvent, "record", "raw_record")
+    t.wrap(raw_events.RawEvent, "wait", "raw_wait")
+    t.wrap(staged.SingleCopy, "issue", "single_copy")
     try:
         fn()
         t.us.clear()
@@ -113,6 +118,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--runs", default="0,1,4", help="host block run lengths (0: one run)")
+    ap.add_argument("--layouts", default="layer_first")
     args = ap.parse_args()
     t0 = time.time()
     res = {"env": env_info(), "spin_ms": SPIN_MS, "rows": []}
@@ -120,15 +127,18 @@ def main() -> None:
     n = tokens // GEO.page_size
     num_blocks = 2 * n + 64
     kv = make_pool(GEO, 2 * tokens + 64 * GEO.page_size, "cuda")
-    pool = HostBlockPool(GEO, num_blocks, layout="layer_first")
-    stager = StagedTransfer(kv, pool.host, layout="layer_first")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    slots = random_slots(n, GEO.page_size, kv.num_slots, "cuda", gen)
-    rng = np.random.default_rng(0)
-    for run in (0, 1, 4):
+    for layout, run in ((lo, int(r)) for lo in args.layouts.split(",") for r in args.runs.split(",")):
+        pool = HostBlockPool(GEO, num_blocks, layout=layout)
+        stager = StagedTransfer(kv, pool.host, layout=layout)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        slots = random_slots(n, GEO.page_size, kv.num_slots, "cuda", gen)
+        rng = np.random.default_rng(0)
         ids = torch.from_numpy(fragmented_ids(n, run, num_blocks, rng))
+        generic = StagedCopy(stager, slots, ids, to_host=False, check=False)
+        generic._one_chunk[1] = None  # every layer through issue_chunks, as before the one-chunk path
         copies = {"staged_copy": StagedCopy(stager, slots, ids, to_host=False, check=False),
-                  "direct_copy": DirectCopy(kv, pool.host, slots, ids.cuda(), to_host=False, layout="layer_first",
+                  "staged_copy_generic": generic,
+                  "direct_copy": DirectCopy(kv, pool.host, slots, ids.cuda(), to_host=False, layout=layout,
                                             check=False)}
         for name, copy in copies.items():
             def fn(copy=copy):
@@ -136,16 +146,17 @@ def main() -> None:
                     copy.launch(layer)
             bench_way = [host_us_per_call(fn, reps=args.reps) for _ in range(3)]
             single = one_at_a_time_us(fn, args.reps)
-            row = dict(run=run, path=name, bench_method_us=bench_way, one_at_a_time_us=single,
+            row = dict(layout=layout, run=run, path=name, bench_method_us=bench_way, one_at_a_time_us=single,
                        one_at_a_time_median_us=statistics.median(single), breakdown=breakdown(fn, args.reps))
             res["rows"].append(row)
-            print(f"R={run or 'one'} {name}: bench method {[round(x) for x in bench_way]} us, one at a time "
-                  f"median {row['one_at_a_time_median_us']:.0f} us (min {min(single):.0f}, max {max(single):.0f})",
-                  flush=True)
+            print(f"{layout} R={run or 'one'} {name}: bench method {[round(x) for x in bench_way]} us, one at a "
+                  f"time median {row['one_at_a_time_median_us']:.0f} us (min {min(single):.0f}, max "
+                  f"{max(single):.0f})", flush=True)
             for k, v in row["breakdown"].items():
                 print("   ", k, v, flush=True)
-    del stager
-    pool.destroy()
+        torch.cuda.synchronize()
+        del stager, copies, generic
+        pool.destroy()
     res["seconds"] = time.time() - t0
     write_json(args.out, res)
 

@@ -32,6 +32,7 @@ from kvtier.kernels import batch_copy
 from kvtier.kernels.checks import LayerSpan, check_blocks_tensor, check_kv, check_transfer, layer_span
 from kvtier.kernels.paged_kv import PagedKV
 from kvtier.kernels.pinned import split_at_registrations
+from kvtier.kernels.raw_events import wait_event
 from kvtier.kernels.row_issue import RowIssuer
 from kvtier.kernels.transfer import KernelLaunch, on_stream
 from kvtier.kernels.tuning import DEFAULT_TUNING, Tuning, check_tuning
@@ -149,7 +150,7 @@ class StagingBuffers:
 
     def __init__(self, kv: PagedKV, elems: int, num_buffers: int) -> None:
         self.buffers = [torch.empty(elems, dtype=kv.geometry.dtype, device=kv.device) for _ in range(num_buffers)]
-        self.free_events: list[Optional[torch.cuda.Event]] = [None] * num_buffers
+        self.free_events: list = [None] * num_buffers  # per buffer: a torch event or a RawEvent, or None
         self.copy_stream = torch.cuda.Stream(device=kv.device) if kv.is_cuda else None
         self._follow = torch.cuda.Event() if kv.is_cuda else None
         self.next_buffer = 0
@@ -214,8 +215,8 @@ def _first_step(d: StagingBuffers, work, to_host: bool, chunk: ChunkIssue) -> No
     """A chunk's write of its buffer (a store's gather, a load's copy), after the buffer's last reader."""
     stream = work if to_host else d.copy_stream
     free = d.free_events[chunk.buffer] if work is not None else None
-    if free is not None:
-        stream.wait_event(free)
+    if free is not None:  # a torch event, or a RawEvent of a StagedCopy's one-chunk load
+        wait_event(stream, free)
     (chunk.fire if to_host else chunk.copy)()
     if work is not None:
         chunk.handoff.record(stream)
@@ -392,6 +393,30 @@ class StagedTransfer:
         for host_view, staging_view in self._run_views(staging, host_ids, span, runs):
             _copy_2d(host_view, staging_view, to_host=to_host, stream=stream)
 
+    def single_copy(self, staging: torch.Tensor, host_ids: np.ndarray, count: int,
+                    to_host: bool) -> Optional["SingleCopy"]:
+        """The one copy-engine copy between ``staging`` and the host blocks of ``host_ids`` (one run) for a span of
+        ``count`` layers from any first layer, as raw runtime arguments (a layerwise load issues it per layer);
+        None without CuPy, for several runs, or where a span's host rows cross a host registration or the pitches
+        exceed the device's limit (those copies go row by row: :meth:`copy_runs`)."""
+        runs = block_runs(host_ids)
+        if _cupy is None or not self.kv.is_cuda or len(runs) != 1:
+            return None
+        geo = self.kv.geometry
+        host_off, stg_off, width, height, host_pitch, stg_pitch = self._rect_fields(
+            LayerSpan(0, count), int(host_ids[0]), 0, host_ids.size, host_ids.size)
+        host = self._host_bytes.data_ptr() + host_off
+        shift, extent = self.layer_shift(), (height - 1) * host_pitch + width
+        if height > 1 and max(host_pitch, stg_pitch) > _max_pitch():
+            return None
+        if any(len(split_at_registrations(host + first * shift, extent)) > 1
+               for first in range(geo.num_layers - count + 1)):
+            return None
+        stg = staging.data_ptr() + stg_off
+        if to_host:
+            return SingleCopy(host, host_pitch, stg, stg_pitch, width, height, shift, 0)
+        return SingleCopy(stg, stg_pitch, host, host_pitch, width, height, 0, shift)
+
     def close(self) -> None:
         """Stop the threads that issue stores' rows, if any (``Tuning.store_row_threads`` > 1); idempotent. A store
         after it starts them again."""
@@ -545,6 +570,30 @@ class ChunkRuns:
     rects: dict[int, Rects] = dataclasses.field(default_factory=dict)
     rows: dict[int, Rows] = dataclasses.field(default_factory=dict)
     launches: dict[tuple[int, int], KernelLaunch] = dataclasses.field(default_factory=dict)
+
+
+class SingleCopy(NamedTuple):
+    """One ``cudaMemcpy2DAsync`` (one ``cudaMemcpyAsync`` for a single row) between staging and host blocks, for a
+    span's first layer 0: a later first layer moves the host side ``dst_shift`` / ``src_shift`` bytes a layer."""
+
+    dst: int
+    dst_pitch: int
+    src: int
+    src_pitch: int
+    width: int
+    height: int
+    dst_shift: int
+    src_shift: int
+
+    def issue(self, first_layer: int, stream: int) -> None:
+        """Queue the copy of the span from ``first_layer`` on the raw stream ``stream``."""
+        rt = _cupy.cuda.runtime
+        dst, src = self.dst + first_layer * self.dst_shift, self.src + first_layer * self.src_shift
+        if self.height > 1:
+            rt.memcpy2DAsync(dst, self.dst_pitch, src, self.src_pitch, self.width, self.height, rt.memcpyDefault,
+                             stream)
+        else:
+            rt.memcpyAsync(dst, src, self.width, rt.memcpyDefault, stream)
 
 
 class _Rect(NamedTuple):

@@ -13,14 +13,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
+from kvtier.kernels import raw_events
 from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
-from kvtier.kernels.staged import ChunkIssue, ChunkRuns, StagedTransfer, StagingBuffers, block_runs, issue_chunks
-from kvtier.kernels.transfer import KernelLaunch, on_device, on_stream, raw_stream, torch_stream
+from kvtier.kernels.raw_events import RawEvent
+from kvtier.kernels.staged import (ChunkIssue, ChunkRuns, SingleCopy, StagedTransfer, StagingBuffers, block_runs,
+                                   issue_chunks)
+from kvtier.kernels.transfer import KernelLaunch, _current_raw_stream, on_device, on_stream, raw_stream, torch_stream
+
+
+@dataclasses.dataclass
+class _OneChunk:
+    """A load whose span of layers is one staging chunk of one run of blocks: per staging buffer its copy and its
+    scatter, and the events that hand the buffer between the streams (raw handles: a few per layer)."""
+
+    copies: list[SingleCopy]
+    launches: list[KernelLaunch]
+    handoff: list[RawEvent]
+    free: list[RawEvent]
+    follow: RawEvent
 
 
 @dataclasses.dataclass
@@ -62,6 +77,7 @@ class StagedCopy:
         self._free = [torch.cuda.Event() if kv.is_cuda else None for _ in range(n)]
         self._plans: dict[tuple[int, bool], list[_Chunk]] = {}
         self._groups: dict[int, list[tuple[int, int]]] = {}
+        self._one_chunk: dict[int, Optional[_OneChunk]] = {}
         self._programs = stager.tuning.staged_programs(to_host)
 
     def launch(self, layers: Union[None, int, range] = None, *, stream=None) -> None:
@@ -69,6 +85,15 @@ class StagedCopy:
         stager = self.stager
         kv = stager.kv
         span = layer_span(layers, kv.geometry.num_layers)
+        if kv.is_cuda and not self.to_host:
+            one = self._one_chunk.get(span.count, False)
+            if one is False:
+                one = self._one_chunk[span.count] = self._plan_one_chunk(span.count)
+            if one is not None:
+                with on_device(kv):
+                    self._launch_one_chunk(one, span, _current_raw_stream(kv.device.index) if stream is None
+                                           else raw_stream(stream))
+                return
         work = None
         if kv.is_cuda:
             work = torch.cuda.current_stream(kv.device) if stream is None else torch_stream(kv, stream)
@@ -82,6 +107,42 @@ class StagedCopy:
                 for chunk in self._plan(sub.count, i == (0 if self.to_host else len(subs) - 1))))
             if self.to_host and work is not None and last is not None:
                 work.wait_event(last)
+
+    def _plan_one_chunk(self, count: int) -> Optional[_OneChunk]:
+        """The raw plan of a load of ``count`` layers that is one staging chunk of one run of blocks (a layerwise
+        load of a prefix whose layer fits the staging buffer, its blocks in one run); None for any other (or
+        without CuPy): those issue through :func:`issue_chunks`."""
+        if not raw_events.available() or self._layer_groups(LayerSpan(0, count)) != [LayerSpan(0, count)]:
+            return None
+        plan = self._plan(count, True)
+        if len(plan) != 1 or len(plan[0].plan.runs) != 1:
+            return None
+        chunk, buffers = plan[0], self._direction.buffers
+        copies = [self.stager.single_copy(buf, chunk.host_ids, count, to_host=False) for buf in buffers]
+        if any(c is None for c in copies):
+            return None
+        with on_device(self.stager.kv):
+            return _OneChunk(copies, chunk.launches, [RawEvent() for _ in buffers], [RawEvent() for _ in buffers],
+                             RawEvent())
+
+    def _launch_one_chunk(self, one: _OneChunk, span: LayerSpan, work: int) -> None:
+        """Issue a one-chunk load of ``span`` behind the raw stream ``work``: the copy on the copy stream after
+        ``work``'s work so far and the buffer's last reader, the scatter on ``work`` after the copy; the buffer's
+        free event after the scatter. If the scatter's launch raises, ``work`` waits for the copy."""
+        d = self._direction
+        copy_stream = d.copy_stream.cuda_stream
+        b = d.take_buffer()
+        one.follow.record(work)
+        one.follow.wait(copy_stream)
+        free = d.free_events[b]
+        if free is not None:
+            raw_events.wait_event(d.copy_stream, free)
+        one.copies[b].issue(span.start, copy_stream)
+        one.handoff[b].record(copy_stream)
+        one.handoff[b].wait(work)  # the copy precedes whatever follows on work, also if the launch raises
+        one.launches[b].fire(span, self._programs, work, blocks_layer0=span.start)
+        one.free[b].record(work)
+        d.free_events[b] = one.free[b]
 
     def _layer_groups(self, span: LayerSpan) -> list[LayerSpan]:
         """:meth:`StagedTransfer.layer_groups` of ``span``, from the groups of a span of its width from layer 0

@@ -124,11 +124,19 @@ class KernelLaunch:
         self.tiles_per_layer = -(-self.n_rows * (row_words // chunk) // segs)
         self.layer_bytes = self.n_rows * geo.kv_count * geo.row_bytes
         self.pointers = (kv.base, kv.offsets, as_words(blocks, word_bytes), slots, block_ids)
+        device = self.pointers[0].device
+        self._cuda = device.type == "cuda" and not _INTERPRETED
+        self._device_index = device.index
+        # The launches pass device tensors as their addresses: Triton's launcher asks the driver to translate every
+        # tensor argument on every launch (a data_ptr call and cuPointerGetAttribute each). Host blocks stay
+        # tensors, translated to their device address; self.pointers keeps every tensor alive.
+        self._launch_pointers = tuple(p.data_ptr() if p.is_cuda else p for p in self.pointers)
         self.strides = strides
         self.blocks_layer0 = blocks_layer0
         self.consts = (to_blocks, geo.kv_count, geo.page_size, row_words, chunk, segs, kv.align_words)
         self.num_warps = num_warps
         self.kernel = None  # the compiled kernel, found on the first CUDA launch
+        self._runners: dict[int, object] = {}  # grid -> the compiled kernel's launcher for it
 
     def fire(self, span: LayerSpan, num_programs: int, stream: Optional[int],
              blocks_layer0: Optional[int] = None) -> None:
@@ -139,15 +147,18 @@ class KernelLaunch:
             return
         grid = max(1, min(num_programs, span.count * self.tiles_per_layer))
         layer0 = self.blocks_layer0 if blocks_layer0 is None else blocks_layer0
-        args = (*self.pointers, self.n_rows, self.skip_rows, span.start, span.count, *self.strides, layer0)
-        device = self.pointers[0].device
-        if _INTERPRETED or device.type != "cuda":
-            _copy_pages_kernel[(grid,)](*args, **dict(zip(_CONST_NAMES, self.consts)), num_warps=self.num_warps)
+        scalars = (self.n_rows, self.skip_rows, span.start, span.count, *self.strides, layer0)
+        if not self._cuda:
+            _copy_pages_kernel[(grid,)](*self.pointers, *scalars, **dict(zip(_CONST_NAMES, self.consts)),
+                                        num_warps=self.num_warps)
             return
-        if self.kernel is None:
-            self.kernel = _compiled_kernel(args, self.consts, self.num_warps, grid)
-        self.kernel[(grid, 1, 1)](*args, *self.consts,
-                                  stream=_current_raw_stream(device.index) if stream is None else stream)
+        runner = self._runners.get(grid)
+        if runner is None:
+            if self.kernel is None:
+                self.kernel = _compiled_kernel((*self.pointers, *scalars), self.consts, self.num_warps, grid)
+            runner = self._runners[grid] = self.kernel[(grid, 1, 1)]
+        runner(*self._launch_pointers, *scalars, *self.consts,
+               stream=_current_raw_stream(self._device_index) if stream is None else stream)
 
 
 # Compiled kernels by specialisation: Triton's generic launch path binds and hashes every argument on each call
