@@ -6,7 +6,8 @@ host blocks in shuffled runs of R consecutive ids (R in 1, 2, 4, 8, 16, 64 and o
 launches), ``staged`` (StagedTransfer, all layers), ``staged_copy`` (a StagedCopy launched per layer), for loads and
 stores, and ``auto``: what the tier's transfer policy in ``auto`` mode picks for a whole load, a layerwise load and
 a store of those blocks (it reads their runs, so the pick may differ per R). For each: GPU time (CUDA events,
-medians) and host issue time (the GPU kept busy), and every load is checked byte for byte once. Then (CUDA) an
+medians of 10 reps, in 3 rounds over the whole grid: a cell's time is the median of its rounds) and host issue time
+(the GPU kept busy), and every load is checked byte for byte once. Then (CUDA) an
 8192^3 bf16 GEMM beside back-to-back transfers of every path at R = 1 and one run. Summary:
 ``frag_worst_over_one_run`` (what auto picks at the worst R over what it picks for one run, over both layouts and
 sizes, per kind), ``frag_layerwise_issue_ms_max`` (auto's layerwise load, 8k tokens, host issue ms at the worst R)
@@ -126,22 +127,23 @@ def resummarize(args, path: str) -> dict:
 
 
 def run_transfers(args, res: dict) -> None:
+    """Every cell's load check and host issue time, then its GPU time in ``args.rounds`` rounds over the whole grid
+    (a cell's ``gpu_ms`` is the median of its rounds' medians, ``gpu_ms_rounds`` each round's): a slow spell of the
+    machine lands on different cells in different rounds rather than on all the reps of one cell."""
     geo = _transfer_geometry(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     num_blocks = 2 * max(args.tokens) // geo.page_size + 64
     kv = make_pool(geo, 2 * max(args.tokens) + 64 * geo.page_size, device)
     gen = torch.Generator(device=device).manual_seed(0)
-    rows = []
-    pool = stager = None
+    pools: dict[str, tuple[HostBlockPool, StagedTransfer]] = {}
+    cells = []  # (row, issue function)
     for layout, tokens, run, ids_np in _cases(args):
-        if pool is None or pool.layout != layout:
-            if pool is not None:
-                del stager
-                pool.destroy()
+        if layout not in pools:
             pool = HostBlockPool(geo, num_blocks, layout=layout)
-            host = pool.host
-            host.view(torch.uint8).random_(0, 256)
-            stager = StagedTransfer(kv, host, layout=layout)
+            pool.host.view(torch.uint8).random_(0, 256)
+            pools[layout] = (pool, StagedTransfer(kv, pool.host, layout=layout))
+        pool, stager = pools[layout]
+        host = pool.host
         n = tokens // geo.page_size
         ids = torch.from_numpy(ids_np)
         slots = random_slots(n, geo.page_size, kv.num_slots, device, gen)
@@ -156,20 +158,29 @@ def run_transfers(args, res: dict) -> None:
                 row = dict(layout=layout, tokens=tokens, run=run, runs=runs,
                            op="store" if to_host else "load", path=path, nbytes=tokens * geo.token_bytes)
                 if device == "cuda":
-                    row["gpu_ms"] = time_gpu_ms(fn, reps=args.reps)["median_ms"]
                     row["host_ms"] = host_us_per_call(fn, reps=args.host_reps) / 1e3
+                    row["gpu_ms_rounds"] = []
                 else:
                     t = time.perf_counter()
                     fn()
                     row["gpu_ms"] = row["host_ms"] = (time.perf_counter() - t) * 1e3
-                row["gbps"] = row["nbytes"] / (row["gpu_ms"] * 1e-3) / 1e9
-                rows.append(row)
-                print(f"{layout:11s} {tokens:5d} R={run or 'one':>3} runs={runs:4d} "
-                      f"{row['op']:5s} {path:12s} gpu {row['gpu_ms']:8.3f} ms host {row['host_ms']:8.3f} ms "
-                      f"{row['gbps']:6.1f} GB/s", flush=True)
-    del stager
-    pool.destroy()
-    res["rows"] = rows
+                cells.append((row, fn))
+    if device == "cuda":
+        for _ in range(args.rounds):
+            for row, fn in cells:
+                row["gpu_ms_rounds"].append(time_gpu_ms(fn, reps=args.reps)["median_ms"])
+    for row, _ in cells:
+        if device == "cuda":
+            row["gpu_ms"] = float(np.median(row["gpu_ms_rounds"]))
+        row["gbps"] = row["nbytes"] / (row["gpu_ms"] * 1e-3) / 1e9
+        print(f"{row['layout']:11s} {row['tokens']:5d} R={row['run'] or 'one':>3} runs={row['runs']:4d} "
+              f"{row['op']:5s} {row['path']:12s} gpu {row['gpu_ms']:8.3f} ms host {row['host_ms']:8.3f} ms "
+              f"{row['gbps']:6.1f} GB/s", flush=True)
+    res["rows"] = [row for row, _ in cells]
+    del cells, fns, fn, stager
+    for layout in list(pools):
+        pool, _ = pools.pop(layout)
+        pool.destroy()
 
 
 def run_gemm(args, res: dict) -> None:
@@ -327,9 +338,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.layers, args.heads, args.head_dim, args.tokens, args.reps, args.host_reps = 2, 1, 64, (64, 256), 1, 1
+        args.rounds = 1
         args.churn_convs, args.churn_system, args.churn_blocks, args.churn_steps = 6, 256, 48, 40
     else:
         args.layers, args.heads, args.head_dim, args.tokens, args.reps, args.host_reps = 36, 8, 128, (1024, 8192), 10, 10
+        args.rounds = 3
         args.churn_convs, args.churn_system, args.churn_blocks, args.churn_steps = 64, 2048, 4096, 400
     args.gemm_copies = 4
     if args.resummarize:
