@@ -46,8 +46,10 @@ __all__ = ["Path", "CopyPlan", "TransferPolicy", "AUTO_STAGED_LOAD_BYTES", "AUTO
 # of 36 Qwen3-8B layers less than twice over; below it the direct kernel's latency wins and the SMs are held for tens
 # of microseconds only.
 AUTO_STAGED_LOAD_BYTES = 4 * 1024 * 1024
-# One layer of a layerwise load goes staged from this size: a StagedCopy issues a layer in ~60-77 us of host time
-# (bench/results/probes/probe_overhead_staged_copy_h200.json), and 77 us of copy at 54.5 GB/s is 4 MiB.
+# One layer of a layerwise load goes staged from this size: a StagedCopy issued a layer in ~60-77 us of host time
+# (bench/results/probes/probe_overhead_staged_copy_h200.json), and 77 us of copy at 54.5 GB/s is 4 MiB. A layer of
+# one chunk of one run issues in ~25 us since its raw-handle path (probes/layerwise_issue_onechunk_h200.json); the
+# constant is not re-tuned for it.
 AUTO_STAGED_LAYER_BYTES = 4 * 1024 * 1024
 # page_first layerwise loads: the copy engine moved 4 KiB rows at 20 GB/s and 64 KiB rows at 54 GB/s
 # (bench/results/probes/probe_copy2d_h200.json).
@@ -62,9 +64,9 @@ AUTO_STAGED_MIN_ROW_BYTES = 256 * 1024
 # (bench/results/probes/fragmentation_h200_c2748ea.json). 256 MiB is 1820 tokens of Qwen3-8B KV.
 AUTO_DIRECT_LOAD_MAX_BYTES = 256 * 1024 * 1024
 # Layerwise loads: a layer of one run is one row (one 2-D copy of K and V before they were adjacent in layer_first)
-# and issues 36 layers in 1.3-2.4 ms of host time (one issue at a time on a drained device:
-# bench/results/fragmentation_h200.json, probes/layerwise_issue_cached_h200.json); 16 rows took 2.9-5.7 ms, 64 rows
-# 4.9-6.8 ms (fragmentation_h200.json at 3cfdcfd, issues back to back).
+# and issues 36 layers in 0.9-1.5 ms of host time (one issue at a time on a drained device: StagedCopy's one-chunk
+# path, bench/results/fragmentation_h200.json, probes/layerwise_issue_onechunk_h200.json); 16 rows took 2.9-5.7 ms,
+# 64 rows 4.9-6.8 ms (fragmentation_h200.json at 3cfdcfd, issues back to back).
 AUTO_STAGED_MAX_LAYER_ROWS = 1
 
 
