@@ -177,9 +177,9 @@ def run_transfers(args, res: dict) -> None:
               f"{row['op']:5s} {row['path']:12s} gpu {row['gpu_ms']:8.3f} ms host {row['host_ms']:8.3f} ms "
               f"{row['gbps']:6.1f} GB/s", flush=True)
     res["rows"] = [row for row, _ in cells]
-    del cells, fns, fn, stager
-    for layout in list(pools):
-        pool, _ = pools.pop(layout)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for pool, _ in pools.values():
         pool.destroy()
 
 

@@ -44,8 +44,9 @@ def require_mooncake() -> str:
 class Master:
     """One ``mooncake_master`` process on ``127.0.0.1``; :attr:`addr` is its RPC address."""
 
-    def __init__(self, log_dir: str, port: Optional[int] = None) -> None:
+    def __init__(self, log_dir: str, port: Optional[int] = None, flags: tuple[str, ...] = ()) -> None:
         self.binary = require_mooncake()
+        self.flags = flags  # more command-line flags, e.g. ("--client_ttl=60",)
         self.port = port or free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.log_dir = log_dir
@@ -56,7 +57,7 @@ class Master:
         log = open(os.path.join(self.log_dir, f"mooncake_master_{self.port}.log"), "ab")
         self.proc = subprocess.Popen(
             [self.binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", "--metrics_host=127.0.0.1",
-             f"--metrics_port={free_port()}", "--enable_metric_reporting=false"],
+             f"--metrics_port={free_port()}", "--enable_metric_reporting=false", *self.flags],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + timeout_s

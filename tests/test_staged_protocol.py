@@ -131,8 +131,10 @@ class FakeLaunch:
     def __init__(self, log: Log, buffer: int) -> None:
         self.log, self.buffer = log, buffer
 
+    current = "work"  # the stream a fire on the current stream (handle None) lands on
+
     def fire(self, span, programs, handle, blocks_layer0=None) -> None:
-        self.log.ops.append(("fire", {1: "work", 2: "copy", None: "work"}[handle], self.buffer))  # None: current
+        self.log.ops.append(("fire", {1: "work", 2: "copy", 3: "work2", None: self.current}[handle], self.buffer))
         self.log.layer0.append(blocks_layer0)
 
 
@@ -157,7 +159,7 @@ def run_staged_copy(to_host: bool, num_buffers: int, pages: int, layer_order: li
 def check_handoffs(log: Log, to_host: bool) -> None:
     """Every write of a staging buffer follows its last read, and every read follows the write it reads."""
     assert {op[1] for op in log.ops if op[0] == "copy"} <= {"copy"}
-    assert {op[1] for op in log.ops if op[0] == "fire"} <= {"work"}
+    assert {op[1] for op in log.ops if op[0] == "fire"} <= {"work", "work2"}
     writer = "fire" if to_host else "copy"  # the gather fills a store's buffer, the copy a load's
     last_read: dict[int, int] = {}
     last_write: dict[int, int] = {}
@@ -298,7 +300,7 @@ def test_rect_rows_are_each_rectangles_rows_top_to_bottom(rects, one_height):
 class FakeRawEvent:
     """Stands in for a RawEvent: records and waits on raw handles (1: work, 2: copy)."""
 
-    NAMES = {1: "work", 2: "copy"}
+    NAMES = {1: "work", 2: "copy", 3: "work2"}
 
     def __init__(self, log: Log) -> None:
         self.log, self.ref = log, None
@@ -327,8 +329,9 @@ class FakeSingleCopy:
 def test_one_chunk_loads_order_every_handoff_beside_staged_transfers(monkeypatch, num_buffers, pages, layers,
                                                                      between):
     """A StagedCopy load of one chunk of one run goes through raw events (``_launch_one_chunk``); launched layer
-    after layer, some launches followed by a StagedTransfer load through the same staging buffers (torch events),
-    every buffer's copy follows its last scatter (either path's) and every scatter its copy."""
+    after layer, some launches followed by a StagedTransfer load through the same staging buffers on another work
+    stream (torch events), every buffer's copy follows its last scatter (either path's, either stream's) and every
+    scatter its copy."""
     from kvtier.kernels.staged_copy import _OneChunk
     stager = make_stager(num_buffers)  # a chunk holds 4 pages of one layer: pages <= 4 is one chunk
     copy = StagedCopy(stager, torch.arange(pages * GEO.page_size), torch.arange(pages), to_host=False)
@@ -339,11 +342,13 @@ def test_one_chunk_loads_order_every_handoff_beside_staged_transfers(monkeypatch
                     FakeRawEvent(log))
     ids = np.arange(HOST_BLOCKS - pages, HOST_BLOCKS)
     slots = torch.arange(pages * GEO.page_size)
+    work2 = FakeStream(log, "work2", 3)
+    monkeypatch.setattr(FakeLaunch, "current", "work2")  # the StagedTransfer's scatters run on work2
     for layer, other in zip(layers, between):
         copy._launch_one_chunk(one, LayerSpan(layer, 1), work.cuda_stream)
         if other:
-            issue_chunks(d, work, False, [
-                stager._chunk(d, work, slots[c.slot_lo:c.slot_hi], ids[c.first:c.first + c.pages],
+            issue_chunks(d, work2, False, [
+                stager._chunk(d, work2, slots[c.slot_lo:c.slot_hi], ids[c.first:c.first + c.pages],
                               LayerSpan(layer, 1), c, False, ChunkRuns(block_runs(ids[c.first:c.first + c.pages])))
                 for c in stager.chunks(pages, 1, False, short_edge=True)])
     check_handoffs(log, False)

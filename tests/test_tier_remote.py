@@ -26,7 +26,7 @@ from kvtier.tier import HostBlockPool, KVTier, remote_tier
 from kvtier.tier.remote_link import remote_fingerprint
 from kvtier.tier.ssd_tier import signed64
 from tests.kv_helpers import make_kv
-from tests.mooncake_master import free_port, mooncake_master, require_mooncake  # noqa: F401
+from tests.mooncake_master import Master, free_port, mooncake_master, require_mooncake  # noqa: F401
 from tests.tier_helpers import TINY, lower_hit_and_load as fetch_and_load, page_slots, prompt, same, slot_bytes
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
@@ -450,16 +450,17 @@ _PEER = textwrap.dedent("""
 """)
 
 
-def test_a_hung_then_dead_peer_is_a_counted_transfer_failure_never_corruption(mooncake_master):
+def test_a_hung_then_dead_peer_is_a_counted_transfer_failure_never_corruption(tmp_path):
     """The values' holder (another instance's segment) hangs, then dies, while the master still lists its keys
-    (until its client TTL, ~10 s): the hung get ends by its timeout and takes the tier down once; the dead
-    holder's values fail at once as transfer failures (``remote_blocks_fetch_failed``), not as corrupt ones, and
-    the tier stays up."""
-    peer = subprocess.Popen([sys.executable, "-c", _PEER.format(root=ROOT, master=mooncake_master.addr)], cwd=ROOT,
+    (until its client TTL, 60 s here so that a slow machine keeps them): the hung get ends by its timeout and takes
+    the tier down once; the dead holder's values fail at once as transfer failures (``remote_blocks_fetch_failed``),
+    not as corrupt ones, and the tier stays up."""
+    master = Master(str(tmp_path), flags=("--client_ttl=60",))
+    peer = subprocess.Popen([sys.executable, "-c", _PEER.format(root=ROOT, master=master.addr)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert peer.stdout.readline().split() == ["stored", "4"]
-        b = make_remote_tier(mooncake_master.addr, seed=1)
+        b = make_remote_tier(master.addr, seed=1)
         toks = prompt(1, 4)
         peer.send_signal(signal.SIGSTOP)  # hung: its sockets open, nothing served
         t0 = time.monotonic()
@@ -483,3 +484,4 @@ def test_a_hung_then_dead_peer_is_a_counted_transfer_failure_never_corruption(mo
     finally:
         peer.kill()
         peer.wait(10)
+        master.kill()

@@ -377,6 +377,7 @@ def test_one_chunk_layerwise_loads_beside_whole_loads_are_exact(layout: str):
     one-chunk path, a few event calls a layer); launched layer by layer out of order, skipping the first tokens,
     each launch followed by a whole staged load of scattered blocks through the same staging buffers (torch events),
     every layer of both lands byte-exact."""
+    pytest.importorskip("cupy")  # the path's runtime calls
     geo = KVGeometry(4, 8, 128, torch.bfloat16, page_size=16)
     gen = torch.Generator().manual_seed(9)
     kv = make_kv(geo, 4096, "cuda", gen)

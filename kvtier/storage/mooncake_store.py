@@ -27,10 +27,11 @@ Ranges = Sequence[tuple[int, int]]  # (address, bytes) of registered memory, in 
 # Mooncake error codes (mooncake-store/include/types.h) the tier tells apart; other negatives are per-key failures.
 CODE_NOT_FOUND = -704
 CODE_UNREACHABLE = (-900, -901)  # RPC_FAIL, the master did not answer (dead, stopped, unreachable)
-# The value is not there to read: not found, its replica not ready, gone or its lease expired, its holder's segment
-# or client unknown to the master.
-CODE_GONE = (CODE_NOT_FOUND, -703, -707, -710, -712, -101, -103)
-CODE_TRANSFER_FAIL = (-899, -800)  # TRANSFER_FAIL and its range: the holder did not serve the bytes (dead, hung)
+# The value is not there to read: not found, its replica not ready, gone, or its lease expired.
+CODE_GONE = (CODE_NOT_FOUND, -703, -707, -710, -712)
+# The holder did not serve the value: TRANSFER_FAIL (dead, hung, or a size mismatch), its segment or client unknown
+# to the master (-101, -103). Not the rest of the -8xx range (CHECKSUM_MISMATCH, -801, is corruption).
+CODE_TRANSFER_FAIL = (-800, -101, -103)
 
 
 class RemoteStoreError(RuntimeError):
@@ -155,4 +156,4 @@ def transfer_failed(code: Optional[int]) -> bool:
     """Whether a get's code says the transfer of a value the master knows failed: its holder dead (at once:
     connection refused) or hung (after Mooncake's own transfer timeout, about a minute), or the value not the size
     of the ranges read into (at once; :meth:`MooncakeStore.size` tells them apart)."""
-    return code is not None and CODE_TRANSFER_FAIL[0] <= code <= CODE_TRANSFER_FAIL[1]
+    return code in CODE_TRANSFER_FAIL

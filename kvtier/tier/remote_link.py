@@ -162,7 +162,8 @@ class RemoteLink:
         return FetchPlan(held, hashes, signed64((ns or _DEFAULT_NS).seed), rows)
 
     def start_fetch(self, plan: FetchPlan, task_id: int) -> Optional[RemoteJob]:
-        """Start ``plan``'s probe for task ``task_id``; None when the tier is down."""
+        """Start ``plan``'s probe for task ``task_id``; None when the tier is down or its fetch thread still runs
+        a call given up on."""
         job = self.medium.probe(plan.hashes, plan.namespace, plan.tokens)
         if job is not None:
             self._fetching[int(plan.hashes[0])] = (task_id, job.hashes)

@@ -273,11 +273,13 @@ class RemoteTier:
 
     def put(self, hashes: np.ndarray, namespace: int, tokens: np.ndarray, host_ids: np.ndarray) -> Optional[RemoteJob]:
         """Start storing CPU blocks ``host_ids`` (chain ``hashes``, ``tokens`` rows); None when nothing is put
-        (the tier is down or the queue full: the blocks are dropped, counted)."""
-        room = self._max_pending - self._pending_blocks if self.up and not _stuck(self._putter) else 0
+        (the tier is down, the put thread still runs a call given up on, or the queue is full: the blocks are
+        dropped, counted)."""
+        stuck = _stuck(self._putter)
+        room = self._max_pending - self._pending_blocks if self.up and not stuck else 0
         k = max(0, min(hashes.size, room))  # the first blocks: a prefix's head serves most
         self.stats.blocks_put_dropped += hashes.size - k
-        if self.up and k < hashes.size:  # down: the tier-down warning says why
+        if self.up and not stuck and k < hashes.size:  # down or stuck: the tier-down warning says why
             self.advice.remote_put_dropped(dropped=hashes.size - k)
         if k == 0:
             return None
@@ -496,7 +498,7 @@ class RemoteTier:
                 concurrent.futures.wait([last[3]])
 
     def _run_put(self, job: RemoteJob) -> None:
-        if not self.up:  # marked down after this job was queued: not sent (counted as failed)
+        if not self.up or job.abandoned:  # marked down or given up on while queued: not sent (counted failed)
             return
 
         def fill(buf: np.ndarray, a: int, i: int) -> None:
@@ -533,7 +535,7 @@ class RemoteTier:
         job.found = held.index(False)
 
     def _run_get(self, job: RemoteJob) -> None:
-        if not self.up:
+        if not self.up or job.abandoned:  # marked down or given up on while queued: its blocks are free at once
             return
 
         def call(a: int, b: int, buf: np.ndarray) -> list[int]:

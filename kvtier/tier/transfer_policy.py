@@ -46,10 +46,10 @@ __all__ = ["Path", "CopyPlan", "TransferPolicy", "AUTO_STAGED_LOAD_BYTES", "AUTO
 # of 36 Qwen3-8B layers less than twice over; below it the direct kernel's latency wins and the SMs are held for tens
 # of microseconds only.
 AUTO_STAGED_LOAD_BYTES = 4 * 1024 * 1024
-# One layer of a layerwise load goes staged from this size: a StagedCopy issued a layer in ~60-77 us of host time
-# (bench/results/probes/probe_overhead_staged_copy_h200.json), and 77 us of copy at 54.5 GB/s is 4 MiB. A layer of
-# one chunk of one run issues in ~25 us since its raw-handle path (probes/layerwise_issue_onechunk_h200.json); the
-# constant is not re-tuned for it.
+# One layer of a layerwise load goes staged from this size: StagedCopy's generic path issues a layer in ~60-77 us of
+# host time (bench/results/probes/probe_overhead_staged_copy_h200.json), and 77 us of copy at 54.5 GB/s is 4 MiB.
+# Its one-chunk path (a layer of one run) issues in ~25 us (probes/layerwise_issue_onechunk_h200.json), which would
+# put the break-even near 1.4 MiB; the value stays at the generic path's.
 AUTO_STAGED_LAYER_BYTES = 4 * 1024 * 1024
 # page_first layerwise loads: the copy engine moved 4 KiB rows at 20 GB/s and 64 KiB rows at 54 GB/s
 # (bench/results/probes/probe_copy2d_h200.json).
