@@ -329,13 +329,50 @@ def summarize(res: dict) -> dict:
     return s
 
 
+def plot(res: dict, path: str) -> None:
+    """One panel per host layout: what ``auto`` picks for a whole load, a layerwise load and a store, its GPU time over
+    the one-run time of the same kind, by run length R, 1k and 8k tokens; the path picked is written at each point."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    gpu = {(r["layout"], r["tokens"], r["run"], r["op"], r["path"]): r["gpu_ms"] for r in res["rows"]}
+    runs = [r for r in res["runs"] if r] + [0]
+    layouts = list(res["auto"])
+    fig, axes = plt.subplots(1, len(layouts), figsize=(6.5 * len(layouts), 4.4), sharey=True, squeeze=False)
+    for ax, layout in zip(axes[0], layouts):
+        for i, (tokens, by_run) in enumerate(res["auto"][layout].items()):
+            for j, kind in enumerate(("load_whole", "load_layerwise", "store")):
+                op = "store" if kind == "store" else "load"
+                picks = [by_run[str(r)][kind] for r in runs]
+                base = gpu[(layout, int(tokens), 0, op, by_run["0"][kind])]
+                ys = [gpu[(layout, int(tokens), r, op, p)] / base for r, p in zip(runs, picks)]
+                ax.plot(range(len(runs)), ys, marker="os^"[j], ls="-" if i else "--", color=f"C{j}",
+                        label=f"{kind}, {int(tokens) // 1024}k tokens")
+                for x, (y, p) in enumerate(zip(ys, picks)):
+                    ax.annotate(p, (x, y), fontsize=5, xytext=(2, 2), textcoords="offset points")
+        ax.axhline(1.10, color="grey", lw=0.8, ls=":")
+        ax.set_xticks(range(len(runs)), [str(r) if r else "one" for r in runs])
+        ax.set_xlabel("host blocks in runs of R pages")
+        ax.set_title(f"{layout}: auto's pick, GPU time over one run", fontsize=9)
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("time / one-run time (target <= 1.10)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fragmentation_h200.json"))
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (Triton interpreter)")
     ap.add_argument("--resummarize", metavar="JSON",
                     help="recompute auto's picks and the summary of a run's JSON by this checkout's policy, into --out")
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a run's JSON (next to it)")
     args = ap.parse_args(argv)
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), os.path.splitext(args.plot)[0] + ".png")
+        return 0
     if args.smoke:
         args.layers, args.heads, args.head_dim, args.tokens, args.reps, args.host_reps = 2, 1, 64, (64, 256), 1, 1
         args.rounds = 1
@@ -361,6 +398,7 @@ def main(argv=None) -> int:
     res["summary"] = summarize(res)
     res["seconds"] = time.time() - t0
     write_json(args.out, res)
+    plot(res, os.path.splitext(args.out)[0] + ".png")
     for k, v in res["summary"].items():
         print(f"{k}: {v}")
     print(f"wrote {args.out} in {res['seconds']:.0f} s")

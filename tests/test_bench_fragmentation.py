@@ -31,6 +31,7 @@ def test_smoke_run_checks_every_fragmented_load_and_reports_the_churn(tmp_path):
     s = res["summary"]
     assert s["frag_worst_over_one_run"] > 0 and s["frag_layerwise_issue_ms_max"] > 0
     assert res["churn"]["pool_full_at_step"] is not None and res["churn"]["loads"]["copies"] > 0
+    assert (tmp_path / "frag.png").stat().st_size > 10_000  # the PNG beside the JSON
     # --resummarize replays the same block ids: by the same policy it reproduces the run's picks and summary
     again = tmp_path / "again.json"
     assert main(["--smoke", "--resummarize", str(out), "--out", str(again)]) == 0
