@@ -393,9 +393,8 @@ class StagedTransfer:
         for host_view, staging_view in self._run_views(staging, host_ids, span, runs):
             _copy_2d(host_view, staging_view, to_host=to_host, stream=stream)
 
-    def single_copy(self, staging: torch.Tensor, host_ids: np.ndarray, count: int,
-                    to_host: bool) -> Optional["SingleCopy"]:
-        """The one copy-engine copy between ``staging`` and the host blocks of ``host_ids`` (one run) for a span of
+    def single_load(self, staging: torch.Tensor, host_ids: np.ndarray, count: int) -> Optional["SingleCopy"]:
+        """The one copy-engine copy from the host blocks of ``host_ids`` (one run) into ``staging`` for a span of
         ``count`` layers from any first layer, as raw runtime arguments (a layerwise load issues it per layer);
         None without CuPy, for several runs, or where a span's host rows cross a host registration or the pitches
         exceed the device's limit (those copies go row by row: :meth:`copy_runs`)."""
@@ -412,10 +411,7 @@ class StagedTransfer:
         if any(len(split_at_registrations(host + first * shift, extent)) > 1
                for first in range(geo.num_layers - count + 1)):
             return None
-        stg = staging.data_ptr() + stg_off
-        if to_host:
-            return SingleCopy(host, host_pitch, stg, stg_pitch, width, height, shift, 0)
-        return SingleCopy(stg, stg_pitch, host, host_pitch, width, height, 0, shift)
+        return SingleCopy(staging.data_ptr() + stg_off, stg_pitch, host, host_pitch, width, height, shift)
 
     def close(self) -> None:
         """Stop the threads that issue stores' rows, if any (``Tuning.store_row_threads`` > 1); idempotent. A store
@@ -573,8 +569,8 @@ class ChunkRuns:
 
 
 class SingleCopy(NamedTuple):
-    """One ``cudaMemcpy2DAsync`` (one ``cudaMemcpyAsync`` for a single row) between staging and host blocks, for a
-    span's first layer 0: a later first layer moves the host side ``dst_shift`` / ``src_shift`` bytes a layer."""
+    """One ``cudaMemcpy2DAsync`` (one ``cudaMemcpyAsync`` for a single row) from host blocks into staging, for a
+    span's first layer 0: a later first layer reads the host side ``src_shift`` bytes a layer further."""
 
     dst: int
     dst_pitch: int
@@ -582,13 +578,12 @@ class SingleCopy(NamedTuple):
     src_pitch: int
     width: int
     height: int
-    dst_shift: int
     src_shift: int
 
     def issue(self, first_layer: int, stream: int) -> None:
         """Queue the copy of the span from ``first_layer`` on the raw stream ``stream``."""
         rt = _cupy.cuda.runtime
-        dst, src = self.dst + first_layer * self.dst_shift, self.src + first_layer * self.src_shift
+        dst, src = self.dst, self.src + first_layer * self.src_shift
         if self.height > 1:
             rt.memcpy2DAsync(dst, self.dst_pitch, src, self.src_pitch, self.width, self.height, rt.memcpyDefault,
                              stream)

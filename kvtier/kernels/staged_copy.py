@@ -122,7 +122,7 @@ class StagedCopy:
         if len(plan) != 1 or len(plan[0].plan.runs) != 1:
             return None
         chunk, buffers = plan[0], self._direction.buffers
-        copies = [self.stager.single_copy(buf, chunk.host_ids, count, to_host=False) for buf in buffers]
+        copies = [self.stager.single_load(buf, chunk.host_ids, count) for buf in buffers]
         if any(c is None for c in copies):
             return None
         with on_device(self.stager.kv):

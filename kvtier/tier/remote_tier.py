@@ -569,10 +569,10 @@ class RemoteTier:
                 if transfer_failed(code):  # a dead or hung holder, or a value of another size: ask the master
                     size = self.store.size(self.keys(job.hashes[a + got:a + got + 1])[0])
                     code = size if size < 0 else (code if size == self.value_bytes else None)
-                job.down = unreachable(code)
-                job.missing += gone(code)
-                job.failed += transfer_failed(code)
-                job.corrupt += not (job.down or gone(code) or transfer_failed(code))
+                missing, failed, job.down = gone(code), transfer_failed(code), unreachable(code)
+                job.missing += missing
+                job.failed += failed
+                job.corrupt += not (job.down or missing or failed)
                 return False
             return True
 
