@@ -5,6 +5,7 @@ between probe and get, forged values, and the key scheme. Every wait is bounded 
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -435,6 +436,34 @@ def test_no_fetch_starts_while_a_get_given_up_on_still_runs(mooncake_master):
     pages, got = fetch_and_load(b, t2)
     assert pages == 2 and b.stats()["remote_fetches_abandoned"] == 1
     assert_accounted(b)
+    a.destroy()
+    b.destroy()
+
+
+def test_put_calls_run_at_a_lower_priority_than_probes_and_gets(mooncake_master):
+    """A Mooncake call busy-waits on its calling thread: the put calls (background write-through) run on a thread
+    PUT_CALL_NICE nicer than the tier's creator, so their wait yields the cores; probes and gets keep its priority."""
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    nice: dict[str, set] = {}
+
+    def recorded(store, method: str) -> None:
+        real = getattr(store, method)
+
+        def call(*args):
+            nice.setdefault(method, set()).add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return real(*args)
+        setattr(store, method, call)
+    a = make_remote_tier(mooncake_master.addr)
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    recorded(a.remote.medium.store, "put")
+    for method in ("exists", "get"):
+        recorded(b.remote.medium.store, method)
+    toks = prompt(1, 3)
+    store_and_put(a, toks)
+    pages, _ = fetch_and_load(b, toks)
+    assert pages == 3
+    assert nice == {"put": {min(19, base + remote_tier.PUT_CALL_NICE)}, "exists": {base}, "get": {base}}
+    assert remote_tier.PUT_CALL_NICE > 0
     a.destroy()
     b.destroy()
 

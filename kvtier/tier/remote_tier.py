@@ -64,6 +64,14 @@ _WATCH_S = 0.02  # how often a waiting owner checks the calls' deadlines
 # 4; none (the worker alone) below 8 CPUs, where Mooncake's own calls already keep the cores busy.
 _CPUS = os.cpu_count() or 1
 PREP_THREADS = min(4, _CPUS // 4) if _CPUS >= 8 else 0
+# Niceness of the thread that makes the put calls (background write-through). A synchronous Mooncake call
+# busy-waits for its transfers on the calling thread (``wait_for_completion`` polls the transfer status and the
+# clock); at the lowest priority that wait yields the cores to the transfer's own threads, the batch preparation
+# and the engine instead of taking a fair share of them. On 2 cores a raw put call ran at 1.37-1.42 GB/s from
+# niceness 19 beside a thread copying and hashing, 0.90-1.08 from 0; beside a Python loop 1.40-1.47 against
+# 0.59-0.86; alone 1.33-2.09 against 1.65-1.94 (bench/probes/remote_contention.py, probes/remote_contention_cpu.json;
+# niceness 10 in between: _nice10_cpu.json). Probes and gets, which a request waits for, keep the caller's priority.
+PUT_CALL_NICE = 19
 
 ViewFn = Callable[[int], np.ndarray]  # CPU block id -> its bytes, uint8 [layers, row] (rows contiguous)
 
@@ -179,12 +187,13 @@ class _Worker:
     buffers of a slot of ``slot_bytes`` per block of a batch (a header, followed by the block's bytes when blocks
     are staged): one batch is prepared or checked in one buffer while the other's call runs."""
 
-    def __init__(self, name: str, store: MooncakeStore, batch: int, slot_bytes: int = ALIGN) -> None:
+    def __init__(self, name: str, store: MooncakeStore, batch: int, slot_bytes: int = ALIGN, nice: int = 0) -> None:
         self.slot_bytes = slot_bytes
         self.buffers = [aligned(batch * slot_bytes) for _ in range(2 if slot_bytes else 0)]
         for buf in self.buffers:
             store.register(buf.ctypes.data, buf.nbytes)
-        self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-call")
+        self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-call",
+                                                            initializer=_lower_priority, initargs=(nice,))
         self.running: Optional[RemoteJob] = None  # the job whose stage runs now
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -220,6 +229,17 @@ class _Worker:
             return False
         self.sender.shutdown(wait=True)
         return True
+
+
+def _lower_priority(nice: int) -> None:
+    """Raise the calling thread's niceness by ``nice`` (only its own: Linux niceness is per thread; threads it
+    starts inherit it, and Mooncake starts none in a call); where that is not allowed, it keeps its priority."""
+    if nice:
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        except (OSError, AttributeError):
+            pass
 
 
 def _stuck(worker: Optional[_Worker]) -> bool:
@@ -262,8 +282,8 @@ class RemoteTier:
         slot = self._slot_bytes = self.value_bytes if self.staged else ALIGN
         self._prep = (concurrent.futures.ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="kvtier-remote-prep")
                       if PREP_THREADS else None)
-        self._putter = _Worker("kvtier-remote-put", store, self._batch, slot)
-        self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch, slot)
+        self._putter = _Worker("kvtier-remote-put", store, self._batch, slot, nice=PUT_CALL_NICE)
+        self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch, slot, nice=PUT_CALL_NICE)
         self._prober = _Worker("kvtier-remote-probe", store, 0, 0)  # probes never queue behind gets
 
     def keys(self, hashes: np.ndarray) -> list[str]:
