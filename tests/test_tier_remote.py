@@ -443,7 +443,10 @@ def test_no_fetch_starts_while_a_get_given_up_on_still_runs(mooncake_master):
 def test_put_calls_run_at_a_lower_priority_than_probes_and_gets(mooncake_master):
     """A Mooncake call busy-waits on its calling thread: the put calls (background write-through) run on a thread
     PUT_CALL_NICE nicer than the tier's creator, so their wait yields the cores; probes and gets keep its priority."""
+    assert remote_tier.PUT_CALL_NICE > 0
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    if base >= 19:
+        pytest.skip("the test runs at niceness 19: no thread can run nicer")
     nice: dict[str, set] = {}
 
     def recorded(store, method: str) -> None:
@@ -463,7 +466,6 @@ def test_put_calls_run_at_a_lower_priority_than_probes_and_gets(mooncake_master)
     pages, _ = fetch_and_load(b, toks)
     assert pages == 3
     assert nice == {"put": {min(19, base + remote_tier.PUT_CALL_NICE)}, "exists": {base}, "get": {base}}
-    assert remote_tier.PUT_CALL_NICE > 0
     a.destroy()
     b.destroy()
 

@@ -1,10 +1,10 @@
 """Probe: how Mooncake's raw ``batch_put_from`` over loopback TCP shares the machine's cores: its GB/s alone, beside
 a thread running a pure-Python loop (holding the GIL between bytecodes), and beside a thread copying and hashing
 64 MiB buffers (numpy and xxhash, the GIL released): what a remote put worker's own CPU work costs the put. Each
-condition with the call made from a thread at niceness 0 and at ``--nice`` (19): the call busy-waits for its
-transfers on the calling thread (``perf`` shows ``wait_for_completion`` polling the transfer status and
-``clock_gettime``), so at a low priority that wait yields to the transfer's threads and to the thread beside it
-(``remote_tier.PUT_CALL_NICE``).
+condition with the call made from a thread at the probe's own niceness and ``--nice`` more (the order alternating by
+round): the call busy-waits for its transfers on the calling thread (``perf`` shows ``wait_for_completion`` polling
+the transfer status and ``clock_gettime``), so at a lower priority that wait yields to the transfer's threads and to
+the thread beside it (``remote_tier.PUT_CALL_NICE``).
 
 One ``mooncake_master`` and one segment-holder process (``bench_remote.Stores``); calls of 36 values of 1.75 MiB +
 4 KiB (the bench's geometry), fresh keys each, removed after; medians of ``--calls`` per condition, ``--reps``
@@ -28,6 +28,7 @@ import xxhash
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from bench.bench_remote import Stores  # noqa: E402
+from kvtier.tier.remote_tier import _lower_priority  # noqa: E402
 
 VALUE = (7 << 20) // 4 + 4096
 PER_CALL = 36
@@ -54,7 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=12)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--nice", type=int, default=19, help="the caller's niceness of the low-priority rows")
+    ap.add_argument("--nice", type=int, default=10, help="niceness added to the caller of the low-priority rows")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     stores = Stores.start(tempfile.mkdtemp(prefix="kvtier-contention-"), 4 << 30)
@@ -77,32 +78,35 @@ def main() -> None:
             raw.batch_remove(keys, True)
             return dt
 
-        def calls_at(nice: int) -> list:
-            """``args.calls`` calls' seconds, made from a fresh thread at niceness ``nice``."""
+        def calls_at(nice: int) -> tuple[list, int]:
+            """``args.calls`` calls' seconds, made from a fresh thread ``nice`` nicer than this one; and its
+            niceness."""
             secs: list = []
+            got: list = []
 
             def run() -> None:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+                _lower_priority(nice)
+                got.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
                 secs.extend(one_call(k) for k in range(args.calls))
             th = threading.Thread(target=run)
             th.start()
             th.join()
-            return secs
+            return secs, got[0]
 
         rows = []
         for rep in range(args.reps):
             for name, work in (("alone", None), ("python_loop", python_loop), ("copy_and_hash", copy_and_hash)):
-                for nice in (0, args.nice):
+                for nice in (0, args.nice)[::1 if rep % 2 == 0 else -1]:
                     stop, count = threading.Event(), [0]
                     th = threading.Thread(target=work, args=(stop, count)) if work else None
                     if th:
                         th.start()
-                    secs = calls_at(nice)
+                    secs, caller_nice = calls_at(nice)
                     stop.set()
                     if th:
                         th.join()
                     med = statistics.median(secs)
-                    rows.append({"rep": rep, "beside": name, "caller_nice": nice,
+                    rows.append({"rep": rep, "beside": name, "caller_nice": caller_nice,
                                  "put_gbps": PER_CALL * VALUE / med / 1e9, "call_ms": med * 1e3,
                                  "background_iterations": count[0]})
                     print(json.dumps(rows[-1]), flush=True)

@@ -52,7 +52,7 @@ from kvtier.tier.room_advice import RoomAdvice
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RemoteTier", "RemoteJob", "RemoteStats", "RETRY_S", "BATCH_BYTES", "PREP_THREADS"]
+__all__ = ["RemoteTier", "RemoteJob", "RemoteStats", "RETRY_S", "BATCH_BYTES", "PREP_THREADS", "PUT_CALL_NICE"]
 
 # Tuned constants: docs/DESIGN.md, "Tuned constants".
 BATCH_BYTES = 64 << 20  # one put or get call per this many bytes
@@ -64,14 +64,12 @@ _WATCH_S = 0.02  # how often a waiting owner checks the calls' deadlines
 # 4; none (the worker alone) below 8 CPUs, where Mooncake's own calls already keep the cores busy.
 _CPUS = os.cpu_count() or 1
 PREP_THREADS = min(4, _CPUS // 4) if _CPUS >= 8 else 0
-# Niceness of the thread that makes the put calls (background write-through). A synchronous Mooncake call
-# busy-waits for its transfers on the calling thread (``wait_for_completion`` polls the transfer status and the
-# clock); at the lowest priority that wait yields the cores to the transfer's own threads, the batch preparation
-# and the engine instead of taking a fair share of them. On 2 cores a raw put call ran at 1.37-1.42 GB/s from
-# niceness 19 beside a thread copying and hashing, 0.90-1.08 from 0; beside a Python loop 1.40-1.47 against
-# 0.59-0.86; alone 1.33-2.09 against 1.65-1.94 (bench/probes/remote_contention.py, probes/remote_contention_cpu.json;
-# niceness 10 in between: _nice10_cpu.json). Probes and gets, which a request waits for, keep the caller's priority.
-PUT_CALL_NICE = 19
+# Niceness added to the thread that makes the put calls (background write-through): a synchronous Mooncake call
+# busy-waits for its transfers on its calling thread, and at a lower priority that wait yields the cores to the
+# transfer's own threads, the batch preparation and the engine. Probes and gets, which a request waits for, keep the
+# caller's priority. Moderate rather than 19: the thread still holds the GIL around each call and must not starve
+# past its call's deadline (docs/DESIGN.md, "Tuned constants").
+PUT_CALL_NICE = 10
 
 ViewFn = Callable[[int], np.ndarray]  # CPU block id -> its bytes, uint8 [layers, row] (rows contiguous)
 
@@ -232,8 +230,8 @@ class _Worker:
 
 
 def _lower_priority(nice: int) -> None:
-    """Raise the calling thread's niceness by ``nice`` (only its own: Linux niceness is per thread; threads it
-    starts inherit it, and Mooncake starts none in a call); where that is not allowed, it keeps its priority."""
+    """Raise the calling thread's niceness by ``nice``, at most to 19 (only its own: Linux niceness is per thread,
+    and threads it starts inherit it); where that is not supported, it keeps its priority."""
     if nice:
         try:
             tid = threading.get_native_id()
@@ -283,7 +281,7 @@ class RemoteTier:
         self._prep = (concurrent.futures.ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="kvtier-remote-prep")
                       if PREP_THREADS else None)
         self._putter = _Worker("kvtier-remote-put", store, self._batch, slot, nice=PUT_CALL_NICE)
-        self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch, slot, nice=PUT_CALL_NICE)
+        self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch, slot)
         self._prober = _Worker("kvtier-remote-probe", store, 0, 0)  # probes never queue behind gets
 
     def keys(self, hashes: np.ndarray) -> list[str]:
