@@ -26,6 +26,10 @@ Variants, alternating, ``--rounds`` rounds of ``--reps`` stores each:
   kvtier's kernel launched through Triton's own launcher, its staging stores plain (the control) or with that cache
   modifier / eviction policy (``.wt`` writes through to memory, leaving no dirty lines in the L2).
 * ``threads_2``, ``threads_4``: the rows issued from 2 or 4 threads (``Tuning.store_row_threads``; 1 by default).
+* ``l2_touch``, ``l2_touch_8m``: with gathers (32 or 8 MiB staging buffers), each chunk's copies preceded, on the copy
+  stream, by a kernel that reads the chunk's staging bytes (``evict_last``): do runs of two pages copy at the one-run
+  rate when the copy engine reads them from the L2 (``no_gather`` 22.0 ms at 8k: bytes the L2 holds from the last
+  copy) rather than from memory (``all_gathers_first``, ``no_gather_evict_l2``: 24.0-24.2)?
 
 Run (GPU machine): ``python3 bench/probes/store_gather_interference.py --out $OUT/store_gather_interference_h200.json``
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from typing import Optional
 import statistics
 import sys
 import time
@@ -55,7 +60,8 @@ from kvtier.kernels.transfer import _CONST_NAMES, KernelLaunch  # noqa: E402
 CASES = ((8192, 1), (8192, 2), (8192, 4), (8192, 0), (1024, 1), (1024, 2), (1024, 0))
 VARIANTS = ("store", "no_gather", "tiny_kernel", "side_stream", "split_64k", "all_gathers_first", "evict_l2",
             "no_gather_evict_l2", "staging_16m", "staging_8m", "staging_4m", "pitched_256k", "pitched_1m",
-            "threads_2", "threads_4", "gather_plain", "gather_wt", "gather_cs", "gather_cg", "gather_evict_first")
+            "threads_2", "threads_4", "gather_plain", "gather_wt", "gather_cs", "gather_cg", "gather_evict_first",
+            "l2_touch", "l2_touch_8m")
 GATHER_STORE = {"gather_plain": ("", ""), "gather_wt": (".wt", ""), "gather_cs": (".cs", ""),
                 "gather_cg": (".cg", ""), "gather_evict_first": ("", "evict_first")}
 PIECE = 64 << 10
@@ -95,6 +101,38 @@ def _gather_kernel(dev_base, dev_offsets, blocks, slots, block_ids, n_rows, skip
         tl.store(blk_ptrs, tl.load(dev_ptrs, mask=mask), mask=mask, cache_modifier=CACHE, eviction_policy=EVICT)
 
 
+@triton.jit
+def _touch_kernel(words, n_words, out, BLOCK: tl.constexpr):
+    """Read ``n_words`` int64 words (kept in the L2: ``evict_last``); one XOR per program to ``out``."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int64)
+    for start in range(pid * BLOCK, n_words, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc ^= tl.load(words + offs, mask=offs < n_words, other=0, eviction_policy="evict_last")
+    tl.store(out + pid, tl.reduce(acc, 0, _xor))
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+TOUCH_PROGRAMS = 132
+
+
+def touch_chunk(buffers: list, srcs: np.ndarray, sizes: np.ndarray, stream: torch.cuda.Stream,
+                out: torch.Tensor) -> None:
+    """Launch on ``stream`` a read of the staging bytes a chunk's rows ``srcs``/``sizes`` come from (one of
+    ``buffers``)."""
+    lo, hi = int(srcs.min()), int((srcs + sizes).max())
+    buf = next(b for b in buffers if b.data_ptr() <= lo and hi <= b.data_ptr() + b.numel() * b.element_size())
+    a, z = (lo - buf.data_ptr()) // 8, -(-(hi - buf.data_ptr()) // 8)
+    words = buf.view(torch.int64)[a:z]
+    with torch.cuda.stream(stream):
+        _touch_kernel[(TOUCH_PROGRAMS,)](words, words.numel(), out, BLOCK=1024, num_warps=8)
+
+
 def split_rows(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows wider than 64 KiB as 64 KiB pieces (row widths here are whole multiples of it), in order."""
     k = np.maximum(sizes // np.uint64(PIECE), np.uint64(1)).astype(np.int64)
@@ -104,8 +142,8 @@ def split_rows(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> tuple[n
 
 
 @contextlib.contextmanager
-def variant(name: str, side: torch.cuda.Stream, scratch: torch.Tensor):
-    """Patches of ``name``'s variant, undone on exit."""
+def variant(name: str, side: torch.cuda.Stream, scratch: torch.Tensor, stager: Optional[StagedTransfer] = None):
+    """Patches of ``name``'s variant, undone on exit (``stager``: the one a ``l2_touch`` variant stores with)."""
     fire, issue = KernelLaunch.fire, RowIssuer.issue
     if name == "no_gather":
         KernelLaunch.fire = lambda self, *a, **k: None
@@ -136,6 +174,13 @@ def variant(name: str, side: torch.cuda.Stream, scratch: torch.Tensor):
                                     *self.strides, layer0, **dict(zip(_CONST_NAMES, self.consts)), CACHE=cache,
                                     EVICT=evict, num_warps=self.num_warps)
         KernelLaunch.fire = modified
+    elif name in ("l2_touch", "l2_touch_8m"):
+        out = torch.empty(TOUCH_PROGRAMS, dtype=torch.int64, device="cuda")
+
+        def touched(self, dsts, srcs, sizes, stream):
+            touch_chunk(stager._store.buffers, srcs, sizes, stream, out)
+            issue(self, dsts, srcs, sizes, stream)
+        RowIssuer.issue = touched
     elif name == "split_64k":
         RowIssuer.issue = lambda self, dsts, srcs, sizes, stream: issue(self, *split_rows(dsts, srcs, sizes), stream)
     try:
@@ -147,7 +192,7 @@ def variant(name: str, side: torch.cuda.Stream, scratch: torch.Tensor):
 def same_bytes(name: str, stager: StagedTransfer, host: torch.Tensor, slots, ids, side, scratch) -> bool:
     """Whether ``name``'s store writes the blocks ``ids`` of the layer_first ``host`` as kvtier's store does."""
     host[:, ids] = 0
-    with variant(name, side, scratch):
+    with variant(name, side, scratch, stager):
         stager.store(slots, ids, check=False)
     torch.cuda.synchronize()
     got = host[:, ids]
@@ -181,7 +226,8 @@ def main() -> None:
                "pitched_1m": StagedTransfer(kv, pool.host, layout="layer_first",
                                             tuning=Tuning(store_rows_min_bytes=1 << 20)),
                "threads_2": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(store_row_threads=2)),
-               "threads_4": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(store_row_threads=4))}
+               "threads_4": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(store_row_threads=4)),
+               "l2_touch_8m": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(staging_bytes=8 << 20))}
     side = torch.cuda.Stream()
     scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     res = {"env": env_info(), "rows": []}
@@ -190,14 +236,14 @@ def main() -> None:
         for _ in range(args.rounds):
             for name in args.variants:
                 s = stagers.get(name, stager)
-                with variant(name, side, scratch):
+                with variant(name, side, scratch, s):
                     row[name].append(time_gpu_ms(lambda: s.store(slots, ids, check=False), reps=args.reps,
                                                 hide_host_us=args.hide_host_us)["median_ms"])
-        for name in [v for v in args.variants if v in GATHER_STORE]:  # the modified gathers move the same bytes
-            row[f"{name}_exact"] = same_bytes(name, stager, pool.host, slots, ids, side, scratch)
+        for name in [v for v in args.variants if v in GATHER_STORE or v.startswith("l2_touch")]:  # the same bytes
+            row[f"{name}_exact"] = same_bytes(name, stagers.get(name, stager), pool.host, slots, ids, side, scratch)
         for name in args.variants:  # host issue of one store, the GPU busy meanwhile
-            with variant(name, side, scratch):
-                s = stagers.get(name, stager)
+            s = stagers.get(name, stager)
+            with variant(name, side, scratch, s):
                 row[f"{name}_host_ms"] = host_us_per_call(lambda: s.store(slots, ids, check=False), reps=5) / 1e3
         res["rows"].append(row)
         print(f"{tokens:5d} R={run or 'one':>3}: " + "  ".join(
