@@ -35,8 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.common import (env_info, gemm_beside, host_us_per_call, make_pool, random_slots, time_gpu_ms,  # noqa: E402
-                          write_json)
+from bench.common import (env_info, gemm_beside, host_us_per_call, make_pool, random_slots,  # noqa: E402
+                          time_in_rounds, write_json)
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import DirectCopy, StagedTransfer, copy_pages_ref, load_pages, store_pages  # noqa: E402
@@ -159,19 +159,14 @@ def run_transfers(args, res: dict) -> None:
                            op="store" if to_host else "load", path=path, nbytes=tokens * geo.token_bytes)
                 if device == "cuda":
                     row["host_ms"] = host_us_per_call(fn, reps=args.host_reps) / 1e3
-                    row["gpu_ms_rounds"] = []
                 else:
                     t = time.perf_counter()
                     fn()
                     row["gpu_ms"] = row["host_ms"] = (time.perf_counter() - t) * 1e3
                 cells.append((row, fn))
     if device == "cuda":
-        for _ in range(args.rounds):
-            for row, fn in cells:
-                row["gpu_ms_rounds"].append(time_gpu_ms(fn, reps=args.reps)["median_ms"])
+        time_in_rounds(cells, args.rounds, args.reps)
     for row, _ in cells:
-        if device == "cuda":
-            row["gpu_ms"] = float(np.median(row["gpu_ms_rounds"]))
         row["gbps"] = row["nbytes"] / (row["gpu_ms"] * 1e-3) / 1e9
         print(f"{row['layout']:11s} {row['tokens']:5d} R={row['run'] or 'one':>3} runs={row['runs']:4d} "
               f"{row['op']:5s} {row['path']:12s} gpu {row['gpu_ms']:8.3f} ms host {row['host_ms']:8.3f} ms "

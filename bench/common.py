@@ -48,6 +48,19 @@ def time_gpu_ms(fn: Callable[[], Optional[object]], reps: int = 20, warmup: int 
     return {"median_ms": statistics.median(times), "p20_ms": q(0.2), "p80_ms": q(0.8)}
 
 
+def time_in_rounds(cells: list, rounds: int, reps: int) -> None:
+    """GPU time of each ``(row, fn)`` of ``cells`` in ``rounds`` rounds over all of them (:func:`time_gpu_ms`, ``reps``
+    a round): ``row["gpu_ms_rounds"]`` each round's median, ``row["gpu_ms"]`` their median. A slow spell of the
+    machine lands on different cells in different rounds rather than on all the reps of one cell."""
+    for row, _ in cells:
+        row["gpu_ms_rounds"] = []
+    for _ in range(rounds):
+        for row, fn in cells:
+            row["gpu_ms_rounds"].append(time_gpu_ms(fn, reps=reps)["median_ms"])
+    for row, _ in cells:
+        row["gpu_ms"] = statistics.median(row["gpu_ms_rounds"])
+
+
 def _sm_clock_hz() -> float:
     return torch.cuda.get_device_properties(0).clock_rate * 1e3 if hasattr(
         torch.cuda.get_device_properties(0), "clock_rate") else 1.98e9

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -25,8 +24,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from bench.bench_fragmentation import _check_load, fragmented_ids  # noqa: E402
-from bench.common import (env_info, gemm_beside, host_us_per_call, make_pool, random_slots, time_gpu_ms,  # noqa: E402
-                          write_json)
+from bench.common import (env_info, gemm_beside, host_us_per_call, make_pool, random_slots,  # noqa: E402
+                          time_in_rounds, write_json)
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import DirectCopy, StagedTransfer  # noqa: E402
 from kvtier.tier import HostBlockPool  # noqa: E402
@@ -91,18 +90,15 @@ def main() -> None:
                     fn = split_load(stager, direct, slots, ids, k, side)
                     _check_load(kv, pool.host, layout, slots, ids, fn)
                     row = dict(layout=layout, tokens=tokens, run=run, staged_layers=k,
-                               host_ms=host_us_per_call(fn, reps=10) / 1e3, gpu_ms_rounds=[])
+                               host_ms=host_us_per_call(fn, reps=10) / 1e3)
                     cells.append((row, fn))
                     if tokens == max(tokens_list) and run == 1:
                         g = gemm_beside(fn, tokens * GEO.token_bytes, a, b, side=torch.cuda.Stream(), n_copy=4)
                         res["gemm"].append(dict(layout=layout, tokens=tokens, run=run, staged_layers=k,
                                                 **{x: y for x, y in g.items() if x != "rounds"}))
                         print(f"gemm {layout} R={run} k={k}: {g['slowdown_pct']:+.2f}%", flush=True)
-        for _ in range(args.rounds):
-            for row, fn in cells:
-                row["gpu_ms_rounds"].append(time_gpu_ms(fn, reps=10)["median_ms"])
+        time_in_rounds(cells, args.rounds, reps=10)
         for row, _ in cells:
-            row["gpu_ms"] = statistics.median(row["gpu_ms_rounds"])
             res["rows"].append(row)
             print(f"{layout:11s} {row['tokens']:5d} R={row['run'] or 'one':>3} k={row['staged_layers']:2d} "
                   f"gpu {row['gpu_ms']:7.3f} ms {[round(x, 2) for x in row['gpu_ms_rounds']]} host "

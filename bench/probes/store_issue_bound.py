@@ -22,7 +22,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from bench.common import _sm_clock_hz, env_info, time_gpu_ms, write_json  # noqa: E402
+from bench.common import _sm_clock_hz, env_info, finish_probe, time_gpu_ms  # noqa: E402
 from bench.probes.store_affinity import store_cases  # noqa: E402
 from kvtier.kernels import StagedTransfer, Tuning  # noqa: E402
 
@@ -73,9 +73,7 @@ def main() -> None:
                       f"  issue {q['issue_ms']:6.2f}", flush=True)
     stagers.clear()
     torch.cuda.synchronize()
-    pool.destroy()
-    res["seconds"] = time.time() - t0
-    write_json(args.out, res)
+    finish_probe(res, pool, args.out, t0)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -25,7 +24,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from bench.bench_fragmentation import fragmented_ids  # noqa: E402
-from bench.common import env_info, host_us_per_call, make_pool, random_slots, time_gpu_ms, write_json  # noqa: E402
+from bench.common import env_info, finish_probe, host_us_per_call, make_pool, random_slots, time_in_rounds  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import StagedTransfer  # noqa: E402
 from kvtier.kernels.staged import Rects  # noqa: E402
@@ -79,30 +78,25 @@ def main() -> None:
             both = random_slots(2 * n, GEO.page_size, kv.num_slots, "cuda", gen)
             slots, back = both[:n * GEO.page_size], both[n * GEO.page_size:]
             for f in (float(x) for x in args.fractions.split(",")):
-                fn = (lambda ids=ids, slots=slots: stager.store(slots, ids, check=False))
-                fraction["f"] = f
+                def fn(ids=ids, slots=slots, f=f):
+                    fraction["f"] = f  # the fraction of this cell's runs that go pitched
+                    return stager.store(slots, ids, check=False)
                 pool.host.view(torch.uint8)[:8].zero_()  # (the load below checks every stored byte)
                 torch.cuda.current_stream().wait_event(fn())
                 stager.load(back, ids, check=False)  # the plain staged load, read back to other slots
                 torch.cuda.synchronize()
                 exact = all(torch.equal(b.view(torch.uint8)[back], b.view(torch.uint8)[slots]) for b in kv.buffers)
                 row = dict(tokens=tokens, run=run, pitched_fraction=f, exact=exact,
-                           host_ms=host_us_per_call(fn, reps=10) / 1e3, gpu_ms_rounds=[])
-                cells.append((row, fn, f))
-    for _ in range(args.rounds):
-        for row, fn, f in cells:
-            fraction["f"] = f
-            row["gpu_ms_rounds"].append(time_gpu_ms(fn, reps=10)["median_ms"])
-    for row, _, _ in cells:
-        row["gpu_ms"] = statistics.median(row["gpu_ms_rounds"])
+                           host_ms=host_us_per_call(fn, reps=10) / 1e3)
+                cells.append((row, fn))
+    time_in_rounds(cells, args.rounds, reps=10)
+    for row, _ in cells:
         res["rows"].append(row)
         print(f"{row['tokens']:5d} R={row['run'] or 'one':>3} f={row['pitched_fraction']:.1f} gpu {row['gpu_ms']:7.3f} "
               f"ms {[round(x, 2) for x in row['gpu_ms_rounds']]} host {row['host_ms']:6.2f} ms exact {row['exact']}",
               flush=True)
     torch.cuda.synchronize()
-    pool.destroy()
-    res["seconds"] = time.time() - t0
-    write_json(args.out, res)
+    finish_probe(res, pool, args.out, t0)
 
 
 if __name__ == "__main__":
