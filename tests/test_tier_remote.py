@@ -303,14 +303,19 @@ def test_puts_and_gets_in_many_batches_round_trip_and_stop_at_a_missing_block(mo
     b.destroy()
 
 
-def slowed(store, method: str, seconds: float) -> None:
-    """Make every call of the real client's ``method`` start ``seconds`` late (a slow or hung peer)."""
+def before_calls(store, method: str, before) -> None:
+    """Make every call of the real client's ``method`` run ``before()`` first, on the calling thread."""
     real = getattr(store, method)
 
-    def late(*args):
-        time.sleep(seconds)
+    def call(*args):
+        before()
         return real(*args)
-    setattr(store, method, late)
+    setattr(store, method, call)
+
+
+def slowed(store, method: str, seconds: float) -> None:
+    """Make every call of the real client's ``method`` start ``seconds`` late (a slow or hung peer)."""
+    before_calls(store, method, lambda: time.sleep(seconds))
 
 
 def poll_until(tier: KVTier, done, seconds: float) -> None:
@@ -450,12 +455,8 @@ def test_put_calls_run_at_a_lower_priority_than_probes_and_gets(mooncake_master)
     nice: dict[str, set] = {}
 
     def recorded(store, method: str) -> None:
-        real = getattr(store, method)
-
-        def call(*args):
-            nice.setdefault(method, set()).add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-            return real(*args)
-        setattr(store, method, call)
+        before_calls(store, method, lambda: nice.setdefault(method, set()).add(
+            os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
     a = make_remote_tier(mooncake_master.addr)
     b = make_remote_tier(mooncake_master.addr, seed=1)
     recorded(a.remote.medium.store, "put")
