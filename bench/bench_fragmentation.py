@@ -15,7 +15,8 @@ and ``gemm_slowdown_pct`` (the worst GEMM slowdown beside what auto picks).
 
 Part 2, churn: a KVTier with a small pool serves a multi-turn workload (stores of every turn, loads of each
 conversation's history) under LRU eviction; after a warm-up that fills the pool, the run lengths of the host block ids
-each load and store sees (median, p10, and the distribution).
+each load and store sees (median, p10, and the distribution), and the hit rate (``bench/probes/churn_allocator.py``
+runs it with other allocators).
 
 Run: ``bash tests/gpu_sglang.sh exec python3 bench/bench_fragmentation.py --out $OUT/fragmentation_h200.json``
 (the GPU; ``--smoke``: toy sizes on the CPU through the Triton interpreter, seconds).
@@ -229,29 +230,38 @@ def _check_load(kv, host, layout, slots, ids, fn) -> None:
             raise AssertionError(f"a fragmented load differs from the reference ({layout})")
 
 
-def run_churn(args, res: dict) -> None:
-    """Run lengths that a tier's loads and stores see once LRU churn has filled its pool."""
+def churn(convs: int, system_len: int, pool_blocks: int, steps: int, *, seed: int = 3, pool_cls=HostBlockPool,
+          make_tier=None) -> dict:
+    """Serve a multi-turn workload through a tier whose pool is ``pool_blocks`` blocks; once the pool is full (no
+    free block, or a store evicted) record the run lengths of the host block ids each load and store sees, and the
+    pages the index already held of each request (hits). The pool is a ``pool_cls``; ``make_tier(kv, pool)``
+    builds the tier (default: LRU, as configured)."""
     from kvtier.e2e.workloads import multi_turn
 
     geo = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=64, dtype=torch.bfloat16, page_size=16)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    convs = multi_turn(args.churn_convs, vocab=150000, seed=3, system_len=args.churn_system,
-                       user_len=(100, 600), turns=(3, 8))
-    longest = max(len(c.system) + sum(len(u) + 32 for u in c.user_turns) for c in convs)  # with the replies
+    conversations = multi_turn(convs, vocab=150000, seed=seed, system_len=system_len, user_len=(100, 600),
+                               turns=(3, 8))
+    longest = max(len(c.system) + sum(len(u) + 32 for u in c.user_turns) for c in conversations)  # with the replies
     kv = make_pool(geo, 2 * longest + 64, device)
-    pool = HostBlockPool(geo, args.churn_blocks, layout="layer_first")
-    tier = KVTier(kv, TierConfig(page_size=16, cpu_cache_gb=1.0), pool=pool)
+    pool = pool_cls(geo, pool_blocks, layout="layer_first")
+    cfg = TierConfig(page_size=16, cpu_cache_gb=1.0)
+    tier = make_tier(kv, pool) if make_tier is not None else KVTier(kv, cfg, pool=pool)
     slots = torch.arange(longest + 16, dtype=torch.int64, device=device)
     loads, stores, fill = [], [], None
-    rng = np.random.default_rng(4)
-    history = [list(c.system) for c in convs]
-    turn = [0] * len(convs)
+    hits = {"all": [0, 0], "full": [0, 0]}  # [pages held, pages asked]
+    rng = np.random.default_rng(seed + 1)
+    history = [list(c.system) for c in conversations]
+    turn = [0] * len(conversations)
     step = 0
-    while any(t < len(c.user_turns) for t, c in zip(turn, convs)) and step < args.churn_steps:
-        live = [i for i, c in enumerate(convs) if turn[i] < len(c.user_turns)]
+    while any(t < len(c.user_turns) for t, c in zip(turn, conversations)) and step < steps:
+        live = [i for i, c in enumerate(conversations) if turn[i] < len(c.user_turns)]
         i = int(rng.choice(live))
-        toks = np.array(history[i] + convs[i].user_turns[turn[i]], dtype=np.int64)
+        toks = np.array(history[i] + conversations[i].user_turns[turn[i]], dtype=np.int64)
         m = tier.index.match(toks[:toks.size // 16 * 16], None, touch=False)
+        for key in ("all", "full") if fill is not None else ("all",):
+            hits[key][0] += m.num_pages
+            hits[key][1] += toks.size // 16
         if fill is not None and m.num_pages:
             loads.append([length for _, length in block_runs(np.asarray(m.block_ids))])
         task = tier.load(toks, None, slots[:toks.size])
@@ -261,11 +271,12 @@ def run_churn(args, res: dict) -> None:
         if fill is not None and rec is not None and rec.block_ids.size:
             stores.append([length for _, length in block_runs(rec.block_ids)])
         tier.wait(task)
-        if fill is None and pool.num_free == 0:
-            fill = step  # from here the pool is full: every store evicts
+        if fill is None and (pool.num_free == 0 or tier._stats.pages_evicted > 0):
+            fill = step  # from here every store evicts
         history[i] = list(toks) + [int(x) for x in rng.integers(0, 150000, 32)]  # the reply
         turn[i] += 1
         step += 1
+    tier.destroy()
 
     def dist(per_copy):
         lengths = [x for runs in per_copy for x in runs]
@@ -275,9 +286,15 @@ def run_churn(args, res: dict) -> None:
                 "p10_R": float(np.percentile(lengths, 10)), "p90_R": float(np.percentile(lengths, 90)),
                 "runs_per_copy_median": float(np.median([len(r) for r in per_copy])),
                 "hist": {str(k): int(v) for k, v in zip(*np.unique(lengths, return_counts=True))}}
-    res["churn"] = {"conversations": len(convs), "pool_blocks": args.churn_blocks, "steps": step,
-                    "pool_full_at_step": fill, "loads": dist(loads), "stores": dist(stores)}
-    tier.destroy()
+    return {"conversations": convs, "seed": seed, "pool_blocks": pool_blocks, "steps": step,
+            "pool_full_at_step": fill, "loads": dist(loads), "stores": dist(stores),
+            "hit_rate": hits["all"][0] / max(1, hits["all"][1]),
+            "hit_rate_full": hits["full"][0] / max(1, hits["full"][1])}
+
+
+def run_churn(args, res: dict) -> None:
+    """Run lengths that a tier's loads and stores see once LRU churn has filled its pool."""
+    res["churn"] = churn(args.churn_convs, args.churn_system, args.churn_blocks, args.churn_steps)
 
 
 def summarize(res: dict) -> dict:

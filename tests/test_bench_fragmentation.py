@@ -30,7 +30,9 @@ def test_smoke_run_checks_every_fragmented_load_and_reports_the_churn(tmp_path):
     assert len(ops) == 2 * 2 * len(RUNS) * 2 * 4  # layouts x sizes x R x load/store x paths
     s = res["summary"]
     assert s["frag_worst_over_one_run"] > 0 and s["frag_layerwise_issue_ms_max"] > 0
-    assert res["churn"]["pool_full_at_step"] is not None and res["churn"]["loads"]["copies"] > 0
+    churn = res["churn"]
+    assert churn["pool_full_at_step"] is not None and churn["loads"]["copies"] > 0
+    assert 0 < churn["hit_rate"] < 1 and 0 <= churn["hit_rate_full"] <= 1  # later turns hit; first turns miss
     assert (tmp_path / "frag.png").stat().st_size > 10_000  # the PNG beside the JSON
     # --resummarize replays the same block ids: by the same policy it reproduces the run's picks and summary
     again = tmp_path / "again.json"

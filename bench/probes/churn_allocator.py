@@ -1,0 +1,158 @@
+"""Probe: can the CPU pool's allocator or eviction keep a request's blocks in longer runs under LRU churn, and at
+what cost in hits? The churn simulation of ``bench/bench_fragmentation.py`` (64 multi-turn conversations, a pool of
+4096 blocks of 16 tokens, LRU) run with these tiers, per workload seed:
+
+* ``lru``: the tier as shipped. Once the pool is full a store's blocks are exactly the blocks it evicts, so its runs
+  are the pieces of the victims' runs it takes.
+* ``reserve_K``: the tier keeps ``K`` blocks free (it evicts ahead, down to ``K`` free), and a store that finds no
+  free run long enough takes the longest free runs first (the last piece from the shortest run that fits).
+* ``run_completion``: LRU eviction that, having freed what was asked, goes on up the last victim's parents while each
+  is an unlocked leaf holding the block just below its child's (the rest of the run one store allocated), so that no
+  store leaves the head of a victim's run behind.
+
+Run lengths of the block ids each load and store sees after the pool filled (median, p10, runs per copy) and the
+hit rate (pages the index held of each request) over the whole run and after the fill. The allocation does not
+depend on the device: this runs on the CPU (the copies through the Triton interpreter, 2 layers of 64 dims).
+
+Run: ``TRITON_INTERPRET=1 python bench/probes/churn_allocator.py --jobs 2 --out probe.json`` (about 10 minutes on 2
+cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import sys
+import time
+
+import numba
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+from bench.bench_fragmentation import churn  # noqa: E402
+from bench.common import env_info, write_json  # noqa: E402
+from kvtier.config import TierConfig  # noqa: E402
+from kvtier.index import eviction  # noqa: E402
+from kvtier.index._heap import hp_pop, hp_push, hp_remove  # noqa: E402
+from kvtier.index._state import BLOCK, HPOS, LOCK, M_TOTAL, NCHILD, PARENT  # noqa: E402
+from kvtier.index.trie_jit import _free  # noqa: E402
+from kvtier.tier import HostBlockPool, KVTier  # noqa: E402
+
+
+@numba.njit
+def _evict_completing_runs(i32, i64, i8, table, meta, n, extra):
+    """LRU eviction of ``n`` pages, then up to ``extra`` of the last victim's parents while each is an evictable
+    leaf whose block is one below its child's."""
+    out = np.empty(max(0, min(n + extra, meta[M_TOTAL])), dtype=np.int64)
+    block = i64[BLOCK]
+    k, p = 0, -1
+    while k < out.shape[0]:
+        if k < n:
+            x = hp_pop(i32, i64, meta)
+            if x < 0:
+                break
+        elif p >= 0 and i32[HPOS, p] >= 0 and block[p] == out[k - 1] - 1:
+            x = p
+            hp_remove(i32, i64, meta, x)
+        else:
+            break
+        out[k] = block[x]
+        k += 1
+        p = i32[PARENT, x]
+        _free(i32, i64, i8, table, meta, x)
+        if p >= 0 and i32[NCHILD, p] == 0 and i32[LOCK, p] == 0:
+            hp_push(i32, i64, meta, p)
+    return out[:k]
+
+
+class RunCompletingLru(eviction.EvictionPolicy):
+    """LRU that frees the rest of the last victim's run (at most as many pages again as asked)."""
+
+    def evict(self, n: int) -> np.ndarray:
+        st = self.index._st
+        return _evict_completing_runs(st.i32, st.i64, st.i8, st.table, st.meta, n, n)
+
+
+class LongestRunsFirstPool(HostBlockPool):
+    """A pool whose fallback (no free run of ``n``) takes the longest free runs first, the last piece from the
+    shortest run that fits it."""
+
+    def alloc(self, n: int):
+        with self._lock:
+            if n == 0 or n > self._num_free or self._find_run(n) is not None:
+                return super().alloc(n)
+            edges = np.diff(np.concatenate(([0], self._free.view(np.int8), [0])))
+            starts = np.flatnonzero(edges == 1)
+            lengths = np.flatnonzero(edges == -1) - starts
+            parts, left = [], n
+            for k in np.lexsort((starts, -lengths)):
+                fit = np.flatnonzero(lengths >= left)
+                if fit.size:
+                    j = fit[np.argmin(lengths[fit])]
+                    parts.append(np.arange(starts[j], starts[j] + left))
+                    break
+                parts.append(np.arange(starts[k], starts[k] + lengths[k]))
+                left -= int(lengths[k])
+                lengths[k] = 0
+            ids = np.sort(np.concatenate(parts)).astype(np.int64)
+            self._free[ids] = False
+            self._num_free -= n
+            self._cursor = (int(ids[-1]) + 1) % self.num_blocks
+            return ids
+
+
+def reserve_tier(reserve: int):
+    """A factory of tiers that evict ahead to keep ``reserve`` blocks free, over a longest-runs-first pool."""
+
+    class ReserveTier(KVTier):
+        def _alloc(self, n: int) -> np.ndarray:
+            if self.pool.num_free - n < reserve:
+                self._evict_blocks(n + reserve - self.pool.num_free)
+            ids = self.pool.alloc(min(n, self.pool.num_free))
+            return ids if ids is not None else np.empty(0, np.int64)
+
+    return lambda kv, pool: ReserveTier(kv, TierConfig(page_size=16, cpu_cache_gb=1.0), pool=pool)
+
+
+VARIANTS = {"lru": (HostBlockPool, None), "run_completion": (HostBlockPool, "lru_run_completion")}
+
+
+def run_cell(seed: int, name: str) -> dict:
+    """One variant's churn over one workload seed."""
+    if "lru_run_completion" not in eviction.eviction_policy_names():
+        eviction.register_eviction_policy("lru_run_completion", RunCompletingLru)
+    if name.startswith("reserve_"):
+        pool_cls, make = LongestRunsFirstPool, reserve_tier(int(name.split("_")[1]))
+    else:
+        pool_cls, policy = VARIANTS[name]
+        make = None if policy is None else lambda kv, pool: KVTier(
+            kv, TierConfig(page_size=16, cpu_cache_gb=1.0, eviction_policy=policy), pool=pool)
+    c = churn(64, 2048, 4096, 400, seed=seed, pool_cls=pool_cls, make_tier=make)
+    c["variant"] = name
+    print(f"seed {seed} {name:15s} stores median/p10 R {c['stores']['median_R']}/{c['stores']['p10_R']} "
+          f"runs/copy {c['stores']['runs_per_copy_median']}  loads {c['loads']['median_R']}/{c['loads']['p10_R']}  "
+          f"hits {c['hit_rate']:.4f} (after the fill {c['hit_rate_full']:.4f})", flush=True)
+    return c
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seeds", default="3,7,11")
+    ap.add_argument("--reserves", default="32,64,128,256")
+    ap.add_argument("--jobs", type=int, default=1, help="cells run in this many processes at once")
+    args = ap.parse_args()
+    names = list(VARIANTS) + [f"reserve_{k}" for k in args.reserves.split(",")]
+    cells = [(int(seed), name) for seed in args.seeds.split(",") for name in names]
+    t0 = time.time()
+    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(run_cell, *zip(*cells)))
+    write_json(args.out, {"env": env_info(), "command": " ".join(sys.argv), "cells": results,
+                          "seconds": time.time() - t0})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
