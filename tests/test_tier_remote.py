@@ -445,14 +445,16 @@ def test_no_fetch_starts_while_a_get_given_up_on_still_runs(mooncake_master):
     b.destroy()
 
 
-def test_put_calls_run_at_a_lower_priority_than_probes_and_gets(mooncake_master):
+def test_put_calls_run_at_a_lower_priority_than_probes_and_gets(mooncake_master, monkeypatch):
     """A Mooncake call busy-waits on its calling thread: the put calls (background write-through) run on a thread
-    PUT_CALL_NICE nicer than the tier's creator, so their wait yields the cores; probes and gets keep its priority."""
-    assert remote_tier.PUT_CALL_NICE > 0
+    PUT_CALL_NICE nicer than the tier's creator, so their wait yields the cores, and the put batches are prepared
+    PUT_PREP_NICE nicer; probes and gets, and the checks of gets, keep its priority."""
+    assert remote_tier.PUT_CALL_NICE > 0 and remote_tier.PUT_PREP_NICE > 0
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     if base >= 19:
         pytest.skip("the test runs at niceness 19: no thread can run nicer")
     nice: dict[str, set] = {}
+    monkeypatch.setattr(remote_tier, "PREP_THREADS", 2)  # as on a machine of 8 CPUs or more
 
     def recorded(store, method: str) -> None:
         before_calls(store, method, lambda: nice.setdefault(method, set()).add(
@@ -467,6 +469,15 @@ def test_put_calls_run_at_a_lower_priority_than_probes_and_gets(mooncake_master)
     pages, _ = fetch_and_load(b, toks)
     assert pages == 3
     assert nice == {"put": {min(19, base + remote_tier.PUT_CALL_NICE)}, "exists": {base}, "get": {base}}
+    workers: dict[str, set] = {}
+    for t in threading.enumerate():
+        name = t.name.rsplit("_", 1)[0]  # a pool's threads: PREFIX_i
+        if name in ("kvtier-remote-put", "kvtier-remote-fetch", "kvtier-remote-probe", "kvtier-remote-prep"):
+            workers.setdefault(name, set()).add(os.getpriority(os.PRIO_PROCESS, t.native_id))
+    # the put worker prepares batches (copy, checksum) beside the call: nicer too; the fetch worker and the prep
+    # threads (which check gets as well) keep the creator's priority
+    assert workers == {"kvtier-remote-put": {min(19, base + remote_tier.PUT_PREP_NICE)}, "kvtier-remote-fetch": {base},
+                       "kvtier-remote-probe": {base}, "kvtier-remote-prep": {base}}
     a.destroy()
     b.destroy()
 

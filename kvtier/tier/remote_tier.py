@@ -52,7 +52,8 @@ from kvtier.tier.room_advice import RoomAdvice
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RemoteTier", "RemoteJob", "RemoteStats", "RETRY_S", "BATCH_BYTES", "PREP_THREADS", "PUT_CALL_NICE"]
+__all__ = ["RemoteTier", "RemoteJob", "RemoteStats", "RETRY_S", "BATCH_BYTES", "PREP_THREADS", "PUT_CALL_NICE",
+           "PUT_PREP_NICE"]
 
 # Tuned constants: docs/DESIGN.md, "Tuned constants".
 BATCH_BYTES = 64 << 20  # one put or get call per this many bytes
@@ -70,6 +71,10 @@ PREP_THREADS = min(4, _CPUS // 4) if _CPUS >= 8 else 0
 # caller's priority. Moderate rather than 19: the thread still holds the GIL around each call and must not starve
 # past its call's deadline (docs/DESIGN.md, "Tuned constants").
 PUT_CALL_NICE = 10
+# Niceness added to the put worker's own thread, which prepares the next batch (staging copy, checksum, header)
+# while a call runs: background work beside the transfer's threads and the engine's. The fetch worker, whose checks
+# a request waits for, keeps the caller's priority.
+PUT_PREP_NICE = 10
 
 ViewFn = Callable[[int], np.ndarray]  # CPU block id -> its bytes, uint8 [layers, row] (rows contiguous)
 
@@ -185,15 +190,18 @@ class _Worker:
     buffers of a slot of ``slot_bytes`` per block of a batch (a header, followed by the block's bytes when blocks
     are staged): one batch is prepared or checked in one buffer while the other's call runs."""
 
-    def __init__(self, name: str, store: MooncakeStore, batch: int, slot_bytes: int = ALIGN, nice: int = 0) -> None:
+    def __init__(self, name: str, store: MooncakeStore, batch: int, slot_bytes: int = ALIGN, nice: int = 0,
+                 prep_nice: int = 0) -> None:
         self.slot_bytes = slot_bytes
         self.buffers = [aligned(batch * slot_bytes) for _ in range(2 if slot_bytes else 0)]
         for buf in self.buffers:
             store.register(buf.ctypes.data, buf.nbytes)
         self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-call",
                                                             initializer=_lower_priority, initargs=(nice,))
+        _start_threads(self.sender, 1)
         self.running: Optional[RemoteJob] = None  # the job whose stage runs now
         self._q: queue.Queue = queue.Queue()
+        self._prep_nice = prep_nice
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -203,6 +211,7 @@ class _Worker:
         self._q.put((fn, job))
 
     def _loop(self) -> None:
+        _lower_priority(self._prep_nice)
         while True:
             item = self._q.get()
             if item is None:
@@ -238,6 +247,15 @@ def _lower_priority(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
         except (OSError, AttributeError):
             pass
+
+
+def _start_threads(pool: concurrent.futures.ThreadPoolExecutor, n: int) -> None:
+    """Start ``pool``'s ``n`` threads now, from the calling thread: a thread inherits its creator's niceness, and a
+    pool otherwise starts its threads from whichever thread submits first (a nicer worker's)."""
+    started = threading.Barrier(n + 1)
+    for _ in range(n):
+        pool.submit(started.wait)
+    started.wait()
 
 
 def _stuck(worker: Optional[_Worker]) -> bool:
@@ -280,7 +298,10 @@ class RemoteTier:
         slot = self._slot_bytes = self.value_bytes if self.staged else ALIGN
         self._prep = (concurrent.futures.ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="kvtier-remote-prep")
                       if PREP_THREADS else None)
-        self._putter = _Worker("kvtier-remote-put", store, self._batch, slot, nice=PUT_CALL_NICE)
+        if self._prep is not None:  # they check gets too: the creator's niceness, not the put worker's
+            _start_threads(self._prep, PREP_THREADS)
+        self._putter = _Worker("kvtier-remote-put", store, self._batch, slot, nice=PUT_CALL_NICE,
+                               prep_nice=PUT_PREP_NICE)
         self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch, slot)
         self._prober = _Worker("kvtier-remote-probe", store, 0, 0)  # probes never queue behind gets
 
