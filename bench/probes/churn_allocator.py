@@ -6,9 +6,9 @@ what cost in hits? The churn simulation of ``bench/bench_fragmentation.py`` (64 
   are the pieces of the victims' runs it takes.
 * ``reserve_K``: the tier keeps ``K`` blocks free (it evicts ahead, down to ``K`` free), and a store that finds no
   free run long enough takes the longest free runs first (the last piece from the shortest run that fits).
-* ``run_completion``: LRU eviction that, having freed what was asked, goes on up the last victim's parents while each
-  is an unlocked leaf holding the block just below its child's (the rest of the run one store allocated), so that no
-  store leaves the head of a victim's run behind.
+* ``run_completion``: LRU eviction that, having freed what was asked, goes on freeing the evictable leaf that holds
+  the block just below the last one freed (the rest of the run one store allocated: its pages are a parent chain),
+  at most as many pages again, so that no store leaves the head of a victim's run behind.
 
 Run lengths of the block ids each load and store sees after the pool filled (median, p10, runs per copy) and the
 hit rate (pages the index held of each request) over the whole run and after the fill. The allocation does not
@@ -35,44 +35,48 @@ from bench.bench_fragmentation import churn  # noqa: E402
 from bench.common import env_info, write_json  # noqa: E402
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.index import eviction  # noqa: E402
-from kvtier.index._heap import hp_pop, hp_push, hp_remove  # noqa: E402
-from kvtier.index._state import BLOCK, HPOS, LOCK, M_TOTAL, NCHILD, PARENT  # noqa: E402
+from kvtier.index._heap import hp_push, hp_remove  # noqa: E402
+from kvtier.index._state import BLOCK, HEAP, LOCK, M_HEAP, NCHILD, PARENT  # noqa: E402
 from kvtier.index.trie_jit import _free  # noqa: E402
 from kvtier.tier import HostBlockPool, KVTier  # noqa: E402
 
 
 @numba.njit
-def _evict_completing_runs(i32, i64, i8, table, meta, n, extra):
-    """LRU eviction of ``n`` pages, then up to ``extra`` of the last victim's parents while each is an evictable
-    leaf whose block is one below its child's."""
-    out = np.empty(max(0, min(n + extra, meta[M_TOTAL])), dtype=np.int64)
+def _complete_run(i32, i64, i8, table, meta, below, extra):
+    """Free up to ``extra`` more pages after an eviction whose last page held block ``below + 1``: while an
+    evictable leaf holds the block just below the last one freed (the rest of the run one store allocated, whose
+    pages are a parent chain). Returns their block ids."""
+    out = np.empty(extra, dtype=np.int64)
     block = i64[BLOCK]
-    k, p = 0, -1
-    while k < out.shape[0]:
-        if k < n:
-            x = hp_pop(i32, i64, meta)
-            if x < 0:
+    k = 0
+    while k < extra:
+        x = -1
+        for i in range(meta[M_HEAP]):
+            if block[i32[HEAP, i]] == below:
+                x = i32[HEAP, i]
                 break
-        elif p >= 0 and i32[HPOS, p] >= 0 and block[p] == out[k - 1] - 1:
-            x = p
-            hp_remove(i32, i64, meta, x)
-        else:
+        if x < 0:
             break
-        out[k] = block[x]
+        hp_remove(i32, i64, meta, x)
+        out[k] = below
         k += 1
-        p = i32[PARENT, x]
+        below -= 1
+        parent = i32[PARENT, x]
         _free(i32, i64, i8, table, meta, x)
-        if p >= 0 and i32[NCHILD, p] == 0 and i32[LOCK, p] == 0:
-            hp_push(i32, i64, meta, p)
+        if parent >= 0 and i32[NCHILD, parent] == 0 and i32[LOCK, parent] == 0:
+            hp_push(i32, i64, meta, parent)
     return out[:k]
 
 
 class RunCompletingLru(eviction.EvictionPolicy):
-    """LRU that frees the rest of the last victim's run (at most as many pages again as asked)."""
+    """LRU, then the rest of the last victim's run (at most as many pages again as asked)."""
 
     def evict(self, n: int) -> np.ndarray:
+        ids = self.index.evict(n)
+        if ids.size == 0:
+            return ids
         st = self.index._st
-        return _evict_completing_runs(st.i32, st.i64, st.i8, st.table, st.meta, n, n)
+        return np.concatenate([ids, _complete_run(st.i32, st.i64, st.i8, st.table, st.meta, ids[-1] - 1, n)])
 
 
 class LongestRunsFirstPool(HostBlockPool):
@@ -143,8 +147,10 @@ def main() -> int:
     ap.add_argument("--seeds", default="3,7,11")
     ap.add_argument("--reserves", default="32,64,128,256")
     ap.add_argument("--jobs", type=int, default=1, help="cells run in this many processes at once")
+    ap.add_argument("--variants", default="", help="only these (comma-separated names); default: all")
     args = ap.parse_args()
     names = list(VARIANTS) + [f"reserve_{k}" for k in args.reserves.split(",")]
+    names = [n for n in names if not args.variants or n in args.variants.split(",")]
     cells = [(int(seed), name) for seed in args.seeds.split(",") for name in names]
     t0 = time.time()
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
