@@ -250,12 +250,18 @@ def _lower_priority(nice: int) -> None:
 
 
 def _start_threads(pool: concurrent.futures.ThreadPoolExecutor, n: int) -> None:
-    """Start ``pool``'s ``n`` threads now, from the calling thread: a thread inherits its creator's niceness, and a
-    pool otherwise starts its threads from whichever thread submits first (a nicer worker's)."""
-    started = threading.Barrier(n + 1)
-    for _ in range(n):
-        pool.submit(started.wait)
-    started.wait()
+    """Start ``pool``'s ``n`` threads (its ``max_workers``) now, from the calling thread: a thread inherits its
+    creator's niceness, and a pool otherwise starts its threads from whichever thread submits first (a nicer
+    worker's). If they do not all start, the pool is shut down and the error raised."""
+    started = threading.Barrier(n + 1, timeout=10.0)  # a thread starts in microseconds: a bound, not a wait
+    try:
+        for _ in range(n):
+            pool.submit(started.wait)
+        started.wait()
+    except BaseException:
+        started.abort()  # threads already waiting return (with an error no one reads)
+        pool.shutdown(wait=False)
+        raise
 
 
 def _stuck(worker: Optional[_Worker]) -> bool:
@@ -298,12 +304,22 @@ class RemoteTier:
         slot = self._slot_bytes = self.value_bytes if self.staged else ALIGN
         self._prep = (concurrent.futures.ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="kvtier-remote-prep")
                       if PREP_THREADS else None)
-        if self._prep is not None:  # they check gets too: the creator's niceness, not the put worker's
-            _start_threads(self._prep, PREP_THREADS)
-        self._putter = _Worker("kvtier-remote-put", store, self._batch, slot, nice=PUT_CALL_NICE,
-                               prep_nice=PUT_PREP_NICE)
-        self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch, slot)
-        self._prober = _Worker("kvtier-remote-probe", store, 0, 0)  # probes never queue behind gets
+        self._putter = self._fetcher = self._prober = None
+        try:
+            if self._prep is not None:  # they check gets too: the creator's niceness, not the put worker's
+                _start_threads(self._prep, PREP_THREADS)
+            self._putter = _Worker("kvtier-remote-put", store, self._batch, slot, nice=PUT_CALL_NICE,
+                                   prep_nice=PUT_PREP_NICE)
+            self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch, slot)
+            self._prober = _Worker("kvtier-remote-probe", store, 0, 0)  # probes never queue behind gets
+        except BaseException:  # no thread outlives a tier that failed to start (none has a job yet)
+            for worker in (self._putter, self._fetcher):
+                if worker is not None:
+                    worker.close(timeout_s)
+            if self._prep is not None:
+                self._prep.shutdown(wait=False)
+            self._putter = self._fetcher = None
+            raise
 
     def keys(self, hashes: np.ndarray) -> list[str]:
         return [block_key(self.key_prefix, self.fingerprint, h) for h in hashes.tolist()]
