@@ -201,8 +201,7 @@ class _Worker:
         _start_threads(self.sender, 1)
         self.running: Optional[RemoteJob] = None  # the job whose stage runs now
         self._q: queue.Queue = queue.Queue()
-        self._prep_nice = prep_nice
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(prep_nice,), name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], None], job: RemoteJob) -> None:
@@ -210,8 +209,8 @@ class _Worker:
         job.started, job.worker = None, self
         self._q.put((fn, job))
 
-    def _loop(self) -> None:
-        _lower_priority(self._prep_nice)
+    def _loop(self, nice: int) -> None:
+        _lower_priority(nice)
         while True:
             item = self._q.get()
             if item is None:
@@ -313,12 +312,7 @@ class RemoteTier:
             self._fetcher = _Worker("kvtier-remote-fetch", store, self._batch, slot)
             self._prober = _Worker("kvtier-remote-probe", store, 0, 0)  # probes never queue behind gets
         except BaseException:  # no thread outlives a tier that failed to start (none has a job yet)
-            for worker in (self._putter, self._fetcher):
-                if worker is not None:
-                    worker.close(timeout_s)
-            if self._prep is not None:
-                self._prep.shutdown(wait=False)
-            self._putter = self._fetcher = None
+            self._stop_threads()
             raise
 
     def keys(self, hashes: np.ndarray) -> list[str]:
@@ -495,14 +489,20 @@ class RemoteTier:
         past the timeout is left to the process's exit rather than torn down under that call."""
         if self._putter is None:
             return
-        stopped = all([w.close(self.timeout_s) for w in (self._putter, self._fetcher, self._prober)])
-        self._putter = self._fetcher = self._prober = None
-        if self._prep is not None:
-            self._prep.shutdown(wait=stopped)
-        if stopped:
+        if self._stop_threads():
             self.store.close()
         else:
             logger.warning("kvtier: a remote call still runs at shutdown; the Mooncake client is not closed")
+
+    def _stop_threads(self) -> bool:
+        """Stop the workers there are (after their queued calls) and the prep threads; whether every worker
+        ended within the timeout."""
+        workers = [w for w in (self._putter, self._fetcher, self._prober) if w is not None]
+        stopped = all([w.close(self.timeout_s) for w in workers])
+        self._putter = self._fetcher = self._prober = None
+        if self._prep is not None:
+            self._prep.shutdown(wait=stopped)
+        return stopped
 
     # --- worker side ---
 
