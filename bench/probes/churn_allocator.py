@@ -33,11 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 from bench.bench_fragmentation import churn  # noqa: E402
 from bench.common import env_info, write_json  # noqa: E402
-from kvtier.config import TierConfig  # noqa: E402
 from kvtier.index import eviction  # noqa: E402
 from kvtier.index._heap import hp_push, hp_remove  # noqa: E402
 from kvtier.index._state import BLOCK, HEAP, LOCK, M_HEAP, NCHILD, PARENT  # noqa: E402
 from kvtier.index.trie_jit import _free  # noqa: E402
+from kvtier.kernels.staged import block_runs  # noqa: E402
 from kvtier.tier import HostBlockPool, KVTier  # noqa: E402
 
 
@@ -87,9 +87,9 @@ class LongestRunsFirstPool(HostBlockPool):
         with self._lock:
             if n == 0 or n > self._num_free or self._find_run(n) is not None:
                 return super().alloc(n)
-            edges = np.diff(np.concatenate(([0], self._free.view(np.int8), [0])))
-            starts = np.flatnonzero(edges == 1)
-            lengths = np.flatnonzero(edges == -1) - starts
+            free = np.flatnonzero(self._free)
+            at, lengths = (np.array(x, dtype=np.int64) for x in zip(*block_runs(free)))
+            starts = free[at]  # block_runs gives positions in ``free``
             parts, left = [], n
             for k in np.lexsort((starts, -lengths)):
                 fit = np.flatnonzero(lengths >= left)
@@ -107,33 +107,30 @@ class LongestRunsFirstPool(HostBlockPool):
             return ids
 
 
-def reserve_tier(reserve: int):
-    """A factory of tiers that evict ahead to keep ``reserve`` blocks free, over a longest-runs-first pool."""
+class ReserveTier(KVTier):
+    """A tier that evicts ahead to keep ``reserve`` blocks free."""
 
-    class ReserveTier(KVTier):
-        def _alloc(self, n: int) -> np.ndarray:
-            if self.pool.num_free - n < reserve:
-                self._evict_blocks(n + reserve - self.pool.num_free)
-            ids = self.pool.alloc(min(n, self.pool.num_free))
-            return ids if ids is not None else np.empty(0, np.int64)
+    reserve = 0
 
-    return lambda kv, pool: ReserveTier(kv, TierConfig(page_size=16, cpu_cache_gb=1.0), pool=pool)
-
-
-VARIANTS = {"lru": (HostBlockPool, None), "run_completion": (HostBlockPool, "lru_run_completion")}
+    def _alloc(self, n: int) -> np.ndarray:
+        if self.pool.num_free - n < self.reserve:
+            self._evict_blocks(n + self.reserve - self.pool.num_free)
+        ids = self.pool.alloc(min(n, self.pool.num_free))
+        return ids if ids is not None else np.empty(0, np.int64)
 
 
 def run_cell(seed: int, name: str) -> dict:
     """One variant's churn over one workload seed."""
-    if "lru_run_completion" not in eviction.eviction_policy_names():
-        eviction.register_eviction_policy("lru_run_completion", RunCompletingLru)
-    if name.startswith("reserve_"):
-        pool_cls, make = LongestRunsFirstPool, reserve_tier(int(name.split("_")[1]))
+    if name == "run_completion":
+        if "lru_run_completion" not in eviction.eviction_policy_names():
+            eviction.register_eviction_policy("lru_run_completion", RunCompletingLru)
+        kinds = dict(eviction_policy="lru_run_completion")
+    elif name.startswith("reserve_"):
+        tier_cls = type(f"ReserveTier_{name}", (ReserveTier,), {"reserve": int(name.split("_")[1])})
+        kinds = dict(pool_cls=LongestRunsFirstPool, tier_cls=tier_cls)
     else:
-        pool_cls, policy = VARIANTS[name]
-        make = None if policy is None else lambda kv, pool: KVTier(
-            kv, TierConfig(page_size=16, cpu_cache_gb=1.0, eviction_policy=policy), pool=pool)
-    c = churn(64, 2048, 4096, 400, seed=seed, pool_cls=pool_cls, make_tier=make)
+        kinds = {}  # lru: the tier as shipped
+    c = churn(64, 2048, 4096, 400, seed=seed, **kinds)
     c["variant"] = name
     print(f"seed {seed} {name:15s} stores median/p10 R {c['stores']['median_R']}/{c['stores']['p10_R']} "
           f"runs/copy {c['stores']['runs_per_copy_median']}  loads {c['loads']['median_R']}/{c['loads']['p10_R']}  "
@@ -149,7 +146,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1, help="cells run in this many processes at once")
     ap.add_argument("--variants", default="", help="only these (comma-separated names); default: all")
     args = ap.parse_args()
-    names = list(VARIANTS) + [f"reserve_{k}" for k in args.reserves.split(",")]
+    names = ["lru", "run_completion"] + [f"reserve_{k}" for k in args.reserves.split(",")]
     names = [n for n in names if not args.variants or n in args.variants.split(",")]
     cells = [(int(seed), name) for seed in args.seeds.split(",") for name in names]
     t0 = time.time()
