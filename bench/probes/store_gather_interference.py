@@ -26,6 +26,12 @@ Variants, alternating, ``--rounds`` rounds of ``--reps`` stores each:
   kvtier's kernel launched through Triton's own launcher, its staging stores plain (the control) or with that cache
   modifier / eviction policy (``.wt`` writes through to memory, leaving no dirty lines in the L2).
 * ``threads_2``, ``threads_4``: the rows issued from 2 or 4 threads (``Tuning.store_row_threads``; 1 by default).
+* ``interleave_64k``, ``reverse_64k``, ``shuffle_64k``: with gathers, every row as 64 KiB pieces (one page of a
+  layer), issued in each call page-index-major (every run's first page, then every run's second page, ...: no two
+  consecutive pieces go to neighbouring host bytes, as with runs of one page), each run's pieces last to first
+  (neighbours, descending), or shuffled: is it the neighbouring destinations of consecutive rows that make runs of
+  two pages slow?
+* ``shuffle_rows``: with gathers, each call's rows (not split) in a shuffled order.
 * ``l2_touch``, ``l2_touch_8m``: with gathers (32 or 8 MiB staging buffers), each chunk's copies preceded, on the copy
   stream, by a kernel that reads the chunk's staging bytes (``evict_last``): do runs of two pages copy at the one-run
   rate when the copy engine reads them from the L2 (``no_gather`` 22.0 ms at 8k: bytes the L2 holds from the last
@@ -61,7 +67,8 @@ CASES = ((8192, 1), (8192, 2), (8192, 4), (8192, 0), (1024, 1), (1024, 2), (1024
 VARIANTS = ("store", "no_gather", "tiny_kernel", "side_stream", "split_64k", "all_gathers_first", "evict_l2",
             "no_gather_evict_l2", "staging_16m", "staging_8m", "staging_4m", "pitched_256k", "pitched_1m",
             "threads_2", "threads_4", "gather_plain", "gather_wt", "gather_cs", "gather_cg", "gather_evict_first",
-            "l2_touch", "l2_touch_8m")
+            "l2_touch", "l2_touch_8m", "interleave_64k", "reverse_64k", "shuffle_64k",
+            "shuffle_rows")
 GATHER_STORE = {"gather_plain": ("", ""), "gather_wt": (".wt", ""), "gather_cs": (".cs", ""),
                 "gather_cg": (".cg", ""), "gather_evict_first": ("", "evict_first")}
 PIECE = 64 << 10
@@ -133,12 +140,25 @@ def touch_chunk(buffers: list, srcs: np.ndarray, sizes: np.ndarray, stream: torc
         _touch_kernel[(TOUCH_PROGRAMS,)](words, words.numel(), out, BLOCK=1024, num_warps=8)
 
 
-def split_rows(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows wider than 64 KiB as 64 KiB pieces (row widths here are whole multiples of it), in order."""
+def split_rows(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+               order: str = "in_order") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows wider than 64 KiB as 64 KiB pieces (row widths here are whole multiples of it): ``in_order``,
+    ``interleave`` (by piece index within its row, then row), ``reverse`` (each row's pieces last to first) or
+    ``shuffle``."""
     k = np.maximum(sizes // np.uint64(PIECE), np.uint64(1)).astype(np.int64)
     row = np.repeat(np.arange(sizes.size), k)
-    piece = (np.arange(row.size) - np.repeat(np.cumsum(k) - k, k)).astype(np.uint64) * np.uint64(PIECE)
-    return dsts[row] + piece, srcs[row] + piece, np.minimum(sizes[row] - piece, np.uint64(PIECE))
+    index = np.arange(row.size) - np.repeat(np.cumsum(k) - k, k)
+    piece = index.astype(np.uint64) * np.uint64(PIECE)
+    pieces = dsts[row] + piece, srcs[row] + piece, np.minimum(sizes[row] - piece, np.uint64(PIECE))
+    if order == "in_order":
+        return pieces
+    if order == "interleave":
+        perm = np.lexsort((row, index))
+    elif order == "reverse":
+        perm = np.lexsort((-index, row))
+    else:
+        perm = np.random.default_rng(row.size).permutation(row.size)
+    return tuple(a[perm] for a in pieces)
 
 
 @contextlib.contextmanager
@@ -181,8 +201,15 @@ def variant(name: str, side: torch.cuda.Stream, scratch: torch.Tensor, stager: O
             touch_chunk(stager._store.buffers, srcs, sizes, stream, out)
             issue(self, dsts, srcs, sizes, stream)
         RowIssuer.issue = touched
-    elif name == "split_64k":
-        RowIssuer.issue = lambda self, dsts, srcs, sizes, stream: issue(self, *split_rows(dsts, srcs, sizes), stream)
+    elif name == "shuffle_rows":
+        def shuffled(self, dsts, srcs, sizes, stream):
+            perm = np.random.default_rng(sizes.size).permutation(sizes.size)
+            issue(self, dsts[perm], srcs[perm], sizes[perm], stream)
+        RowIssuer.issue = shuffled
+    elif name == "split_64k" or name.endswith("_64k"):
+        order = {"split_64k": "in_order"}.get(name, name[:-len("_64k")])
+        RowIssuer.issue = lambda self, dsts, srcs, sizes, stream: issue(self, *split_rows(dsts, srcs, sizes, order),
+                                                                        stream)
     try:
         yield
     finally:
@@ -239,7 +266,8 @@ def main() -> None:
                 with variant(name, side, scratch, s):
                     row[name].append(time_gpu_ms(lambda: s.store(slots, ids, check=False), reps=args.reps,
                                                 hide_host_us=args.hide_host_us)["median_ms"])
-        for name in [v for v in args.variants if v in GATHER_STORE or v.startswith("l2_touch")]:  # the same bytes
+        for name in [v for v in args.variants if v in GATHER_STORE or v.startswith("l2_touch")
+                     or v.endswith("_64k") or v == "shuffle_rows"]:  # the same bytes
             row[f"{name}_exact"] = same_bytes(name, stagers.get(name, stager), pool.host, slots, ids, side, scratch)
         for name in args.variants:  # host issue of one store, the GPU busy meanwhile
             s = stagers.get(name, stager)
