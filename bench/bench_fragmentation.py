@@ -156,6 +156,8 @@ def run_transfers(args, res: dict) -> None:
             for path, fn in fns.items():
                 if not to_host:
                     _check_load(kv, host, layout, slots, ids, fn)
+                elif path == "staged" or device != "cuda":  # the store auto takes (each path on the CPU)
+                    _check_store(kv, host, layout, slots, ids, fn)
                 row = dict(layout=layout, tokens=tokens, run=run, runs=runs,
                            op="store" if to_host else "load", path=path, nbytes=tokens * geo.token_bytes)
                 if device == "cuda":
@@ -228,6 +230,29 @@ def _check_load(kv, host, layout, slots, ids, fn) -> None:
     for g, b in zip(got, kv.buffers):
         if not torch.equal(g.view(torch.uint8), b[slots].view(torch.uint8)):
             raise AssertionError(f"a fragmented load differs from the reference ({layout})")
+
+
+def _check_store(kv, host, layout, slots, ids, fn) -> None:
+    """One issue of ``fn`` (a store) writes exactly the bytes of ``slots`` into the blocks ``ids``: the blocks are
+    zeroed first (the reference store of zeroed slots) and read back by the reference load."""
+    saved = [b.view(torch.uint8)[slots].clone() for b in kv.buffers]
+
+    def fill(values) -> None:
+        for b, v in zip(kv.buffers, values):
+            b.view(torch.uint8)[slots] = v
+    fill([torch.zeros_like(v) for v in saved])
+    copy_pages_ref(kv, host, slots, ids, to_host=True, layout=layout)
+    fill(saved)
+    ev = fn()
+    if isinstance(ev, torch.cuda.Event):
+        torch.cuda.current_stream().wait_event(ev)
+    if kv.is_cuda:
+        torch.cuda.synchronize()
+    copy_pages_ref(kv, host, slots, ids, to_host=False, layout=layout)
+    exact = all(torch.equal(b.view(torch.uint8)[slots], v) for b, v in zip(kv.buffers, saved))
+    fill(saved)
+    if not exact:
+        raise AssertionError(f"a fragmented store differs from the reference ({layout})")
 
 
 def churn(convs: int, system_len: int, pool_blocks: int, steps: int, *, seed: int = 3, pool_cls=HostBlockPool,

@@ -1,5 +1,5 @@
-"""The fragmentation bench's smoke run: every path over fragmented host blocks loads exact bytes (the bench checks
-each against the reference and raises otherwise), and the churn part sees the run lengths of a full pool."""
+"""The fragmentation bench's smoke run: every path over fragmented host blocks loads and stores exact bytes (the bench
+checks each against the reference and raises otherwise), and the churn part sees the run lengths of a full pool."""
 from __future__ import annotations
 
 import json
