@@ -194,23 +194,30 @@ def _expected(stager: StagedTransfer, host_bytes: torch.Tensor, staging: torch.T
     return want_host, want_stg
 
 
+# pieces: a store's rows of up to 4 pages of a layer cut into pages, shuffled (the default cuts none at GEO's pages)
+PIECES = {"whole_rows": Tuning(pitched_min_rows=2),
+          "pieces": Tuning(pitched_min_rows=2, store_piece_bytes=GEO.page_bytes,
+                           store_split_max_bytes=4 * GEO.page_bytes)}
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layout=st.sampled_from(["page_first", "layer_first"]),
        ids=st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True),
        start=st.integers(0, 3), count=st.integers(1, 4), to_host=st.booleans(),
        boundary=st.one_of(st.none(), st.integers(1, 200)))
-def test_offset_copies_move_what_the_views_name(copies, layout, ids, start, count, to_host, boundary):
+@pytest.mark.parametrize("tuning", list(PIECES))
+def test_offset_copies_move_what_the_views_name(copies, tuning, layout, ids, start, count, to_host, boundary):
     """With CuPy and a stream, ``copy_runs`` issues its copies from byte offsets (no views), one batched call
     for a chunk of several runs where the driver has it; the bytes they move must be exactly those of the
     (host, staging) views of every run, for any block ids, layers and layout, with or without a host registration
-    boundary inside the pool."""
+    boundary inside the pool, and with a store's narrow rows cut into shuffled pieces."""
     runtime = copies
     count = min(count, GEO.num_layers - start)
     span = LayerSpan(start, count)
     gen = torch.Generator().manual_seed(len(ids) * 31 + start)
     kv = make_kv(GEO, 16, "cpu", gen)
     host = make_host(GEO, 12, layout, "cpu", gen)
-    stager = StagedTransfer(kv, host, layout=layout, tuning=Tuning(pitched_min_rows=2))
+    stager = StagedTransfer(kv, host, layout=layout, tuning=PIECES[tuning])
     staging = torch.randint(0, 256, (stager.staging_bytes,), dtype=torch.uint8, generator=gen)
     host_ids = np.array(ids, dtype=np.int64)
     host_bytes = host.view(-1).view(torch.uint8)
@@ -294,6 +301,38 @@ def test_run_rows_are_the_rows_of_the_rects_in_order(layout, ids, start, count):
     base = stager.run_rows(host_ids, LayerSpan(0, count))
     assert (base.host_off + np.uint64(start * stager.layer_shift()) == rows.host_off).all()
     assert (base.stg_off == rows.stg_off).all() and (base.width == rows.width).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(widths=st.lists(st.integers(1, 12), min_size=1, max_size=12), piece=st.integers(1, 5),
+       max_width=st.integers(1, 12))
+def test_scattered_pieces_move_the_rows_bytes_in_pieces(widths, piece, max_width):
+    """``scattered_pieces`` cuts exactly the rows wider than ``piece`` and at most ``max_width`` wide, into pieces
+    no wider than ``piece``; copied in its order, the pieces move every byte the rows move, to the same place."""
+    rng = np.random.default_rng(len(widths) * 13 + piece)
+    width = np.array(widths, dtype=np.uint64) * np.uint64(7)  # bytes; pieces of whole 7-byte "pages"
+    piece_b, max_b = piece * 7, max_width * 7
+    gaps = rng.integers(0, 20, width.size).astype(np.uint64)
+    host_off = np.cumsum(width + gaps) - width  # rows apart on the host, in a shuffled order
+    stg_off = np.cumsum(width) - width
+    order = rng.permutation(width.size)
+    rows = staged_mod.Rows(host_off[order], stg_off[order], width[order])
+    pieces = staged_mod.scattered_pieces(rows, piece_b, max_b)
+    cut = (rows.width > piece_b) & (rows.width <= max_b)
+    expected = int(sum(-(-int(w) // piece_b) if c else 1 for w, c in zip(rows.width, cut)))
+    assert pieces.width.size == expected and all(a.dtype == np.uint64 for a in pieces)
+    if not cut.any():
+        assert all((a == b).all() for a, b in zip(pieces, rows))
+    assert int(pieces.width.sum()) == int(rows.width.sum())
+    stg = rng.integers(0, 256, int(width.sum()), dtype=np.uint8)
+    want, got = (np.zeros(int((host_off + width).max()), dtype=np.uint8) for _ in range(2))
+    for out, r in ((want, rows), (got, pieces)):
+        for h, g, w in zip(*(a.tolist() for a in r)):
+            out[h:h + w] = stg[g:g + w]
+    assert (got == want).all()
+    kept = {(h, g, w) for h, g, w, c in zip(*(a.tolist() for a in rows), cut) if not c}
+    assert kept <= set(zip(*(a.tolist() for a in pieces)))  # rows not cut go whole
+    assert all(w <= piece_b for h, g, w in set(zip(*(a.tolist() for a in pieces))) - kept)
 
 
 def test_split_rows_cuts_only_rows_that_cross_a_registration():

@@ -371,6 +371,39 @@ def test_fragmented_staged_copies_go_in_one_driver_batch_per_chunk(monkeypatch, 
 
 
 @pytest.mark.gpu
+def test_fragmented_stores_cut_short_runs_into_shuffled_pages(monkeypatch):
+    """A ``layer_first`` store of runs of 1 to 6 pages and one long run (64 KiB pages of a layer; one chunk) issues
+    its runs of 2 pages as one row per page (``Tuning.store_split_max_bytes``: 128 KiB), not in host order, the
+    others whole; the blocks it writes are byte-exact."""
+    from kvtier.kernels import batch_copy
+    assert batch_copy.available(), "the GPU machine's driver has no cuMemcpyBatchAsync"
+    issued = []
+    real = batch_copy.memcpy_batch
+    monkeypatch.setattr(batch_copy, "memcpy_batch", lambda *a: (issued.append((a[0].copy(), a[2].copy())), real(*a))[1])
+    geo = KVGeometry(4, 8, 128, torch.bfloat16, page_size=16)
+    assert geo.page_bytes == 64 << 10
+    gen = torch.Generator().manual_seed(9)
+    kv = make_kv(geo, 4096, "cuda", gen)
+    host = make_host(geo, 200, "layer_first", "cuda", gen)
+    stager = StagedTransfer(kv, host, layout="layer_first", tuning=Tuning(edge_chunk_divisor=1))  # one chunk
+    lengths = [1, 2, 3, 4, 5, 6, 40, 2, 1]
+    starts = np.cumsum([0] + [n + 1 for n in lengths[:-1]])  # a free block between runs
+    blocks = torch.from_numpy(np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lengths)]))
+    src = torch.randperm(4096, device="cuda")[:blocks.numel() * 16]
+    expect = host.clone()
+    copy_pages_ref(kv, expect, src, blocks, to_host=True, layout="layer_first")
+    stager.store(src, blocks)
+    torch.cuda.synchronize()
+    assert torch.equal(as_bytes(host), as_bytes(expect))
+    dsts = np.concatenate([d for d, _ in issued])
+    widths = np.concatenate([w for _, w in issued]) // geo.page_bytes
+    cut = sum(n for n in lengths if n == 2) * geo.num_layers
+    whole = [n for n in lengths if n != 2] * geo.num_layers
+    assert sorted(widths.tolist()) == sorted([1] * cut + whole)
+    assert not (np.diff(dsts.astype(np.int64)) > 0).all(), "the rows went in host order"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_one_chunk_layerwise_loads_beside_whole_loads_are_exact(layout: str):
     """A layerwise load of one run whose layer fits a staging buffer issues through raw handles (StagedCopy's

@@ -32,6 +32,8 @@ Variants, alternating, ``--rounds`` rounds of ``--reps`` stores each:
   (neighbours, descending), or shuffled: is it the neighbouring destinations of consecutive rows that make runs of
   two pages slow?
 * ``shuffle_rows``: with gathers, each call's rows (not split) in a shuffled order.
+* ``whole_rows``: the store with no row cut into pieces (``Tuning.store_split_max_bytes`` at 64 KiB): the store
+  before ``scattered_pieces``.
 * ``l2_touch``, ``l2_touch_8m``: with gathers (32 or 8 MiB staging buffers), each chunk's copies preceded, on the copy
   stream, by a kernel that reads the chunk's staging bytes (``evict_last``): do runs of two pages copy at the one-run
   rate when the copy engine reads them from the L2 (``no_gather`` 22.0 ms at 8k: bytes the L2 holds from the last
@@ -68,7 +70,7 @@ VARIANTS = ("store", "no_gather", "tiny_kernel", "side_stream", "split_64k", "al
             "no_gather_evict_l2", "staging_16m", "staging_8m", "staging_4m", "pitched_256k", "pitched_1m",
             "threads_2", "threads_4", "gather_plain", "gather_wt", "gather_cs", "gather_cg", "gather_evict_first",
             "l2_touch", "l2_touch_8m", "interleave_64k", "reverse_64k", "shuffle_64k",
-            "shuffle_rows")
+            "shuffle_rows", "whole_rows")
 GATHER_STORE = {"gather_plain": ("", ""), "gather_wt": (".wt", ""), "gather_cs": (".cs", ""),
                 "gather_cg": (".cg", ""), "gather_evict_first": ("", "evict_first")}
 PIECE = 64 << 10
@@ -216,14 +218,17 @@ def variant(name: str, side: torch.cuda.Stream, scratch: torch.Tensor, stager: O
         KernelLaunch.fire, RowIssuer.issue = fire, issue
 
 
-def same_bytes(name: str, stager: StagedTransfer, host: torch.Tensor, slots, ids, side, scratch) -> bool:
-    """Whether ``name``'s store writes the blocks ``ids`` of the layer_first ``host`` as kvtier's store does."""
+def same_bytes(name: str, stager: StagedTransfer, reference: StagedTransfer, host: torch.Tensor, slots, ids, side,
+               scratch) -> bool:
+    """Whether ``name``'s store (through ``stager``) writes the blocks ``ids`` of the layer_first ``host`` as
+    kvtier's store (``reference``) does."""
     host[:, ids] = 0
     with variant(name, side, scratch, stager):
         stager.store(slots, ids, check=False)
     torch.cuda.synchronize()
-    got = host[:, ids]
-    stager.store(slots, ids, check=False)
+    got = host[:, ids].clone()
+    host[:, ids] = 0
+    reference.store(slots, ids, check=False)
     torch.cuda.synchronize()
     got, want = got.view(torch.uint8), host[:, ids].view(torch.uint8)  # bytes: random bf16 bits hold NaNs
     return bool(got.any()) and torch.equal(got, want)
@@ -254,7 +259,9 @@ def main() -> None:
                                             tuning=Tuning(store_rows_min_bytes=1 << 20)),
                "threads_2": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(store_row_threads=2)),
                "threads_4": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(store_row_threads=4)),
-               "l2_touch_8m": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(staging_bytes=8 << 20))}
+               "l2_touch_8m": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(staging_bytes=8 << 20)),
+               "whole_rows": StagedTransfer(kv, pool.host, layout="layer_first",
+                                            tuning=Tuning(store_split_max_bytes=64 << 10))}
     side = torch.cuda.Stream()
     scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     res = {"env": env_info(), "rows": []}
@@ -267,8 +274,9 @@ def main() -> None:
                     row[name].append(time_gpu_ms(lambda: s.store(slots, ids, check=False), reps=args.reps,
                                                 hide_host_us=args.hide_host_us)["median_ms"])
         for name in [v for v in args.variants if v in GATHER_STORE or v.startswith("l2_touch")
-                     or v.endswith("_64k") or v == "shuffle_rows"]:  # the same bytes
-            row[f"{name}_exact"] = same_bytes(name, stagers.get(name, stager), pool.host, slots, ids, side, scratch)
+                     or v.endswith("_64k") or v in ("shuffle_rows", "whole_rows")]:  # the same bytes
+            row[f"{name}_exact"] = same_bytes(name, stagers.get(name, stager), stager, pool.host, slots, ids, side,
+                                              scratch)
         for name in args.variants:  # host issue of one store, the GPU busy meanwhile
             s = stagers.get(name, stager)
             with variant(name, side, scratch, s):

@@ -102,6 +102,27 @@ class Rows(NamedTuple):
         return self._replace(host_off=self.host_off + np.uint64(host_bytes))
 
 
+def scattered_pieces(rows: Rows, piece: int, max_width: int) -> Rows:
+    """``rows`` with each row wider than ``piece`` bytes and at most ``max_width`` wide cut into pieces of ``piece``
+    bytes (the last one shorter where the width is not a multiple), and, where any row was cut, every row in a fixed
+    shuffled order (one per row count). The copy engine writes a store's 128-256 KiB ``layer_first`` rows, or the
+    same bytes as 64 KiB rows one after the other, 5-13% slower than one run of the same bytes; as 64 KiB rows in a
+    shuffled order, which seldom puts neighbouring host bytes one after the other, 2-5% slower
+    (bench/results/probes/store_gather_interference_shuffle_h200.json, the copies queued ahead)."""
+    width = rows.width
+    cut = (width > np.uint64(piece)) & (width <= np.uint64(max_width))
+    if not cut.any():
+        return rows
+    per_row = np.where(cut, (width + np.uint64(piece - 1)) // np.uint64(piece), np.uint64(1)).astype(np.int64)
+    row = np.repeat(np.arange(width.size), per_row)
+    index = (np.arange(row.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)).astype(np.uint64)
+    at = index * np.uint64(piece)  # 0 for the rows not cut
+    order = np.random.default_rng(row.size).permutation(row.size)
+    row, at = row[order], at[order]
+    return Rows(rows.host_off[row] + at, rows.stg_off[row] + at,
+                np.where(cut[row], np.minimum(width[row] - at, np.uint64(piece)), width[row]))
+
+
 class Rects(NamedTuple):
     """Pitched rectangles, one per run of blocks: ``height`` rows of ``width`` bytes at ``host_pitch`` /
     ``stg_pitch`` from byte offsets into the host blocks and the staging buffer (uint64 arrays, one entry each)."""
@@ -384,7 +405,7 @@ class StagedTransfer:
                                   rects=self.span_rects(plan, host_ids, span))
                 else:
                     _copy_batched(host_ptr, stg_ptr, to_host=to_host, stream=stream, issuer=issuer,
-                                  rows=self.span_rows(plan, host_ids, span))
+                                  rows=self.span_rows(plan, host_ids, span, to_host=to_host))
                 return
             for r in self._run_rects(host_ids, span, runs):
                 _copy_rect(host_ptr + r.host_off, stg_ptr + r.stg_off, r.height, r.width, r.host_pitch,
@@ -521,13 +542,24 @@ class StagedTransfer:
             base = plan.rects[span.count] = self.run_rects(host_ids, LayerSpan(0, span.count), plan.runs)
         return base if span.start == 0 else base.shifted(span.start * self.layer_shift())
 
-    def span_rows(self, plan: ChunkRuns, host_ids: np.ndarray, span: LayerSpan) -> Rows:
+    def span_rows(self, plan: ChunkRuns, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool = False) -> Rows:
         """Every row of :meth:`span_rects` (chunk ``host_ids``, runs ``plan.runs``), built once per span width from
-        layer 0 and kept in ``plan``, then moved to ``span.start`` as the rectangles are."""
+        layer 0 and kept in ``plan``, then moved to ``span.start`` as the rectangles are. A store's (``to_host``)
+        rows of up to ``Tuning.store_split_max_bytes`` go as :func:`scattered_pieces` of :meth:`store_piece_bytes`
+        (``plan`` is one copy's)."""
         base = plan.rows.get(span.count)
         if base is None:
-            base = plan.rows[span.count] = self.span_rects(plan, host_ids, LayerSpan(0, span.count)).rows()
+            base = self.span_rects(plan, host_ids, LayerSpan(0, span.count)).rows()
+            if to_host:
+                base = scattered_pieces(base, self.store_piece_bytes(), self.tuning.store_split_max_bytes)
+            plan.rows[span.count] = base
         return base if span.start == 0 else base.shifted(span.start * self.layer_shift())
+
+    def store_piece_bytes(self) -> int:
+        """Bytes of the pieces a store's narrow rows are cut into: ``Tuning.store_piece_bytes`` in whole pages of a
+        layer (at least one)."""
+        page = self.kv.geometry.page_bytes
+        return max(1, self.tuning.store_piece_bytes // page) * page
 
     def run_rows(self, host_ids: np.ndarray, span: LayerSpan,
                  runs: Optional[list[tuple[int, int]]] = None) -> Rows:
