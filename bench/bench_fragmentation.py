@@ -149,14 +149,14 @@ def run_transfers(args, res: dict) -> None:
         ids = torch.from_numpy(ids_np)
         slots = random_slots(n, geo.page_size, kv.num_slots, device, gen)
         runs = len(block_runs(ids_np))
-        res.setdefault("auto", {}).setdefault(layout, {}).setdefault(str(tokens), {})[str(run)] = \
+        picks = res.setdefault("auto", {}).setdefault(layout, {}).setdefault(str(tokens), {})[str(run)] = \
             auto_paths(layout, geo, ids_np)
         for to_host in (False, True):
             fns = _fns(kv, host, stager, layout, slots, ids, to_host)
             for path, fn in fns.items():
                 if not to_host:
                     _check_load(kv, host, layout, slots, ids, fn)
-                elif path == "staged" or device != "cuda":  # the store auto takes (each path on the CPU)
+                elif path == picks["store"] or device != "cuda":  # the store auto takes (every one on the CPU)
                     _check_store(kv, host, layout, slots, ids, fn)
                 row = dict(layout=layout, tokens=tokens, run=run, runs=runs,
                            op="store" if to_host else "load", path=path, nbytes=tokens * geo.token_bytes)
@@ -214,15 +214,20 @@ def run_gemm(args, res: dict) -> None:
     res["gemm"] = rows
 
 
-def _check_load(kv, host, layout, slots, ids, fn) -> None:
-    """One issue of ``fn`` (a load) leaves exactly the reference's bytes in ``slots``."""
-    for b in kv.buffers:
-        b.view(torch.uint8)[slots] = 0
+def _issue_and_wait(kv, fn) -> None:
+    """Issue ``fn`` and wait until what it queued has run."""
     ev = fn()
     if isinstance(ev, torch.cuda.Event):
         torch.cuda.current_stream().wait_event(ev)
     if kv.is_cuda:
         torch.cuda.synchronize()
+
+
+def _check_load(kv, host, layout, slots, ids, fn) -> None:
+    """One issue of ``fn`` (a load) leaves exactly the reference's bytes in ``slots``."""
+    for b in kv.buffers:
+        b.view(torch.uint8)[slots] = 0
+    _issue_and_wait(kv, fn)
     got = [b[slots].clone() for b in kv.buffers]
     for b in kv.buffers:
         b.view(torch.uint8)[slots] = 0
@@ -243,11 +248,7 @@ def _check_store(kv, host, layout, slots, ids, fn) -> None:
     fill([torch.zeros_like(v) for v in saved])
     copy_pages_ref(kv, host, slots, ids, to_host=True, layout=layout)
     fill(saved)
-    ev = fn()
-    if isinstance(ev, torch.cuda.Event):
-        torch.cuda.current_stream().wait_event(ev)
-    if kv.is_cuda:
-        torch.cuda.synchronize()
+    _issue_and_wait(kv, fn)
     copy_pages_ref(kv, host, slots, ids, to_host=False, layout=layout)
     exact = all(torch.equal(b.view(torch.uint8)[slots], v) for b, v in zip(kv.buffers, saved))
     fill(saved)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from kvtier.geometry import KVGeometry
-from kvtier.kernels import PagedKV
+from kvtier.kernels import PagedKV, StagedTransfer, copy_pages_ref
 
 
 def random_bytes_(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -39,3 +39,20 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def snapshot(kv: PagedKV) -> list[torch.Tensor]:
     return [as_bytes(b).clone() for b in kv.buffers]
+
+
+def staged_store(stager: StagedTransfer, src: torch.Tensor, blocks: torch.Tensor, *, layerwise: bool) -> torch.Tensor:
+    """Store the slots ``src`` into the host ``blocks`` through ``stager``, all layers at once or a layer at a time
+    (``StagedCopy``), and wait for it; returns the host tensor the reference store would have left (computed first)."""
+    from kvtier.kernels.staged_copy import StagedCopy
+    expect = stager.host.clone()
+    copy_pages_ref(stager.kv, expect, src, blocks, to_host=True, layout=stager.layout)
+    if layerwise:
+        copy = StagedCopy(stager, src, blocks, to_host=True)
+        for layer in range(stager.kv.geometry.num_layers):
+            copy.launch(layer)
+    else:
+        stager.store(src, blocks)
+    if stager.kv.is_cuda:
+        torch.cuda.synchronize()
+    return expect

@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.geometry import KVGeometry
-from kvtier.kernels import StagedTransfer, Tuning, batch_copy, copy_pages_ref
+from kvtier.kernels import StagedTransfer, Tuning, batch_copy
 from kvtier.kernels.row_issue import RowIssuer, issue_parts
-from tests.kv_helpers import as_bytes, make_host, make_kv
+from tests.kv_helpers import as_bytes, make_host, make_kv, staged_store
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -120,7 +120,6 @@ def test_a_fragmented_layer_first_store_from_several_threads_is_byte_exact(monke
     """A staged ``layer_first`` store of blocks in runs of two goes as rows from ``store_row_threads`` threads, not
     pitched (the default rule: runs of a 64 KiB page of a layer and wider, here where the span is tall enough for
     pitched copies), and writes exactly the reference bytes, all layers at once and a layer at a time."""
-    from kvtier.kernels.staged_copy import StagedCopy
     threads_seen = set()
     real = batch_copy.memcpy_batch
 
@@ -140,15 +139,8 @@ def test_a_fragmented_layer_first_store_from_several_threads_is_byte_exact(monke
     pairs = np.random.default_rng(2).permutation(80)[:n // 2]  # runs of two blocks, shuffled
     blocks = torch.from_numpy(np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1))
     src = torch.randperm(4096, device="cuda")[:n * 16]
-    before, expect = host.clone(), host.clone()
-    copy_pages_ref(kv, expect, src, blocks, to_host=True, layout="layer_first")
-    if layerwise:
-        copy = StagedCopy(stager, src, blocks, to_host=True)
-        for layer in range(geo.num_layers):
-            copy.launch(layer)
-    else:
-        stager.store(src, blocks)
-    torch.cuda.synchronize()
+    before = host.clone()
+    expect = staged_store(stager, src, blocks, layerwise=layerwise)
     assert torch.equal(as_bytes(host), as_bytes(expect))
     assert len(threads_seen) >= 2, "no worker issued rows"
     stager.close()  # its issuing threads stop; a later store starts them again

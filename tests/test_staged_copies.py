@@ -238,6 +238,10 @@ def test_offset_copies_move_what_the_views_name(copies, tuning, layout, ids, sta
         assert not {"batch", "rects"} & set(kinds)
     elif runtime.mode == "batched":
         assert kinds == ["batch"]
+        if to_host and layout == "layer_first" and not boundary:  # a store's rows: cut where the tuning says
+            rows = staged_mod.scattered_pieces(stager.run_rows(host_ids, span), stager.store_piece_bytes(),
+                                               PIECES[tuning].store_split_max_bytes)
+            assert runtime.calls[0][1] == rows.width.size
     else:  # a pitched copy per layer_first rectangle of several rows, a row batch for the rest
         heights = stager.run_rects(host_ids, span).height
         tall = (heights > 1) if layout == "layer_first" else np.zeros(heights.size, dtype=bool)

@@ -1,8 +1,9 @@
 """Probe (issue 17): what about a staged store's gathers slows its copies of runs of two to four pages?
 
-With its gather launches replaced by nothing, the staged ``layer_first`` store of 8k tokens in runs of two pages takes
-22.0 ms (one run 21.9); with them 23.9, whatever the gather's programs, the staging size, the buffers or the rows per
-call (``probes/store_without_gather_h200.json``, ``store_gather_programs_h200.json``, ``staged_store_knobs_h200.json``).
+With its gather launches replaced by nothing, the staged ``layer_first`` store of 8k tokens in runs of two pages as
+whole 128 KiB rows takes 22.0 ms (one run 21.9); with them 23.9, whatever the gather's programs, the staging size, the
+buffers or the rows per call (``probes/store_without_gather_h200.json``, ``store_gather_programs_h200.json``,
+``staged_store_knobs_h200.json``). The store cuts such rows into shuffled pieces (``whole_rows`` keeps them whole).
 Variants, alternating, ``--rounds`` rounds of ``--reps`` stores each:
 
 * ``store``: as it is.
@@ -32,8 +33,11 @@ Variants, alternating, ``--rounds`` rounds of ``--reps`` stores each:
   (neighbours, descending), or shuffled: is it the neighbouring destinations of consecutive rows that make runs of
   two pages slow?
 * ``shuffle_rows``: with gathers, each call's rows (not split) in a shuffled order.
-* ``whole_rows``: the store with no row cut into pieces (``Tuning.store_split_max_bytes`` at 64 KiB): the store
-  before ``scattered_pieces``.
+* ``whole_rows``: the store with every row whole (``Tuning.store_split_max_bytes`` at 64 KiB), against ``store``,
+  which cuts runs of two pages into shuffled pieces (``kvtier.kernels.staged.scattered_pieces``).
+
+The variants that cut or reorder rows (``split_64k``, ``interleave_64k``, ``reverse_64k``, ``shuffle_64k``,
+``shuffle_rows``) do it to the whole rows of ``whole_rows``' store.
 * ``l2_touch``, ``l2_touch_8m``: with gathers (32 or 8 MiB staging buffers), each chunk's copies preceded, on the copy
   stream, by a kernel that reads the chunk's staging bytes (``evict_last``): do runs of two pages copy at the one-run
   rate when the copy engine reads them from the L2 (``no_gather`` 22.0 ms at 8k: bytes the L2 holds from the last
@@ -63,6 +67,7 @@ from bench.common import env_info, finish_probe, host_us_per_call, time_gpu_ms  
 from bench.probes.store_affinity import store_cases  # noqa: E402
 from kvtier.kernels import StagedTransfer, Tuning  # noqa: E402
 from kvtier.kernels.row_issue import RowIssuer  # noqa: E402
+from kvtier.kernels.staged import ragged  # noqa: E402
 from kvtier.kernels.transfer import _CONST_NAMES, KernelLaunch  # noqa: E402
 
 CASES = ((8192, 1), (8192, 2), (8192, 4), (8192, 0), (1024, 1), (1024, 2), (1024, 0))
@@ -71,6 +76,7 @@ VARIANTS = ("store", "no_gather", "tiny_kernel", "side_stream", "split_64k", "al
             "threads_2", "threads_4", "gather_plain", "gather_wt", "gather_cs", "gather_cg", "gather_evict_first",
             "l2_touch", "l2_touch_8m", "interleave_64k", "reverse_64k", "shuffle_64k",
             "shuffle_rows", "whole_rows")
+REORDERS = ("split_64k", "interleave_64k", "reverse_64k", "shuffle_64k", "shuffle_rows")
 GATHER_STORE = {"gather_plain": ("", ""), "gather_wt": (".wt", ""), "gather_cs": (".cs", ""),
                 "gather_cg": (".cg", ""), "gather_evict_first": ("", "evict_first")}
 PIECE = 64 << 10
@@ -142,14 +148,12 @@ def touch_chunk(buffers: list, srcs: np.ndarray, sizes: np.ndarray, stream: torc
         _touch_kernel[(TOUCH_PROGRAMS,)](words, words.numel(), out, BLOCK=1024, num_warps=8)
 
 
-def split_rows(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+def pieces_64k(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
                order: str = "in_order") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows wider than 64 KiB as 64 KiB pieces (row widths here are whole multiples of it): ``in_order``,
     ``interleave`` (by piece index within its row, then row), ``reverse`` (each row's pieces last to first) or
     ``shuffle``."""
-    k = np.maximum(sizes // np.uint64(PIECE), np.uint64(1)).astype(np.int64)
-    row = np.repeat(np.arange(sizes.size), k)
-    index = np.arange(row.size) - np.repeat(np.cumsum(k) - k, k)
+    row, index = ragged(np.maximum(sizes // np.uint64(PIECE), np.uint64(1)))
     piece = index.astype(np.uint64) * np.uint64(PIECE)
     pieces = dsts[row] + piece, srcs[row] + piece, np.minimum(sizes[row] - piece, np.uint64(PIECE))
     if order == "in_order":
@@ -208,9 +212,9 @@ def variant(name: str, side: torch.cuda.Stream, scratch: torch.Tensor, stager: O
             perm = np.random.default_rng(sizes.size).permutation(sizes.size)
             issue(self, dsts[perm], srcs[perm], sizes[perm], stream)
         RowIssuer.issue = shuffled
-    elif name == "split_64k" or name.endswith("_64k"):
+    elif name.endswith("_64k"):
         order = {"split_64k": "in_order"}.get(name, name[:-len("_64k")])
-        RowIssuer.issue = lambda self, dsts, srcs, sizes, stream: issue(self, *split_rows(dsts, srcs, sizes, order),
+        RowIssuer.issue = lambda self, dsts, srcs, sizes, stream: issue(self, *pieces_64k(dsts, srcs, sizes, order),
                                                                         stream)
     try:
         yield
@@ -262,6 +266,8 @@ def main() -> None:
                "l2_touch_8m": StagedTransfer(kv, pool.host, layout="layer_first", tuning=Tuning(staging_bytes=8 << 20)),
                "whole_rows": StagedTransfer(kv, pool.host, layout="layer_first",
                                             tuning=Tuning(store_split_max_bytes=64 << 10))}
+    for name in REORDERS:  # they reorder or cut whole rows
+        stagers[name] = stagers["whole_rows"]
     side = torch.cuda.Stream()
     scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     res = {"env": env_info(), "rows": []}

@@ -45,7 +45,7 @@ def store_calls(stager: StagedTransfer, ids: np.ndarray) -> list[tuple[np.ndarra
     for i, sub in enumerate(stager.layer_groups(span, ids, True)):
         for c in stager.chunks(ids.size, sub.count, True, short_edge=i == 0):
             chunk_ids = ids[c.first:c.first + c.pages]
-            rows = stager.span_rows(ChunkRuns(block_runs(chunk_ids)), chunk_ids, sub)
+            rows = stager.span_rows(ChunkRuns(block_runs(chunk_ids)), chunk_ids, sub, to_host=True)
             calls.append((rows.host_off, rows.stg_off + np.uint64(base), rows.width))
             base += int(rows.width.sum())
     return calls

@@ -102,23 +102,36 @@ class Rows(NamedTuple):
         return self._replace(host_off=self.host_off + np.uint64(host_bytes))
 
 
+def ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, index) of every item when item ``i`` of a list has ``counts[i]`` parts: each part's item and its place
+    among that item's parts (int64 arrays, parts in order)."""
+    counts = counts.astype(np.int64)
+    owner = np.repeat(np.arange(counts.size), counts)
+    return owner, np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+@functools.lru_cache(maxsize=64)
+def _shuffle(n: int) -> np.ndarray:
+    """A fixed permutation of ``n`` items (read-only; one per count)."""
+    order = np.random.default_rng(n).permutation(n)
+    order.flags.writeable = False
+    return order
+
+
 def scattered_pieces(rows: Rows, piece: int, max_width: int) -> Rows:
     """``rows`` with each row wider than ``piece`` bytes and at most ``max_width`` wide cut into pieces of ``piece``
     bytes (the last one shorter where the width is not a multiple), and, where any row was cut, every row in a fixed
     shuffled order (one per row count). The copy engine writes a store's 128-256 KiB ``layer_first`` rows, or the
     same bytes as 64 KiB rows one after the other, 5-13% slower than one run of the same bytes; as 64 KiB rows in a
-    shuffled order, which seldom puts neighbouring host bytes one after the other, 2-5% slower
-    (bench/results/probes/store_gather_interference_shuffle_h200.json, the copies queued ahead)."""
+    shuffled order, which seldom puts neighbouring host bytes one after the other, 2-5% slower (the copies queued
+    ahead: bench/results/probes/store_gather_interference_order_h200.json, _shuffle_h200.json)."""
     width = rows.width
     cut = (width > np.uint64(piece)) & (width <= np.uint64(max_width))
     if not cut.any():
         return rows
-    per_row = np.where(cut, (width + np.uint64(piece - 1)) // np.uint64(piece), np.uint64(1)).astype(np.int64)
-    row = np.repeat(np.arange(width.size), per_row)
-    index = (np.arange(row.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)).astype(np.uint64)
-    at = index * np.uint64(piece)  # 0 for the rows not cut
-    order = np.random.default_rng(row.size).permutation(row.size)
-    row, at = row[order], at[order]
+    row, index = ragged(np.where(cut, (width + np.uint64(piece - 1)) // np.uint64(piece), np.uint64(1)))
+    order = _shuffle(row.size)
+    row, at = row[order], index[order].astype(np.uint64) * np.uint64(piece)  # at: 0 for the rows not cut
     return Rows(rows.host_off[row] + at, rows.stg_off[row] + at,
                 np.where(cut[row], np.minimum(width[row] - at, np.uint64(piece)), width[row]))
 
@@ -141,9 +154,8 @@ class Rects(NamedTuple):
             at = lambda off, pitch: (off[:, None] + pitch[:, None] * row).ravel()  # noqa: E731
             return Rows(at(self.host_off, self.host_pitch), at(self.stg_off, self.stg_pitch),
                         np.repeat(self.width, row.size))
-        height = self.height.astype(np.int64)
-        rect = np.repeat(np.arange(height.size), height)
-        row = (np.arange(rect.size) - np.repeat(np.cumsum(height) - height, height)).astype(np.uint64)
+        rect, row = ragged(self.height)
+        row = row.astype(np.uint64)
         return Rows(self.host_off[rect] + row * self.host_pitch[rect], self.stg_off[rect] + row * self.stg_pitch[rect],
                     self.width[rect])
 
@@ -542,15 +554,15 @@ class StagedTransfer:
             base = plan.rects[span.count] = self.run_rects(host_ids, LayerSpan(0, span.count), plan.runs)
         return base if span.start == 0 else base.shifted(span.start * self.layer_shift())
 
-    def span_rows(self, plan: ChunkRuns, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool = False) -> Rows:
+    def span_rows(self, plan: ChunkRuns, host_ids: np.ndarray, span: LayerSpan, *, to_host: bool) -> Rows:
         """Every row of :meth:`span_rects` (chunk ``host_ids``, runs ``plan.runs``), built once per span width from
-        layer 0 and kept in ``plan``, then moved to ``span.start`` as the rectangles are. A store's (``to_host``)
-        rows of up to ``Tuning.store_split_max_bytes`` go as :func:`scattered_pieces` of :meth:`store_piece_bytes`
-        (``plan`` is one copy's)."""
+        layer 0 and kept in ``plan`` (one copy's: one direction), then moved to ``span.start`` as the rectangles
+        are. A ``layer_first`` store's (``to_host``) rows of up to ``Tuning.store_split_max_bytes`` go as
+        :func:`scattered_pieces` of :meth:`store_piece_bytes`."""
         base = plan.rows.get(span.count)
         if base is None:
             base = self.span_rects(plan, host_ids, LayerSpan(0, span.count)).rows()
-            if to_host:
+            if to_host and self.layout == "layer_first":
                 base = scattered_pieces(base, self.store_piece_bytes(), self.tuning.store_split_max_bytes)
             plan.rows[span.count] = base
         return base if span.start == 0 else base.shifted(span.start * self.layer_shift())

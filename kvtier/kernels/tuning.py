@@ -66,13 +66,15 @@ class Tuning:
             of up to ``store_split_max_bytes`` go as pieces of ``store_piece_bytes`` (whole pages), every row of the
             chunk in a shuffled order (:func:`kvtier.kernels.staged.scattered_pieces`). The copy engine writes
             neighbouring host bytes one after the other slower: 8k tokens in runs of two pages stored in 24.12 ms as
-            128 KiB rows, 24.12 as 64 KiB pieces in order, 24.11 as the 128 KiB rows shuffled, 22.46 as 64 KiB
-            pieces shuffled (one run 21.99); runs of four 23.11 against 22.54; 1k in runs of two 3.16 against 2.95
-            (one run 2.80), all queued before the device ran them
-            (bench/results/probes/store_gather_interference_shuffle_h200.json). The pieces cost the host a row
-            each, as runs of one page do, so runs of four stay whole: cut, their 18,432 rows at 8k took 23.6 ms to
-            issue and the store 23.76 against 23.02 whole; runs of two stored in 22.35-22.37 against 23.92-23.94
-            whole, 1k 2.94 against 3.13 (probes/store_pieces_ab_h200.json with 256 KiB, _128k_h200.json).
+            128 KiB rows or as 64 KiB pieces in order, 22.77 every run's first page then every second page
+            (bench/results/probes/store_gather_interference_order_h200.json); 24.11 as the 128 KiB rows shuffled,
+            22.46 as 64 KiB pieces shuffled (one run 22.00); runs of four 23.11 against 22.54; 1k in runs of two
+            3.15 against 2.95 (one run 2.80) (_shuffle_h200.json), all queued before the device ran them. The
+            pieces cost the host a row each, as runs of one page do, so a store of runs of two is paced by its
+            issue on a slow host as one of single pages is, and runs of four stay whole: cut, their 18,432 rows at
+            8k took 23.6 ms to issue and the store 23.76 against 23.02 whole. Runs of two stored in 22.35-22.37
+            against 23.92-23.94 whole, 1k 2.94 against 3.13 (probes/store_pieces_ab_h200.json with 256 KiB,
+            _128k_h200.json).
         row_batch: rows per ``cuMemcpyBatchAsync`` call of a store. One thread, same rounds as above: 8k in runs of
             one page 26.37 / 25.97 / 25.71 ms in batches of 256, 24.61 / 27.78 / 24.60 in batches of 1024; runs of
             two 22.62 / 32.87 / 22.65 against 22.53 / 22.54 / 22.53; 1k alike (3.65-3.98 against 3.63-3.64).
