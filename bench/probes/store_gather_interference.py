@@ -35,13 +35,13 @@ Variants, alternating, ``--rounds`` rounds of ``--reps`` stores each:
 * ``shuffle_rows``: with gathers, each call's rows (not split) in a shuffled order.
 * ``whole_rows``: the store with every row whole (``Tuning.store_split_max_bytes`` at 64 KiB), against ``store``,
   which cuts runs of two pages into shuffled pieces (``kvtier.kernels.staged.scattered_pieces``).
-
-The variants that cut or reorder rows (``split_64k``, ``interleave_64k``, ``reverse_64k``, ``shuffle_64k``,
-``shuffle_rows``) do it to the whole rows of ``whole_rows``' store.
 * ``l2_touch``, ``l2_touch_8m``: with gathers (32 or 8 MiB staging buffers), each chunk's copies preceded, on the copy
   stream, by a kernel that reads the chunk's staging bytes (``evict_last``): do runs of two pages copy at the one-run
   rate when the copy engine reads them from the L2 (``no_gather`` 22.0 ms at 8k: bytes the L2 holds from the last
   copy) rather than from memory (``all_gathers_first``, ``no_gather_evict_l2``: 24.0-24.2)?
+
+The variants that cut or reorder rows (``split_64k``, ``interleave_64k``, ``reverse_64k``, ``shuffle_64k``,
+``shuffle_rows``) do it to the whole rows of ``whole_rows``' store.
 
 Run (GPU machine): ``python3 bench/probes/store_gather_interference.py --out $OUT/store_gather_interference_h200.json``
 """
@@ -279,8 +279,8 @@ def main() -> None:
                 with variant(name, side, scratch, s):
                     row[name].append(time_gpu_ms(lambda: s.store(slots, ids, check=False), reps=args.reps,
                                                 hide_host_us=args.hide_host_us)["median_ms"])
-        for name in [v for v in args.variants if v in GATHER_STORE or v.startswith("l2_touch")
-                     or v.endswith("_64k") or v in ("shuffle_rows", "whole_rows")]:  # the same bytes
+        for name in [v for v in args.variants if v in GATHER_STORE or v.startswith("l2_touch") or v in REORDERS
+                     or v == "whole_rows"]:  # the same bytes
             row[f"{name}_exact"] = same_bytes(name, stagers.get(name, stager), stager, pool.host, slots, ids, side,
                                               scratch)
         for name in args.variants:  # host issue of one store, the GPU busy meanwhile
