@@ -9,12 +9,20 @@ their old block: the header's checksum, its chain hash against the record's, and
 them a miss or the whole block it names, never other bytes read back as KV. Without a journal (recovery scans the
 headers) a header can be durable before its payload: the payload checksum makes that slot a miss.
 
+A file is created under a temporary name and renamed once preallocated and headed, so a crash mid-creation leaves
+no half-made file under its name. A store holds its file's lock file (``path + ".lock"``, ``flock``) from before it
+checks the file until it closes: a second store over it, in this process or another, fails at open. The journal holds
+the most space it can take from the start (:mod:`kvtier.storage.journal`): a disk sized for the block file alone
+fails at open, not later with every write.
+
 Errors at open are :class:`BlockFileError` with what to do; a block that fails a check on read is a miss (None).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
 from typing import Callable, Iterator, Optional, Sequence
@@ -25,7 +33,7 @@ from kvtier.storage import payload
 from kvtier.storage.block_format import (ALIGN, BlockHeader, FileHeader, pack_block_header, pack_file_header,
                                          padded, payload_checksum, unpack_block_header, unpack_file_header)
 from kvtier.storage.aligned_io import aligned as _aligned, read_all, read_all_v, scratch, write_all, write_all_v
-from kvtier.storage.journal import BLOCK, FREE, Journal, Record
+from kvtier.storage.journal import BLOCK, FREE, Journal, Record, reserve_bytes
 
 __all__ = ["BlockFile", "BlockFileError", "scratch_sizes"]
 
@@ -71,24 +79,59 @@ class BlockFile:
         self.stride = ALIGN + padded(slot_payload_bytes)
         self.size = ALIGN + num_slots * self.stride
         want = FileHeader(fingerprint, slot_payload_bytes, num_slots)
-        if os.path.exists(path):
-            self._check_existing(want, wipe_mismatch)
-        created = not os.path.exists(path)
-        if created:
-            self._create(want)
         self.direct = False
-        self._fd = self._open(direct)
+        self._fd = -1
         self.journal: Optional[Journal] = None
-        if journal_tokens is not None:
-            self.journal = Journal(path + ".journal", fingerprint=fingerprint, tokens=journal_tokens,
-                                   direct=self.direct)
-            if created or not self.journal.valid:  # rebuilt from the headers (none in a new file)
-                if not created:
-                    logger.warning("kvtier: journal of %s is missing or damaged: rebuilding it from the slot "
-                                   "headers", path)
-                self.journal.rewrite([] if created else [_record(slot, h) for slot, h in self.scan()])
+        self._lock_fd = self._lock()
+        try:
+            if os.path.exists(path):
+                self._check_existing(want, wipe_mismatch)
+            created = not os.path.exists(path)
+            if created:
+                self._create(want)
+            self._fd = self._open(direct)
+            if journal_tokens is not None:
+                self._open_journal(journal_tokens, created)
+        except BaseException:
+            self.close()
+            raise
 
     # --- open ---
+
+    def _lock(self) -> int:
+        """The file's lock file, locked for this store alone (released when it closes, also by a process's death)."""
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(directory):
+            raise BlockFileError(f"{directory} is not a directory")
+        try:
+            fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise BlockFileError(f"cannot create {self.path}.lock: {e.strerror}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            os.close(fd)
+            raise BlockFileError(f"{self.path} is in use by another SSD store (another engine process, or a "
+                                 f"directory named twice): give each engine instance and TP rank its own "
+                                 f"directory") from e
+        return fd
+
+    def _open_journal(self, tokens: int, created: bool) -> None:
+        """Open the journal (rebuilt from the headers when missing or damaged), its reserve held."""
+        try:
+            j = self.journal = Journal(self.path + ".journal", fingerprint=self.fingerprint, tokens=tokens,
+                                       direct=self.direct, num_slots=self.num_slots)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            need = reserve_bytes(self.num_slots, tokens)
+            raise BlockFileError(f"not enough space beside {self.path} for its journal: {need / 2**20:.1f} MiB "
+                                 f"needed; make ssd_cache_gb smaller or free space") from e
+        if created or not j.valid:  # rebuilt from the headers (none in a new file)
+            if not created:
+                logger.warning("kvtier: journal of %s is missing or damaged: rebuilding it from the slot headers",
+                               self.path)
+            j.rewrite([] if created else [_record(slot, h) for slot, h in self.scan()])
 
     def _check_existing(self, want: FileHeader, wipe: bool) -> None:
         with open(self.path, "rb") as f:
@@ -108,14 +151,17 @@ class BlockFile:
             raise BlockFileError(f"{self.path} {what}; it is left alone: remove it, choose another directory, or "
                                  f"allow wiping it")
         logger.warning("kvtier: block file %s %s: wiping it", self.path, what)
+        with contextlib.suppress(FileNotFoundError):  # first: its records name the old file's slots
+            os.unlink(self.path + ".journal")
         os.unlink(self.path)
 
     def _create(self, header: FileHeader) -> None:
+        """Create the file under a temporary name (a leftover of a crash is replaced), preallocated and headed, then
+        rename it to its name."""
         directory = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(directory):
-            raise BlockFileError(f"{directory} is not a directory")
+        tmp = self.path + ".creating"
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise BlockFileError(f"cannot create {self.path}: {e.strerror}") from e
         try:
@@ -124,9 +170,10 @@ class BlockFile:
             os.fsync(fd)
         except BaseException:
             os.close(fd)
-            os.unlink(self.path)
+            os.unlink(tmp)
             raise
         os.close(fd)
+        os.replace(tmp, self.path)
         dfd = os.open(directory, os.O_RDONLY)  # the new name is durable too
         try:
             os.fsync(dfd)
@@ -227,12 +274,8 @@ class BlockFile:
     def record(self, entries: list[tuple[int, BlockHeader]]) -> None:
         """Append the journal records of slots whose headers and payloads are durable; :meth:`commit` calls it
         between its two syncs."""
-        j = self.journal
-        if j is None:
-            return
-        j.append(_record(slot, h) for slot, h in entries)
-        if j.pages > 2 * -(-self.num_slots // j.per_page) + 256:  # mostly superseded records: keep the live ones
-            j.rewrite(j.replay().records())
+        if self.journal is not None:
+            self.journal.append(_record(slot, h) for slot, h in entries)
 
     def free(self, slots: list[int]) -> None:
         """Mark slots empty, in their headers and the journal (durable with :meth:`sync`)."""
@@ -324,6 +367,9 @@ class BlockFile:
             self._fd = -1
         if self.journal is not None:
             self.journal.close()
+        if self._lock_fd >= 0:  # last: nobody else opens the file while this store still has it open
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def __enter__(self) -> "BlockFile":
         return self

@@ -8,8 +8,11 @@ no others. Replay keeps the last record per slot of the intact pages; a ``free``
 cache of the headers: a slot's header stays the authority when the block is read, so a record the journal lost or
 kept too long costs a miss, never wrong data.
 
-When it grows past twice the pages its live records need (plus 256) the journal is rewritten with the live records
-only (a new file, synced, renamed over the old one): a batch takes whole pages, so small batches fill it faster.
+When it holds more than twice the pages its live records need (plus 256) the journal is rewritten with the live
+records only (a new file, synced, renamed over the old one): a batch takes whole pages, so small batches fill it
+faster. The most space the journal can take (:func:`reserve_bytes`) is held from the start in a reserve file beside it
+(:class:`~kvtier.storage.reserve.Reserve`): an append that finds the disk full (another program took the rest) writes
+into reserve pages it gives back, and a compaction takes them back, so the journal never fails for room.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import xxhash
 
 from kvtier.storage.aligned_io import aligned as _aligned, read_all, write_all as _write_all
 from kvtier.storage.block_format import ALIGN
+from kvtier.storage.reserve import Reserve
 
-__all__ = ["Journal", "Record", "Replay", "BLOCK", "FREE", "head_tokens"]
+__all__ = ["Journal", "Record", "Replay", "BLOCK", "FREE", "head_tokens", "reserve_bytes"]
 
 BLOCK, FREE = 1, 2
 _VERSION = 2  # 2: a checksum per page (1: one per record; such a journal is invalid here and rebuilt)
@@ -38,6 +42,23 @@ _HEAD = struct.Struct("<8sI16sI")  # magic, version, fingerprint, tokens per rec
 _CHECK = struct.Struct("<Q")
 _BODY = ALIGN - _CHECK.size  # a page's bytes before its checksum
 _CHUNK = 1024 * ALIGN  # bytes read and parsed at a time by a replay
+_SLACK_PAGES = 256  # record pages a journal may hold beyond twice what its live records need
+
+
+def _record_bytes(tokens: int) -> int:
+    return _FIXED.size + 8 * tokens
+
+
+def _live_pages(num_slots: int, tokens: int) -> int:
+    """Record pages the records of ``num_slots`` slots fill."""
+    return -(-num_slots // (_BODY // _record_bytes(tokens)))
+
+
+def reserve_bytes(num_slots: int, tokens: int) -> int:
+    """The most disk space the journal of a file of ``num_slots`` slots takes: its head, its record pages up to the
+    compaction bound, one append past it (at most a record per slot), and the compacted copy written beside it."""
+    live = _live_pages(num_slots, tokens)
+    return ALIGN * ((1 + 2 * live + _SLACK_PAGES + live) + (1 + live))
 
 
 class Replay(NamedTuple):
@@ -73,18 +94,25 @@ class Journal:
     """The journal at ``path`` for blocks of ``fingerprint`` with ``tokens`` tokens each.
 
     ``valid`` is False when the file is missing, damaged or another's: the caller rebuilds it from the headers
-    (:meth:`rewrite`). ``read_only``: opened for reading (replays and :meth:`page_health`) and never written."""
+    (:meth:`rewrite`). ``read_only``: opened for reading (replays and :meth:`page_health`) and never written.
+    ``num_slots``: the block file's slots; records of other slots (a journal left beside a recreated file) are
+    void, the journal compacts itself past its bound and holds its room (``path + ".reserve"``; OSError ENOSPC
+    when the disk has not that much). None (read-only surveys): every slot counts, no bound, no reserve."""
 
-    def __init__(self, path: str, *, fingerprint: bytes, tokens: int, direct: bool, read_only: bool = False) -> None:
+    def __init__(self, path: str, *, fingerprint: bytes, tokens: int, direct: bool, read_only: bool = False,
+                 num_slots: Optional[int] = None) -> None:
         self.path, self.fingerprint, self.tokens = path, fingerprint, tokens
-        self.record_bytes = _FIXED.size + 8 * tokens
+        self.num_slots = num_slots
+        self.record_bytes = _record_bytes(tokens)
         self.per_page = _BODY // self.record_bytes
         if self.per_page < 1:
             raise ValueError(f"a journal record of {tokens} tokens does not fit a {ALIGN}-byte page")
         self._dtype = np.dtype(_FIELDS + [("toks", "<i8", (tokens,))])  # a record, as numpy parses it
         self._direct, self._read_only = direct, read_only
         self.valid = False
-        self.pages = 0  # pages appended since the last rewrite (compaction counts them)
+        self.pages = 0  # record pages in the file (compaction counts them)
+        # compacted past this many record pages
+        self.bound_pages = None if num_slots is None else 2 * _live_pages(num_slots, tokens) + _SLACK_PAGES
         self._fd = -1
         if os.path.exists(path):
             with open(path, "rb") as f:
@@ -92,6 +120,14 @@ class Journal:
         if self.valid:
             self._fd = self._open(path)
             self.end = os.fstat(self._fd).st_size // ALIGN * ALIGN
+            self.pages = (self.end - ALIGN) // ALIGN
+        self._reserve: Optional[Reserve] = None
+        if num_slots is not None and not read_only:
+            self._reserve = Reserve(path + ".reserve", self._room())
+
+    def _room(self) -> int:
+        """Bytes the reserve holds: the most the journal can take, less what it takes now."""
+        return reserve_bytes(self.num_slots, self.tokens) - (self.end if self.valid else 0)
 
     def _head(self) -> bytes:
         body = _HEAD.pack(_HEAD_MAGIC, _VERSION, self.fingerprint, self.tokens)
@@ -132,15 +168,58 @@ class Journal:
         return pages.reshape(-1)
 
     def append(self, records: Iterable[Record]) -> None:
-        """Append records in whole pages (durable with :meth:`sync`; write them only after their payloads are)."""
+        """Append records in whole pages (durable with :meth:`sync`; write them only after their payloads are); past
+        the bound, compact. A full disk compacts first and tries once more, else raises (ENOSPC)."""
         records = list(records)
         if not records or not self.valid:
             return
         self._writable()
         buf = self._pages(records)
-        _write_all(self._fd, buf, self.end)
+        try:
+            _write_all(self._fd, buf, self.end)
+        except OSError as e:  # the disk full: into pages the reserve gives back, or the space a compaction frees
+            if e.errno != errno.ENOSPC or not (self._reserve is not None and self._reserve.release(buf.size)
+                                               or self._compact()):
+                raise
+            _write_all(self._fd, buf, self.end)
         self.end += buf.size
         self.pages += buf.size // ALIGN
+        if self.bound_pages is not None and self.pages > self.bound_pages:  # mostly superseded records
+            self._compact()
+
+    def _compact(self) -> bool:
+        """Rewrite the journal with its live records only, when that makes it smaller; whether it did. A disk with
+        no room for the new file's copy gets them in place instead (:meth:`_rewrite_in_place`)."""
+        live = list(self.replay().records())
+        pages = -(-len(live) // self.per_page)
+        if pages >= self.pages:
+            return False
+        if self._reserve is not None:  # the copy's room (reserve_bytes counts it)
+            self._reserve.release(ALIGN * (1 + pages))
+        try:
+            self.rewrite(live)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            self._rewrite_in_place(live)
+        return True
+
+    def _rewrite_in_place(self, live: list[Record]) -> None:
+        """Write ``live`` records over the oldest pages and cut the file after them. A crash in between leaves older
+        records after the new ones, and replay takes the last: a slot's record may then be stale or freed, which
+        costs a miss (the slot's header is checked when read), never wrong data."""
+        pages = self._pages(live) if live else _aligned(0)
+        _write_all(self._fd, pages, ALIGN)
+        os.fdatasync(self._fd)
+        os.ftruncate(self._fd, ALIGN + pages.size)
+        self.end = ALIGN + pages.size
+        self.pages = pages.size // ALIGN
+        self._refill()
+
+    def _refill(self) -> None:
+        """Take back the reserve the journal's present size leaves (as much as the disk has room for)."""
+        if self._reserve is not None:
+            self._reserve.refill(self._room())
 
     def sync(self) -> None:
         if self._fd >= 0:
@@ -167,7 +246,8 @@ class Journal:
         return {k: recs[k][last] for k in ("slot",) + fields}
 
     def _scan(self, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
-        """``slot``, ``kind`` and ``fields`` of every well-formed record of the intact pages, in append order. Read
+        """``slot``, ``kind`` and ``fields`` of every well-formed record of the intact pages (of a slot of the file, where
+        the journal knows its slots), in append order. Read
         and parsed a chunk at a time through one buffer: new memory costs more than the parsing."""
         names = ("slot", "kind") + fields
         parts = {k: [np.empty(0, self._dtype)[k]] for k in names}
@@ -178,7 +258,8 @@ class Journal:
             read_all(self._fd, pages.reshape(-1), off)
             recs = pages[:, :self.per_page * self.record_bytes].view(self._dtype)
             keep = (_intact(pages)[:, None] & (recs["magic"] == _MAGIC) & (recs["version"] == _VERSION)
-                    & ((recs["kind"] == BLOCK) | (recs["kind"] == FREE)) & (recs["ntok"] <= self.tokens))
+                    & ((recs["kind"] == BLOCK) | (recs["kind"] == FREE)) & (recs["ntok"] <= self.tokens)
+                    & (recs["slot"] >= 0) & (recs["slot"] < (self.num_slots or np.iinfo(np.int64).max)))
             for k in names:
                 parts[k].append(recs[k][keep])
         return {k: np.concatenate(v) for k, v in parts.items()}
@@ -196,8 +277,11 @@ class Journal:
             if records:
                 _write_all(fd, self._pages(records), ALIGN)
             os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            os.unlink(tmp)  # a full disk keeps no half copy
+            raise
+        os.close(fd)
         os.replace(tmp, self.path)
         dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
         try:
@@ -209,6 +293,7 @@ class Journal:
         self._fd = self._open(self.path)
         self.end = os.fstat(self._fd).st_size
         self.valid, self.pages = True, (self.end - ALIGN) // ALIGN
+        self._refill()
 
     def page_health(self) -> tuple[int, int]:
         """(record pages, pages that fail their checksum: their records are void) of a valid journal."""
@@ -230,6 +315,8 @@ class Journal:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._reserve is not None:
+            self._reserve.close()
 
     def __enter__(self) -> "Journal":
         return self

@@ -57,6 +57,10 @@ class _Piece(NamedTuple):
     positions: list  # the blocks' places in the caller's request
 
 
+class _Skipped(Exception):
+    """A piece not written because another piece of the call failed."""
+
+
 class ReadResult(NamedTuple):
     """What :meth:`SsdStore.read` found: a header per block (None: a miss), and the first IO error, if any, with
     the first block of the run it ended."""
@@ -105,16 +109,28 @@ class SsdStore:
         self.dirs = [d for d in (dirs.split(";") if isinstance(dirs, str) else list(dirs)) if d]
         if not self.dirs:
             raise ValueError("an SSD store needs at least one directory")
+        seen: dict[str, str] = {}
+        for d in self.dirs:
+            real = os.path.realpath(d)
+            if real in seen:
+                raise ValueError(f"SSD directories {seen[real]!r} and {d!r} are one directory: name each once")
+            seen[real] = d
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         self.block_bytes = block_bytes
         per_dir = capacity_bytes // len(self.dirs) // (ALIGN + padded(block_bytes))
         if per_dir < 1:
             raise ValueError(f"capacity_bytes {capacity_bytes} holds no {block_bytes}-byte block per directory")
-        self.files = [BlockFile(os.path.join(d, FILE_NAME), slot_payload_bytes=block_bytes, num_slots=per_dir,
-                                fingerprint=fingerprint, direct=direct, wipe_mismatch=wipe_mismatch,
-                                journal_tokens=tokens_per_block)
-                      for d in self.dirs]
+        self.files: list[BlockFile] = []
+        try:
+            for d in self.dirs:
+                self.files.append(BlockFile(os.path.join(d, FILE_NAME), slot_payload_bytes=block_bytes,
+                                            num_slots=per_dir, fingerprint=fingerprint, direct=direct,
+                                            wipe_mismatch=wipe_mismatch, journal_tokens=tokens_per_block))
+        except BaseException:  # the files opened so far are closed (and unlocked)
+            for f in self.files:
+                f.close()
+            raise
         self.fingerprint = fingerprint
         self.num_slots = per_dir * len(self.files)
         self._threads = io_threads
@@ -170,10 +186,11 @@ class SsdStore:
         step = max(1, batch or n)
         headers: list[Optional[BlockHeader]] = [None] * n
         failed = threading.Event()
+        errors: list[BaseException] = []  # the writes' own errors (not the skipped pieces')
 
         def write(piece: _Piece) -> None:
-            if failed.is_set():
-                return
+            if failed.is_set():  # its batch must not commit: it fails too
+                raise _Skipped()
 
             def header_of(j: int, nbytes: int, checksum: int) -> BlockHeader:
                 blk = blocks[piece.positions[j]]
@@ -181,7 +198,8 @@ class SsdStore:
                                    np.asarray(blk.tokens, dtype=np.int64), nbytes, checksum)
             try:
                 got = piece.file.write_run(piece.local, [blocks[i].payload for i in piece.positions], header_of)
-            except BaseException:
+            except BaseException as e:
+                errors.append(e)
                 failed.set()
                 raise
             for i, h in zip(piece.positions, got):
@@ -213,12 +231,14 @@ class SsdStore:
                 _settle(committing[1])
                 if on_durable is not None:
                     on_durable(committing[0])
-        except BaseException:
+        except BaseException as e:
             failed.set()
             for _, _, futures in writing:
                 concurrent.futures.wait(futures)
             if committing is not None and _settle(committing[1], raise_error=False) and on_durable is not None:
                 on_durable(committing[0])  # the batch before the failed one became durable all the same
+            if isinstance(e, _Skipped):  # the write that failed first says why
+                raise errors[0] from None
             raise
 
     def read(self, slots: Sequence[int], outs: Sequence[np.ndarray], *,

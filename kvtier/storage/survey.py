@@ -121,10 +121,9 @@ def survey_file(path: str, *, verify: bool = False) -> FileSurvey:
         journal = _journal_state(path + ".journal", fh.fingerprint)
         if journal.state == "ok":
             with Journal(journal.path, fingerprint=fh.fingerprint, tokens=journal.tokens_per_record, direct=False,
-                         read_only=True) as j:
+                         read_only=True, num_slots=fh.num_slots) as j:
                 journal.pages, journal.damaged_pages = j.page_health()
-                held = [(r.slot, _header(fh.fingerprint, r)) for r in j.replay().records()
-                        if r.slot < fh.num_slots]
+                held = [(r.slot, _header(fh.fingerprint, r)) for r in j.replay().records()]
             source = "journal"
         else:
             held = list(_scan(fd, fh.fingerprint, fh.num_slots, stride, st.st_size))
