@@ -536,6 +536,133 @@ def test_retry_refuses_a_task_that_is_not_a_kept_failed_copy():
     assert accounted_blocks(tier) == (2, 2, 0)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before_issue", "after_issue"])
+def test_failed_layerwise_loads_never_take_the_slot_a_forward_waits_on(after):
+    """A layerwise load takes the layer counter's next slot; one whose issue fails gives it back. Else, after as
+    many failures as the counter has slots, a failed load took the slot of the batch's good load, whose forward
+    pass then waited on cleared events."""
+    ex = DeferredExecutor()
+    tier = make_tier(num_blocks=16, executor=ex)
+    src = page_slots(0, 2, P)
+    fill_random_(tier, src, seed=1)
+    tier.wait(tier.store(np.arange(4), None, src))
+    want = slot_bytes(tier, src)
+    dst = page_slots(4, 2, P)
+    good = tier.load_layerwise(np.arange(4), None, dst)  # the batch's good load: the forward waits on it
+    tier.counter.set_consumer(good.producer_index)
+    for i in range(tier.counter.num_slots + 1):  # the batch's next loads fail (their forward leaves the consumer)
+        tier.executor = _FailOnce(ex, after)
+        bad = tier.load_layerwise(np.arange(4), None, page_slots(8 + 2 * i, 2, P))
+        assert bad.status == "failed" and bad.producer_index == -1
+        assert tier.counter.producer_index == good.producer_index
+    ex.release_all()
+    for layer in range(TINY.num_layers):
+        tier.counter.wait_until(layer)
+    tier.wait(good)
+    assert all(torch.equal(a, b) for a, b in zip(slot_bytes(tier, dst), want))
+    tier.executor = ex
+    nxt = tier.load_layerwise(np.arange(4), None, page_slots(20, 2, P))  # the next load takes the next slot
+    assert nxt.producer_index == (good.producer_index + 1) % tier.counter.num_slots
+    ex.release_all()
+    tier.wait(nxt)
+
+
+class _IssueNow:
+    """Issues each copy at once, as the CUDA executor does, and reports it in flight until told otherwise (the GPU
+    has not run it)."""
+
+    class _Fence:
+        def __init__(self, owner) -> None:
+            self.owner = owner
+
+        def done(self) -> bool:
+            return self.owner.finished
+
+        def wait(self) -> None:
+            self.owner.finished = True
+
+        def seconds(self):
+            return None
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def stream(self, name):
+        return None
+
+    def begin(self, name) -> None:
+        pass
+
+    def run(self, name, fn, own_stream=False) -> None:
+        fn()
+
+    def fence(self, name):
+        return self._Fence(self)
+
+    def wait_current(self, completion) -> None:
+        pass
+
+
+@pytest.mark.parametrize("op", ["store", "load", "load_layerwise"])
+def test_the_slot_indices_a_copy_reads_live_until_it_is_finalized(monkeypatch, op):
+    """int32 slots (SGLang's ``req_to_token`` rows) are converted to a new int64 tensor, allocated on the caller's
+    stream. Dropped when the call returned, its memory went to the caller's next allocation while the copy, on the
+    tier's stream, could still read it."""
+    import weakref
+
+    import kvtier.tier.manager as manager
+    given = []
+    for name in ("store_pages", "load_pages", "DirectCopy"):
+        real = getattr(manager, name)
+
+        def spy(kv, host, slots, *a, _real=real, **kw):
+            given.append(weakref.ref(slots._base if slots._base is not None else slots))
+            return _real(kv, host, slots, *a, **kw)
+        monkeypatch.setattr(manager, name, spy)
+    ex = _IssueNow()
+    tier = make_tier(num_blocks=8, mode="direct", executor=ex)
+    src = page_slots(0, 3, P)
+    if op != "store":
+        tier.wait(tier.store(np.arange(6), None, src))
+        ex.finished = False
+    slots = (src if op == "store" else page_slots(4, 3, P)).to(torch.int32)
+    task = getattr(tier, op)(np.arange(6), None, slots)
+    import gc
+    gc.collect()
+    assert not tier.completed(task) and given[-1]() is not None  # in flight: what the copy reads is alive
+    tier.wait(task)
+    if op == "load_layerwise":
+        tier.counter.set_consumer(-1)
+    gc.collect()
+    assert given[-1]() is None  # finalized: let go
+
+
+@pytest.mark.gpu
+def test_gpu_int32_slots_of_a_store_in_flight_stay_its_own():
+    """A store of int32 slots, its stream held back: the caller's next allocation, filled with other slots,
+    must not take the memory of the int64 slots the tier made (the store would then copy those other pages)."""
+    geo = QWEN_LIKE
+    pages = 16
+    tier = make_tier(geo, num_slots=4 * pages * geo.page_size, num_blocks=2 * pages, device="cuda", mode="direct")
+    src, other = page_slots(0, pages, geo.page_size), page_slots(pages, pages, geo.page_size)
+    fill_random_(tier, src, seed=1)
+    fill_random_(tier, other, seed=2)
+    want = slot_bytes(tier, src)
+    toks = _tokens(pages * geo.page_size)
+    props = torch.cuda.get_device_properties(0)
+    with torch.cuda.stream(tier.executor.stream("store")):
+        torch.cuda._sleep(int(20e-3 * getattr(props, "clock_rate", 1_980_000) * 1e3))  # ~20 ms
+    task = tier.store(toks, None, src.cuda().to(torch.int32))
+    decoy = torch.empty(src.numel(), dtype=torch.int64, device="cuda")  # the caller's next allocation
+    decoy.copy_(other.cuda())
+    assert not tier.completed(task)
+    tier.wait(task)
+    dst = page_slots(2 * pages, pages, geo.page_size).cuda()
+    tier.wait(tier.load(toks, None, dst))
+    assert all(torch.equal(a, b) for a, b in zip(slot_bytes(tier, dst), want))
+    del decoy
+
+
 def test_the_first_lookup_after_start_up_does_not_compile():
     """The index's numba code compiled on the first request (9.05 s for the first lookup of a fresh process
     without numba's disk cache); KVTier now compiles it when it is built, so the first lookup compiles nothing."""

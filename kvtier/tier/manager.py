@@ -394,7 +394,7 @@ class KVTier(HostTier):
         def issue() -> InsertRecord:
             completion = self._launch("store", lambda: self._copy(True, new_slots, ids))
             return InsertRecord(task, completion, ids, m if held else None, share, tokens=stored, ns=ns,
-                                prefix_ids=prefix_ids)
+                                prefix_ids=prefix_ids, reads=new_slots)
         try:
             self._inflight[task.id] = issue()
         except Exception as e:
@@ -707,7 +707,7 @@ class KVTier(HostTier):
 
         def issue() -> LoadRecord:
             completion = self._issue_load(task, dst, ids, layerwise, skip=start % B)
-            return LoadRecord(task, completion, ids, m, copied * self.geometry.token_bytes, ns=ns)
+            return LoadRecord(task, completion, ids, m, copied * self.geometry.token_bytes, ns=ns, reads=dst)
         try:
             self._inflight[task.id] = issue()
         except Exception as e:
@@ -718,31 +718,39 @@ class KVTier(HostTier):
         """Issue a load's copies (whole, or per layer with the counter's events); its completion. ``skip``: tokens
         of the first block on the device already."""
         if not layerwise:
-            completion = self._launch("load", lambda: self._copy(False, dst, ids, skip=skip))
+            return self._launch("load", lambda: self._copy(False, dst, ids, skip=skip))
+        self.executor.begin("load")
+        stream = self.executor.stream("load")
+        before = self.counter.producer_index
+        task.producer_index = self.counter.update_producer(stream)
+        try:
+            return self._issue_layers(task, dst, ids, stream, skip)
+        except BaseException:  # the next load takes this slot again, never one a forward pass waits on
+            self.counter.rewind(before)
+            raise
+
+    def _issue_layers(self, task: TierTask, dst: torch.Tensor, ids: np.ndarray, stream, skip: int):
+        """Issue a layerwise load's copies on ``stream``, each layer's event of the task's counter slot recorded
+        behind its copy; its completion."""
+        ex = self.executor
+        path = self.policy.path(CopyPlan(to_host=False, block_ids=ids, layers=1))
+        # checked, indices uploaded (on the stream) and planned once for all layers, launched per layer
+        check = _range_check(dst)
+        if path is Path.DIRECT:
+            copy = DirectCopy(self.kv, self.pool.host, dst, torch.from_numpy(ids), to_host=False,
+                              layout=self.layout, num_programs=self.config.num_programs, stream=stream,
+                              check=check, skip_tokens=skip)
         else:
-            ex = self.executor
-            ex.begin("load")
-            stream = ex.stream("load")
-            task.producer_index = self.counter.update_producer(stream)
-            path = self.policy.path(CopyPlan(to_host=False, block_ids=ids, layers=1))
-            # checked, indices uploaded (on the stream) and planned once for all layers, launched per layer
-            check = _range_check(dst)
-            if path is Path.DIRECT:
-                copy = DirectCopy(self.kv, self.pool.host, dst, torch.from_numpy(ids), to_host=False,
-                                  layout=self.layout, num_programs=self.config.num_programs, stream=stream,
-                                  check=check, skip_tokens=skip)
-            else:
-                copy = StagedCopy(self._staged(), dst, torch.from_numpy(ids), to_host=False, stream=stream,
-                                  check=check, skip_tokens=skip)
-            copy_layer = functools.partial(copy.launch, stream=stream)
-            for layer in range(self.geometry.num_layers):
-                ex.run("load", functools.partial(copy_layer, layer), own_stream=True)
-                # Recorded at issue time, behind the layer's copy in stream order. With the DeferredExecutor
-                # (tests) the host event is set before the deferred copy runs: layerwise bytes are checked there
-                # after wait(task), not through wait_until.
-                self.counter.complete(layer, slot=task.producer_index, stream=stream)
-            completion = ex.fence("load")
-        return completion
+            copy = StagedCopy(self._staged(), dst, torch.from_numpy(ids), to_host=False, stream=stream,
+                              check=check, skip_tokens=skip)
+        copy_layer = functools.partial(copy.launch, stream=stream)
+        for layer in range(self.geometry.num_layers):
+            ex.run("load", functools.partial(copy_layer, layer), own_stream=True)
+            # Recorded at issue time, behind the layer's copy in stream order. With the DeferredExecutor
+            # (tests) the host event is set before the deferred copy runs: layerwise bytes are checked there
+            # after wait(task), not through wait_until.
+            self.counter.complete(layer, slot=task.producer_index, stream=stream)
+        return ex.fence("load")
 
     def _failed(self, task: TierTask, stream: str, error: Exception, *, ids: Optional[np.ndarray] = None,
                 handle=None, retry: Optional[Callable[[], CopyRecord]] = None) -> TierTask:

@@ -216,6 +216,14 @@ class LayerDoneCounter:
 
     start = update_producer
 
+    def rewind(self, index: int) -> None:
+        """Make ``index`` (the producer before the last :meth:`update_producer`) the producer again: the load that
+        took the next slot failed to issue, so the next load takes that slot again rather than moving on to one the
+        forward pass may still wait on."""
+        if not -1 <= index < self.num_slots:
+            raise ValueError(f"producer index {index} out of range [-1, {self.num_slots})")
+        self.producer_index = index
+
     def complete(self, layer: int, *, slot: Optional[int] = None, stream=None) -> None:
         """Record layer ``layer``'s event of ``slot`` (default: the producer slot) on ``stream`` (default: current).
 

@@ -92,6 +92,9 @@ class CopyRecord:
         retry: a copy whose issue failed, kept for ordered finalization: issues the same copy again (the same
             blocks and slots) and returns its record (:meth:`~kvtier.tier.KVTier.retry`).
         retry_pages: the pages that copy moves.
+        reads: the device slot indices the copy reads (a tensor the tier may have made from the caller's), kept
+            until the copy is finalized: freed earlier, the caching allocator could hand its memory to the
+            caller's stream while the tier's stream still reads it.
     """
 
     task: TierTask
@@ -102,6 +105,7 @@ class CopyRecord:
     ns: Optional[object] = None
     retry: Optional[Callable[[], "CopyRecord"]] = dataclasses.field(default=None, repr=False)
     retry_pages: int = 0
+    reads: Optional[object] = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass
