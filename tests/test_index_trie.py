@@ -17,7 +17,8 @@ from tests.index_extras import ExtrasTrie, narrow_trie
 def ref_chain(tokens, page_size, seed):
     out, h = [], seed
     for i in range(len(tokens) // page_size):
-        page = np.asarray(tokens[i * page_size:(i + 1) * page_size], dtype="<u4").tobytes()
+        ids = tokens[i * page_size:(i + 1) * page_size]
+        page = np.asarray(ids, dtype="<u4" if max(ids) < 2**32 else "<u8").tobytes()
         h = xxhash.xxh64_intdigest(page, h)
         out.append(h)
     return out
@@ -31,6 +32,20 @@ def test_page_hashes_are_the_chain(tokens, page_size, extra, lora):
     ns = Namespace(extra_key=extra, lora_id=lora)
     got = page_hashes(tokens, page_size, ns).tolist()
     assert got == ref_chain(tokens, page_size, ns.seed)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 40) | st.sampled_from([2**32 - 1, 2**32, 2**62 + 12345, 2**63 - 1]),
+                       max_size=60), page_size=st.integers(1, 8))
+def test_pages_of_wide_ids_hash_as_uint64_ids(tokens, page_size):
+    """SGLang's image pad values reach 2**62: a page holding an id of 2**32 or more hashes as its ids in uint64,
+    every other page as before."""
+    assert page_hashes(tokens, page_size).tolist() == ref_chain(tokens, page_size, DEFAULT_NAMESPACE_SEED)
+
+
+def test_negative_ids_are_refused_among_wide_ones():
+    with pytest.raises(ValueError, match="2\\*\\*63"):
+        page_hashes([2**40, -1], 2)
 
 
 def test_default_namespace_seed_is_fixed():

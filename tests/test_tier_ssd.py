@@ -66,6 +66,28 @@ def test_pages_round_trip_device_cpu_ssd_cpu_device_across_layouts(tmp_path, src
     b.destroy()
 
 
+def test_image_pad_ids_round_trip_through_the_ssd_and_leave_no_lock(tmp_path):
+    """SGLang's image pad values (up to 2**62 + 10**6) are token ids too. The CPU index took them, but the SSD
+    tier's page hashes refused ids of 2**32 or more: a store extending a held prefix raised when its blocks
+    entered the index, leaving that prefix locked for good, and a lookup past the CPU hit raised."""
+    a = make_ssd_tier(tmp_path)
+    toks = prompt(1, 6)
+    toks[2 * P:4 * P] = (1 << 62) + 12345 + np.arange(2 * P)  # two pages of an image
+    store_all(a, toks[:2 * P])  # a text prefix, held while the next store extends it
+    want = store_all(a, toks)
+    assert a.index.protected_pages == 0 and a.stats()["ssd_blocks_written"] == 6
+    a.destroy()
+    b = make_ssd_tier(tmp_path, seed=1)
+    other = toks.copy()
+    other[3 * P] += 1  # another image from its second page on
+    hit = b.lookup_tiers(other, None)
+    assert hit.ssd_pages == 3
+    b.wait(hit.promotion)
+    pages, got = promote_and_load(b, toks)
+    assert pages == 6 and same(got, want, 6)
+    b.destroy()
+
+
 PAGE_ROWS = dataclasses.replace(TINY, num_kv_heads=2, head_dim=128, page_size=8)  # a row per layer: 8 KiB (K, V)
 
 

@@ -6,6 +6,9 @@ Page ``i`` has the chained hash::
     h_{-1} = namespace_seed(ns)
     h_i    = xxh64(tokens of page i, seed = h_{i-1})      (tokens as little-endian uint32, see xxh64.py)
 
+A page holding an id of 2**32 or more (SGLang's image pad values reach 2**62) is hashed as its ids in little-endian
+uint64 instead: twice the bytes, so never the encoding of another page of the same size.
+
 so ``h_i`` identifies the whole prefix ``tokens[: (i + 1) * page_size]`` within one namespace, and
 the same tokens under two namespaces hash differently from the first page on.
 
@@ -34,8 +37,8 @@ import numpy as np
 from kvtier._checks import check_count
 
 from ._config import NUMBA_CACHE
-from ._tokens import as_token_array, check_token_range
-from .xxh64 import xxh64, xxh64_token_range
+from ._tokens import TOKEN_MAX, as_token_array, tokens_in_range
+from .xxh64 import xxh64, xxh64_token_range, xxh64_u8
 
 __all__ = ["Namespace", "namespace_seed", "page_hashes", "chain_page_hashes", "DEFAULT_NAMESPACE_SEED",
            "FULL_HASH_MASK"]
@@ -110,11 +113,27 @@ def chain_page_hashes(t, page_size, seed, mask, out):
 
 
 def page_hashes(tokens, page_size: int, ns: Namespace | None = None) -> np.ndarray:
-    """Chained hashes (uint64) of the full pages of ``tokens`` in namespace ``ns``."""
+    """Chained hashes (uint64) of the full pages of ``tokens`` (ids in [0, 2**63)) in namespace ``ns``."""
     check_count("page_size", page_size)
     ns = DEFAULT_NAMESPACE if ns is None else ns
     t = as_token_array(tokens)
-    check_token_range(t)
     out = np.empty(t.shape[0] // page_size, dtype=np.uint64)
-    chain_page_hashes(t, int(page_size), np.uint64(ns.seed), np.uint64(FULL_HASH_MASK), out)
+    if t.dtype == np.uint32 or not t.size or tokens_in_range(t):
+        chain_page_hashes(t, int(page_size), np.uint64(ns.seed), np.uint64(FULL_HASH_MASK), out)
+    else:
+        if int(t.min()) < 0:
+            raise ValueError(f"token ids must be in [0, 2**63), got {int(t.min())}")
+        _chain_wide_page_hashes(t, int(page_size), np.uint64(ns.seed), np.uint64(FULL_HASH_MASK), out)
     return out
+
+
+def _chain_wide_page_hashes(t: np.ndarray, page_size: int, seed, mask, out: np.ndarray) -> None:
+    """:func:`chain_page_hashes` where some ids are 2**32 or more: their pages hashed as uint64 ids."""
+    h = seed
+    for i in range(out.size):
+        page = t[i * page_size:(i + 1) * page_size]
+        if int(page.max()) > TOKEN_MAX:
+            h = xxh64_u8(page.astype("<u8").view(np.uint8), h) & mask
+        else:
+            h = xxh64_token_range(t, i * page_size, (i + 1) * page_size, h) & mask
+        out[i] = h
