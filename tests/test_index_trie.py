@@ -48,6 +48,18 @@ def test_negative_ids_are_refused_among_wide_ones():
         page_hashes([2**40, -1], 2)
 
 
+def test_read_only_block_ids_insert_in_a_fresh_process():
+    """Read-only int64 block ids took the insert's fast path, and numba, compiling it first for them, raised a
+    TypingError."""
+    import subprocess
+    import sys
+    code = ("import numpy as np; from kvtier.index import PageTrie; t = PageTrie(16); "
+            "ro = np.frombuffer(np.arange(2, dtype=np.int64).tobytes(), dtype=np.int64); "
+            "print(t.insert(np.arange(32), ro).new_mask.tolist())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "[True, True]", out.stderr[-2000:]
+
+
 def test_default_namespace_seed_is_fixed():
     assert DEFAULT_NAMESPACE_SEED == 0xF4F062749E8B0862
     assert namespace_seed() == DEFAULT_NAMESPACE_SEED == Namespace().seed
@@ -185,6 +197,38 @@ def test_bad_blocks(blocks, err, msg):
     with pytest.raises(err, match=msg):
         t.insert([1, 2, 3, 4, 5], blocks)
     assert t.total_pages == 0
+
+
+def test_an_unlock_needs_a_lock_of_its_own_handle():
+    """Every page of a deeper lock's path has a count above zero, so the unlock of a shorter handle that holds no
+    lock was taken, and the path's counts went wrong: after the deeper unlock the first page stayed at -1 and could
+    never be evicted."""
+    t = PageTrie(4)
+    toks = np.arange(8)
+    t.insert(toks, np.arange(2))
+    short, deep = t.match(toks[:4]), t.match(toks)
+    t.lock(deep)
+    with pytest.raises(ValueError, match="not locked"):
+        t.unlock(short)  # never locked
+    t.lock(short)
+    t.unlock(short)
+    with pytest.raises(ValueError, match="not locked"):
+        t.unlock(short)  # unlocked twice
+    assert t.protected_pages == 2
+    t.unlock(deep)
+    assert t.protected_pages == 0 and sorted(t.evict(10).tolist()) == [0, 1]
+
+
+def test_a_handle_from_before_a_reset_is_stale():
+    t = PageTrie(4, initial_nodes=2)
+    old = [t.insert(np.arange(k * 4, k * 4 + 4), np.array([k])) for k in range(4)]  # grows past the initial size
+    t.reset()
+    for k in range(4):  # other pages in the same slots (the trie grows back into the slots it had)
+        t.insert(np.arange(100 + k * 4, 104 + k * 4), np.array([10 + k]))
+    for h in old:
+        with pytest.raises(ValueError, match="stale"):
+            t.lock(h)
+    assert t.protected_pages == 0
 
 
 def test_bad_arguments():

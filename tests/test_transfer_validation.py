@@ -85,6 +85,41 @@ def test_repeated_destinations_are_rejected(setup):
     store_pages(kv, host, torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]), BLOCKS)
 
 
+def test_a_staged_store_that_would_skip_tokens_is_refused_before_any_write(setup):
+    """A staged store copies whole blocks from its staging buffer: asked to skip the first block's first tokens,
+    it overwrote them with whatever the staging buffer held (the direct path keeps them)."""
+    from kvtier.kernels.staged_copy import StagedCopy
+    kv, host, _ = setup
+    stager = StagedTransfer(kv, host)
+    slots = SLOTS[:-1]  # two blocks, the first token of the first skipped
+    host_before = as_bytes(host).clone()
+    with pytest.raises(ValueError, match="whole blocks"):
+        stager.store(slots, BLOCKS, skip_tokens=1)
+    with pytest.raises(ValueError, match="whole blocks"):
+        StagedCopy(stager, slots, BLOCKS, to_host=True, skip_tokens=1)
+    assert torch.equal(as_bytes(host), host_before)
+    store_pages(kv, host, slots, BLOCKS, skip_tokens=1)  # the direct path stores part of a block
+
+
+def test_a_numpy_int_skip_reaches_the_launch_as_an_int(setup):
+    """``skip_tokens`` passes its check as any integer; a numpy one reached the kernel launch as it was."""
+    from kvtier.kernels.staged_copy import StagedCopy
+    kv, host, _ = setup
+    stager = StagedTransfer(kv, host)
+    slots = SLOTS[:-1]
+    want = None
+    for load in (lambda k: load_pages(kv, host, slots, BLOCKS, skip_tokens=k),
+                 lambda k: stager.load(slots, BLOCKS, skip_tokens=k),
+                 lambda k: StagedCopy(stager, slots, BLOCKS, to_host=False, skip_tokens=k).launch()):
+        for k in (1, np.int64(1)):
+            for b in kv.buffers:
+                b[slots] = 0
+            load(k)
+            got = snapshot(kv)
+            want = got if want is None else want
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_host_shape_dtype_and_layout_mismatch(setup):
     kv, host, device = setup
     wrong_dtype = host.view(torch.float16)

@@ -20,6 +20,8 @@ Node ``x`` (0 <= x < number of node slots) is described by column ``x`` of every
                              freed children (lazy: the logical count "matches through x" is the sum
                              over x's subtree; saturates at 2**31-1)
     i32[HPOS, x]     int32   position in the eviction heap, -1 when not in it
+    i32[OWN, x]      int32   locks taken through a handle ending at x: an unlock needs one (an ancestor's count
+                             alone may come from a deeper handle's lock)
     i64[BLOCK, x]    int64   host block id holding this page's KV
     i64[TICK, x]     int64   last-access tick (a global counter bumped by every touching match/insert),
                              lazy: written on the deepest page of a touched path only; the logical
@@ -52,8 +54,8 @@ __all__ = ["FREE_PARENT", "TrieState", "new_state", "grow_nodes", "grow_namespac
            "state_nbytes", "blob_views"]
 
 # rows of i32
-PARENT, DEPTH, NCHILD, HINT, LOCK, GEN, HITS, HPOS, HEAP = range(9)
-N_I32 = 9
+PARENT, DEPTH, NCHILD, HINT, LOCK, GEN, HITS, HPOS, HEAP, OWN = range(10)
+N_I32 = 10
 # rows of i64
 BLOCK, TICK, HASH, HKEY = range(4)
 N_I64 = 4

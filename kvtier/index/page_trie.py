@@ -27,7 +27,7 @@ import numpy as np
 
 from kvtier._checks import check_count
 
-from ._state import (FREE_PARENT, M_HEAP, M_HIGH, M_INDEXED, M_PROT, M_TOTAL, M_WIDE, NS_BASE, PARENT, TrieState,
+from ._state import (FREE_PARENT, GEN, M_HEAP, M_HIGH, M_INDEXED, M_PROT, M_TOTAL, M_WIDE, NS_BASE, PARENT, TrieState,
                      grow_namespaces, grow_nodes, new_state, state_nbytes, table_slots_for, with_table)
 from ._tokens import RAW_MAX, as_token_array
 from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace
@@ -143,6 +143,7 @@ class PageTrie:
         self._page_size = check_count("page_size", page_size)
         self._initial = max(1, check_count("initial_nodes", initial_nodes, 0))
         self._mask = np.uint64(self.HASH_MASK)
+        self._gen_floor = 0  # the generation node slots start at: past every handle a reset made stale
         self._set_state(new_state(self._page_size, self._initial, mask=int(self._mask)))
         self._forget_namespaces()
         self._forget_codes()
@@ -282,7 +283,8 @@ class PageTrie:
         else:
             q, key = _token_key(tokens)
         b = block_ids
-        if type(b) is not np.ndarray or b.dtype is not _I64 or b.ndim != 1 or not b.flags.c_contiguous:
+        if (type(b) is not np.ndarray or b.dtype is not _I64 or b.ndim != 1 or not b.flags.c_contiguous
+                or not b.flags.writeable):  # numba compiles read-only arrays as another type
             b = self._block_array(b, len(q) // self._page_size)
         i = 0 if ns is None else self._ns(ns)
         st = self._st
@@ -356,8 +358,12 @@ class PageTrie:
         return _evict(0, st.i32, st.i64, st.i8, st.table, st.meta, n)
 
     def reset(self) -> None:
-        """Drop every page (locks included) and shrink back to the initial size."""
-        self._set_state(new_state(self._page_size, self._initial, mask=int(self._mask)))
+        """Drop every page (locks included) and shrink back to the initial size. Handles from before are stale:
+        node slots start at a generation past every one they name."""
+        self._gen_floor = max(self._gen_floor, int(self._st.i32[GEN].max())) + 1
+        st = new_state(self._page_size, self._initial, mask=int(self._mask))
+        st.i32[GEN] = self._gen_floor
+        self._set_state(st)
         self._forget_namespaces()
         self._forget_codes()
 
@@ -385,6 +391,7 @@ class PageTrie:
         cur = self._st.i32.shape[1]
         want = max(2 * cur, cur + int(deficit))
         st = grow_nodes(self._st, want)
+        st.i32[GEN, cur:] = self._gen_floor
         if st.table.shape[0] != self._st.table.shape[0]:
             tr_rebuild_table(st.i32, st.i64, st.i8, st.meta, st.table)
         self._set_state(st)

@@ -50,7 +50,7 @@ from ._config import NUMBA_CACHE
 from ._heap import hp_pop, hp_push, hp_remove
 from ._simd import diff16, prefetch
 from ._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, FREE_PARENT, GEN, HASH, HINT, HITS, HPOS, LOCK, M_FREE, M_HIGH,
-                     M_INDEXED, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, M_WIDE, NCHILD, NS_BASE, PARENT,
+                     M_INDEXED, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, M_WIDE, NCHILD, NS_BASE, OWN, PARENT,
                      TABLE_MAX_LOAD_DEN, TABLE_MAX_LOAD_NUM, TICK, blob_views)
 from ._table import EMPTY, tb_delete, tb_home, tb_insert, tb_node, tb_tag
 from ._tokens import in_range_from
@@ -482,8 +482,9 @@ def tr_lock(i32, i64, meta, node, gen, delta):
     """Add ``delta`` (+1 or -1) to the lock count of every page on the root..node path."""
     if node < 0 or node >= meta[M_HIGH] or i32[DEPTH, node] < 0 or i32[GEN, node] != gen:
         return STALE_HANDLE
-    if delta < 0 and i32[LOCK, node] <= 0:
+    if delta < 0 and i32[OWN, node] <= 0:  # no lock of a handle ending here: a deeper one's is not this one's
         return NOT_LOCKED
+    i32[OWN, node] += delta
     lock = i32[LOCK]
     hpos = i32[HPOS]
     parent = i32[PARENT]

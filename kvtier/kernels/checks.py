@@ -131,7 +131,7 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
     slots = _as_index_tensor("slots", slots, kv.device)
     block_ids = _as_index_tensor("block_ids", block_ids, kv.device)
     page = kv.geometry.page_size
-    check_int_in("skip_tokens", skip_tokens, 0, page, bounds=f"[0, page_size={page})")
+    skip_tokens = check_int_in("skip_tokens", skip_tokens, 0, page, bounds=f"[0, page_size={page})")
     if skip_tokens and block_ids.numel() == 0:
         raise ValueError(f"skip_tokens={skip_tokens} with no block to skip into")
     if slots.numel() != block_ids.numel() * page - skip_tokens:
@@ -145,3 +145,13 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
     if block_ids_to_device and block_ids.device != kv.device:
         block_ids = block_ids.to(kv.device, non_blocking=True)
     return slots, block_ids, num_blocks
+
+
+def check_staged_skip(skip_tokens, *, to_host: bool) -> int:
+    """``skip_tokens`` of a staged transfer as an int (checked in range by :func:`check_transfer`): a staged store
+    copies whole blocks from its staging buffer, so only a load may skip tokens (the direct path stores part of a
+    block)."""
+    if to_host and skip_tokens:
+        raise ValueError(f"a staged store copies whole blocks: skip_tokens must be 0, got {skip_tokens!r} (store "
+                         f"part of a block through the direct path)")
+    return int(skip_tokens)

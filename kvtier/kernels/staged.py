@@ -29,7 +29,8 @@ import torch
 
 from kvtier.geometry import KVGeometry
 from kvtier.kernels import batch_copy
-from kvtier.kernels.checks import LayerSpan, check_blocks_tensor, check_kv, check_transfer, layer_span
+from kvtier.kernels.checks import (LayerSpan, check_blocks_tensor, check_kv, check_staged_skip, check_transfer,
+                                   layer_span)
 from kvtier.kernels.paged_kv import PagedKV
 from kvtier.kernels.pinned import split_at_registrations
 from kvtier.kernels.raw_events import wait_event
@@ -470,6 +471,7 @@ class StagedTransfer:
             slots, block_ids, _ = check_transfer(kv, self.host, slots, block_ids, layout=self.layout,
                                                  host_side=True, writes_blocks=to_host, check_indices=check,
                                                  block_ids_to_device=False, skip_tokens=skip)
+            skip = check_staged_skip(skip, to_host=to_host)
             if block_ids.numel() == 0:
                 return None  # nothing to move: a no-op, as on the direct path
             host_ids = block_ids.cpu().numpy()

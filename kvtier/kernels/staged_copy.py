@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvtier.kernels import raw_events
-from kvtier.kernels.checks import LayerSpan, check_transfer, layer_span
+from kvtier.kernels.checks import LayerSpan, check_staged_skip, check_transfer, layer_span
 from kvtier.kernels.raw_events import RawEvent
 from kvtier.kernels.staged import (ChunkIssue, ChunkRuns, SingleCopy, StagedTransfer, StagingBuffers, block_runs,
                                    issue_chunks)
@@ -72,6 +72,7 @@ class StagedCopy:
             slots, block_ids, _ = check_transfer(kv, stager.host, slots, block_ids, layout=stager.layout,
                                                  host_side=True, writes_blocks=to_host, check_indices=check,
                                                  block_ids_to_device=False, skip_tokens=skip_tokens)
+            skip_tokens = check_staged_skip(skip_tokens, to_host=to_host)
             self._host_ids = block_ids.cpu().numpy()
         self.stager, self.to_host, self._slots, self._skip = stager, to_host, slots, skip_tokens
         self._direction: StagingBuffers = stager.buffers(to_host)

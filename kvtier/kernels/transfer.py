@@ -207,6 +207,7 @@ class DirectCopy:
             slots, block_ids, num_blocks = check_transfer(kv, host, slots, block_ids, layout=layout,
                                                           host_side=True, writes_blocks=to_host,
                                                           check_indices=check, skip_tokens=skip_tokens)
+        skip_tokens = int(skip_tokens)  # checked: an integer in range (a numpy one reaches no launch)
         # Launched later: on the CPU never through the caller's own index tensors, which it may change after the
         # checks (device-side ones are the caller's to keep unchanged until the launches are issued).
         slots, block_ids = (t.clone() if t is g and t.device.type == "cpu" else t

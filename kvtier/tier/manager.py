@@ -686,7 +686,7 @@ class KVTier(HostTier):
         return self.executor.fence(stream)
 
     def _load(self, tokens, ns, slot_indices, *, layerwise: bool, start_page: int = 0) -> TierTask:
-        check_count("start_page", start_page, 0)
+        start_page = check_count("start_page", start_page, 0)
         self._drain()
         P, B = self.page_size, self.block_tokens
         toks = _as_tokens(tokens)
