@@ -300,13 +300,15 @@ def tree_digest(s: Setup) -> list:
 
 
 def tp_skew_worker(rank: int, world: int, init_file: str, out_dir: str, device: str = "cpu",
-                   page_size: int = 4, tp: Optional[int] = None, pp: int = 1, mla: bool = False) -> None:
+                   page_size: int = 4, tp: Optional[int] = None, pp: int = 1, mla: bool = False,
+                   no_shm_stage: int = -1) -> None:
     """One rank (torch.multiprocessing.spawn target) whose copies complete at other moments than the others':
     rank 0's finish at once, the last rank's only later. After each scheduling round (flush_pending_backups) and
     eviction every rank must hold the same tree. Writes ``rank<r>.json`` (the digests, the host hit, what was
     loaded, the KV check, no leak, the shared pool's inode, or the error); the parent compares them.
     ``device="cuda"``: rank r on cuda:r, or every rank on cuda:0 when there is one GPU. The ranks are ``tp`` TP
-    ranks (default: all) of ``pp`` pipeline stages (:class:`tests.tp_ranks.Topology`), MHA or MLA pools."""
+    ranks (default: all) of ``pp`` pipeline stages (:class:`tests.tp_ranks.Topology`), MHA or MLA pools.
+    ``no_shm_stage``: the pipeline stage whose ranks cannot create a shared segment (a full /dev/shm)."""
     import json
     import traceback
 
@@ -322,6 +324,15 @@ def tp_skew_worker(rank: int, world: int, init_file: str, out_dir: str, device: 
     try:
         topo = Topology(tp=tp or world // pp, pp=pp, mla=mla)
         start, layers = topo.stage_layers(topo.coords(rank)[0])
+        if topo.coords(rank)[0] == no_shm_stage:
+            from kvtier.tier import shared_memory
+            made = shared_memory.SharedSegment.__init__
+
+            def full_shm(self, name, nbytes, *, create):
+                if create:
+                    raise OSError(28, "No space left on device (injected)", name)
+                made(self, name, nbytes, create=create)
+            shared_memory.SharedSegment.__init__ = full_shm
         if device.startswith("cuda"):
             gpu = rank % torch.cuda.device_count()
             torch.cuda.set_device(gpu)

@@ -119,6 +119,42 @@ def test_prefill_decode_disaggregation_is_refused(mode):
         ks.factory(ctx)
 
 
+def test_decode_context_parallelism_is_refused():
+    """--dcp-size > 1 hands out slot ids that are not rows of this rank's pool (each rank keeps every
+    dcp_size-th token): copies would move the wrong rows."""
+    import types
+
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    s = h.build(mla=True)
+    params = CacheInitParams(disable=False, req_to_token_pool=s.req_to_token_pool,
+                             token_to_kv_pool_allocator=s.allocator, page_size=s.page_size)
+    ctx = registry.TreeCacheBuildContext(
+        server_args=types.SimpleNamespace(disaggregation_mode="null", dcp_size=2), params=params,
+        is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=False,
+        tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+    with pytest.raises(ValueError, match="--dcp-size"):
+        ks.factory(ctx)
+
+
+def test_a_pool_with_kv_scale_buffers_is_refused():
+    """An FP4 MLA pool keeps per-token scales beside its KV: kvtier moved the KV only, and a prefix loaded back was
+    read with the scales the reused slots last held."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPoolFP4
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    from kvtier.sglang.radix_cache import paged_kv_from_pool
+
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=4))
+    pool = MLATokenToKVPoolFP4(size=64, page_size=4, dtype=torch.uint8, kv_lora_rank=16, qk_rope_head_dim=16,
+                               layer_num=2, device="cpu", enable_memory_saver=False)
+    assert pool.kv_scale_buffer is not None
+    with pytest.raises(ValueError, match="kv_scale_buffer"):
+        paged_kv_from_pool(pool, 4)
+
+
 def test_chunked_prefill_copies_each_page_once():
     """Each chunk's checkpoint stores the tree-owned prefix; while the previous chunk's store is in flight its pages
     are not in the host index yet, so the next checkpoint used to copy them again."""

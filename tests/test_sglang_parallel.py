@@ -181,6 +181,24 @@ def test_ranks_running_concurrently_with_skewed_copies_keep_identical_trees(tmp_
     assert (r0["shared_inode"] is not None) == mla and r0["shared_inode"] == r1["shared_inode"]
 
 
+def test_mla_stages_share_their_host_pools_all_or_none(tmp_path):
+    """TP=2 x PP=2 with MLA pools, the second stage unable to create its shared segment: had the first stage shared
+    its pool (twice the blocks a rank's own holds) while the second kept one per rank, the start-up check of equal
+    block counts across the cache would have stopped the server; no stage shares, and the ranks serve as usual."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests import sglang_helpers as h
+
+    mp.spawn(h.tp_skew_worker, args=(4, str(tmp_path / "pg"), str(tmp_path), "cpu", 4, 2, 2, True, 1), nprocs=4,
+             join=True)
+    out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert not [o["error"] for o in out if "error" in o]
+    assert all(o["shared_inode"] is None for o in out)
+    assert all(o["kv_ok"] and o["no_leak"] for o in out)
+
+
 # --- state machines ---
 
 class ParallelMachine(RuleBasedStateMachine):

@@ -96,6 +96,9 @@ def unsupported_reasons(ctx) -> list[str]:
         reasons.append("EAGLE speculative decoding (bigram radix keys) is not supported yet")
     if getattr(params, "enable_session_radix_cache", False):
         reasons.append("--enable-session-radix-cache needs UnifiedRadixCache")
+    if (getattr(ctx.server_args, "dcp_size", 1) or 1) > 1:
+        reasons.append("--dcp-size > 1 (decode context parallelism) hands out slot ids that are not rows of this "
+                       "rank's KV pool (each rank keeps every dcp_size-th token)")
     if getattr(ctx.server_args, "enable_cp_decode_attn_tp", False):
         reasons.append("--enable-cp-decode-attn-tp splits a context-parallel rank's heads at decode time; kvtier "
                        "needs every CP rank to hold the full KV of its heads (as SGLang's CP prefill leaves it)")

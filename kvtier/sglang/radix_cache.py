@@ -71,12 +71,15 @@ __all__ = ["KVTierRadixCache", "paged_kv_from_pool"]
 def paged_kv_from_pool(kv_pool, page_size: int) -> PagedKV:
     """Wrap an SGLang MHA or MLA token-to-KV pool's per-layer buffers (this rank's layers) as a :class:`PagedKV`."""
     layout = getattr(kv_pool, "kv_cache_layout", "nhd")
+    scales = sorted(k for k, v in getattr(kv_pool, "__dict__", {}).items()
+                    if k.endswith("scale_buffer") and v is not None)
+    if scales:  # k_scale_buffer (MHA FP4), kv_scale_buffer (MLA FP4), ...: a loaded prefix would keep stale scales
+        raise ValueError(f"kvtier does not move per-token KV scale buffers yet ({', '.join(scales)} of "
+                         f"{type(kv_pool).__name__}: quantized KV with scales)")
     if getattr(kv_pool, "k_buffer", None) is not None and getattr(kv_pool, "v_buffer", None) is not None:
         if layout != "nhd":
             raise ValueError(f"kvtier supports the 'nhd' MHA KV layout only, the pool uses {layout!r} "
                              "(unset SGLANG_USE_HND_KVCACHE / the AITER layout)")
-        if getattr(kv_pool, "k_scale_buffer", None) is not None:
-            raise ValueError("kvtier does not move per-token KV scale buffers yet (quantized KV with scales)")
         return PagedKV.mha(list(kv_pool.k_buffer), list(kv_pool.v_buffer), page_size=page_size)
     if getattr(kv_pool, "kv_buffer", None) is not None:
         return PagedKV.mla(list(kv_pool.kv_buffer), page_size=page_size)

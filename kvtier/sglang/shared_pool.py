@@ -80,9 +80,14 @@ def share_pool(agreement: RankAgreement, geometry: KVGeometry, layout: str, bloc
             logger.warning("kvtier: cannot map the stage's shared host pool (%s): its ranks are not all on one "
                            "machine; each rank keeps a pool of its own", e)
     shared = agreement.stage_reduce([int(segment is not None)], dist.ReduceOp.MIN)[0] if token else 0
+    # every stage shares, or none does: the ranks of every stage must hold pools of as many blocks
+    shared = agreement.startup_reduce([shared], dist.ReduceOp.MIN)[0]
     if leader and segment is not None:
         segment.unlink()  # every rank has mapped it (or given up): the memory lives as long as its mappings
     if not shared:
+        if token and segment is not None:
+            logger.warning("kvtier: another pipeline stage cannot share its host pool, so this one keeps a pool "
+                           "per rank too")
         return None
     pool = HostBlockPool(geometry, num_blocks, layout=layout, memory=segment.tensor[:nbytes],
                          budget_bytes=None if budget_bytes is None else budget_bytes * ranks)
