@@ -365,6 +365,29 @@ def test_namespaces_that_hold_no_pages_are_reclaimed():
     assert len(trie._ns_ids) == 1 and trie._st.ns_slots == 4
 
 
+def test_the_codes_of_wide_ids_no_page_holds_are_handed_out_again():
+    """Every image's pad value took a code for good: a server seeing ever new images grew the table of codes
+    without end (and refused inserts after 2**31 - 1 of them)."""
+
+    class SmallReclaim(PageTrie):
+        RECLAIM_CODES_AT = 8
+
+    trie = SmallReclaim(4, initial_nodes=8)
+    text = list(range(100, 104))
+    kept = text + [(1 << 62) + 7] * 4  # an image whose pages stay in the index throughout
+    trie.insert(kept, np.array([0, 1]))
+    trie.lock(trie.match(kept))
+    for i in range(200):  # ever new images, their pages evicted soon after
+        prompt = text + [(1 << 62) + 1000 + i] * 2 + [(1 << 62) + 5000 + i] * 2
+        trie.insert(prompt, np.array([0, 2 + i % 4]))
+        assert trie.match(prompt).num_pages == 2
+        if trie.total_pages > 4:
+            trie.evict(trie.total_pages - 4)
+        assert trie.num_wide_ids <= 2 * 8 + 2
+    assert trie.match(kept).num_pages == 2  # its code kept through every reclaim
+    assert trie.match(text + [(1 << 62) + 1000] * 2 + [(1 << 62) + 5000] * 2).num_pages == 1  # long gone
+
+
 def test_wide_token_ids_are_matched_and_verified_exactly():
     """SGLang's multimodal pad values (MM_PAD_SHIFT_VALUE + a 62-bit hash) used to fail match_prefix with
     ValueError (ids had to be < 2**32), killing the scheduler on the first image request."""

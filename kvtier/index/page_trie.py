@@ -27,8 +27,8 @@ import numpy as np
 
 from kvtier._checks import check_count
 
-from ._state import (FREE_PARENT, GEN, M_HEAP, M_HIGH, M_INDEXED, M_PROT, M_TOTAL, M_WIDE, NS_BASE, PARENT, TrieState,
-                     grow_namespaces, grow_nodes, new_state, state_nbytes, table_slots_for, with_table)
+from ._state import (DEPTH, FREE_PARENT, GEN, M_HEAP, M_HIGH, M_INDEXED, M_PROT, M_TOTAL, M_WIDE, NS_BASE, PARENT,
+                     TrieState, grow_namespaces, grow_nodes, new_state, state_nbytes, table_slots_for, with_table)
 from ._tokens import RAW_MAX, as_token_array
 from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace
 from .trie_jit import (BAD_BLOCK_COUNT, BAD_BLOCKS, BAD_TOKENS, F_TOUCH, NEED_HASH, NEED_NODES, NEED_TABLE,
@@ -121,7 +121,9 @@ def _token_key(tokens):
 # the 32-bit trie as codes in [2**31, 2**32): each distinct wide id inserted gets the next code, so codes stand
 # for ids one to one and every hit is still verified against the real ids. A lookup of a wide id never inserted
 # uses _UNSEEN, which no stored token equals. Token arrays with no wide id (text) go to the jitted code as they
-# are; one with a wide id is refused there (BAD_TOKENS) and retried coded.
+# are; one with a wide id is refused there (BAD_TOKENS) and retried coded. Once the codes handed out reach twice
+# those in live pages (at least RECLAIM_CODES_AT), the ids of codes no page holds are forgotten and their codes
+# handed out again: a server seeing ever new images keeps as many codes as its pages hold.
 _FIRST_CODE = RAW_MAX + 1
 _UNSEEN = (1 << 32) - 1
 
@@ -138,6 +140,7 @@ class PageTrie:
     # Page hashes keep all 64 bits; a test subclass narrows the mask to make collisions common (a collision
     # costs time, never a wrong page).
     HASH_MASK: int = FULL_HASH_MASK
+    RECLAIM_CODES_AT: int = 1 << 16  # wide ids remembered before the first reclaim (a test lowers it)
 
     def __init__(self, page_size: int, initial_nodes: int = 4096) -> None:
         self._page_size = check_count("page_size", page_size)
@@ -158,7 +161,29 @@ class PageTrie:
     # every slot is taken (one pass over the nodes, then at least as many registrations before the next).
     def _forget_codes(self) -> None:
         self._codes: dict[int, int] = {}  # wide id -> its code
-        self._next_code = _FIRST_CODE
+        self._next_code = _FIRST_CODE  # codes below it were handed out
+        self._free_codes = np.empty(0, dtype=np.uint32)  # reclaimed codes, handed out again first
+        self._reclaim_at = self.RECLAIM_CODES_AT
+
+    def _reclaim_codes(self) -> None:
+        """Forget the wide ids no live page holds; their codes go to the free list."""
+        st = self._st
+        high = int(st.meta[M_HIGH])
+        toks = st.tokens[:high][st.i32[DEPTH, :high] >= 0]
+        used = np.unique(toks[toks >= _FIRST_CODE])
+        live = set(used.tolist())
+        self._codes = {v: c for v, c in self._codes.items() if c in live}
+        self._free_codes = np.setdiff1d(np.arange(_FIRST_CODE, self._next_code, dtype=np.uint32), used)
+        self._reclaim_at = max(self.RECLAIM_CODES_AT, 2 * len(self._codes))
+
+    def _new_code(self) -> int:
+        if self._free_codes.size:
+            c, self._free_codes = int(self._free_codes[-1]), self._free_codes[:-1]
+            return c
+        if self._next_code >= _UNSEEN:
+            raise ValueError(f"the index holds {_UNSEEN - _FIRST_CODE} distinct token ids >= 2**31, its most")
+        self._next_code += 1
+        return self._next_code - 1
 
     def _coded(self, q, register: bool) -> np.ndarray:
         """``q`` as uint32 codes: ids below 2**31 as they are, wide ids by their code (new ones get one when
@@ -169,17 +194,16 @@ class PageTrie:
         wide = a > RAW_MAX
         out = np.where(wide, 0, a).astype(np.uint32)
         values, where = np.unique(a[wide], return_inverse=True)
+        if register and len(self._codes) + values.size > self._reclaim_at:  # before this call's new codes
+            self._reclaim_codes()
         codes = np.empty(values.size, dtype=np.uint32)
         for k, v in enumerate(values.tolist()):
             c = self._codes.get(v)
             if c is None:
                 if not register:
                     c = _UNSEEN
-                elif self._next_code >= _UNSEEN:
-                    raise ValueError(f"the index holds {_UNSEEN - _FIRST_CODE} distinct token ids >= 2**31, its most")
                 else:
-                    c = self._codes[v] = self._next_code
-                    self._next_code += 1
+                    c = self._codes[v] = self._new_code()
                     self._st.meta[M_WIDE] = 1  # from now on a caller's id can equal a stored code
             codes[k] = c
         out[wide] = codes[where]
