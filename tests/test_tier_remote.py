@@ -186,6 +186,28 @@ def test_a_hung_master_bounds_every_wait_and_keeps_the_fetch_blocks_until_its_ca
     b.destroy()
 
 
+def test_a_tier_whose_master_did_not_answer_last_is_destroyed_without_waiting_for_it(mooncake_master):
+    """Mooncake's close waits for a hung master (30-60 s) holding the GIL: a tier that found its master not
+    answering leaves the client to the process's exit."""
+    a = make_remote_tier(mooncake_master.addr)
+    toks = prompt(1, 4)
+    store_and_put(a, toks)
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    task = probed_fetch(b, toks, 4)
+    mooncake_master.pause()
+    b.wait(task)  # the get outlasts its timeout: the tier is down
+    mooncake_master.resume()
+    b.remote.drain(wait=True)  # the hung get returns
+    assert not b.stats()["remote_up"]
+    mooncake_master.pause()  # hung again at shutdown
+    t0 = time.monotonic()
+    b.destroy()
+    assert time.monotonic() - t0 < 5
+    mooncake_master.resume()
+    b.remote.medium.store.close()  # the test's own clean-up, the master answering again
+    a.destroy()
+
+
 def test_a_key_gone_between_probe_and_get_is_a_counted_miss(mooncake_master):
     a = make_remote_tier(mooncake_master.addr)
     toks = prompt(1, 4)
@@ -241,6 +263,29 @@ def test_a_forged_value_is_a_counted_miss_never_served(mooncake_master, forgery,
     assert pages == 1 and same(got, want, 1)  # the leading good block; the forged one is a miss
     s = b.stats()
     assert s["remote_blocks_corrupt"] == 1 and s["pages_fetched"] == 1
+    assert_accounted(b)
+    # removed: a put of its key was a no-op the store answered as stored, so the block stayed a miss for everyone
+    assert medium.store.exists(key) == [0]
+    store_and_put(b, toks)  # b computed the missing blocks: written through
+    c = make_remote_tier(mooncake_master.addr, seed=2)
+    assert fetch_and_load(c, toks)[0] == 3 and c.stats()["remote_blocks_corrupt"] == 0
+    a.destroy()
+    b.destroy()
+    c.destroy()
+
+
+def test_a_cancelled_fetch_ends_without_its_get(mooncake_master):
+    """A fetch cancelled after its probe returned went on: it evicted CPU pages to make room, ran its get, and
+    then threw the blocks away."""
+    a = make_remote_tier(mooncake_master.addr)
+    toks = prompt(1, 4)
+    store_and_put(a, toks)
+    b = make_remote_tier(mooncake_master.addr, seed=1, num_blocks=8)
+    local = prompt(2, 6)
+    store_and_put(b, local)
+    calls = _counted(b.remote.medium.store, "get", 0.0)
+    b.cancel(probed_fetch(b, toks, 4))
+    assert calls == [] and b.lookup(local) == 6 and b.stats()["pages_evicted"] == 0
     assert_accounted(b)
     a.destroy()
     b.destroy()
@@ -441,6 +486,80 @@ def test_no_fetch_starts_while_a_get_given_up_on_still_runs(mooncake_master):
     pages, got = fetch_and_load(b, t2)
     assert pages == 2 and b.stats()["remote_fetches_abandoned"] == 1
     assert_accounted(b)
+    a.destroy()
+    b.destroy()
+
+
+def _counted(store, method: str, seconds: float) -> list:
+    """Make every call of the real client's ``method`` take ``seconds`` longer; the list of their start times."""
+    calls: list = []
+    before_calls(store, method, lambda: (calls.append(time.monotonic()), time.sleep(seconds)))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["put", "get"])
+def test_a_job_given_up_on_makes_no_further_calls(mooncake_master, kind):
+    """A put or get of several calls, each hanging: once the owner gives up on it (the tier goes down), its
+    remaining calls are not made, and a reset waits for the one that runs only. The job went on calling batch after
+    batch, and the reset waited for all of them."""
+    a = make_remote_tier(mooncake_master.addr, num_blocks=32)
+    toks = prompt(1, 4)
+    if kind == "get":
+        store_and_put(a, toks)
+    t = a if kind == "put" else make_remote_tier(mooncake_master.addr, seed=1)
+    t.remote.medium._batch = 1  # a call a block
+    calls = _counted(t.remote.medium.store, kind, 3 * TIMEOUT)
+    if kind == "put":
+        t.wait(t.store(prompt(10, 4), None, page_slots(0, 4, P)))
+        poll_until(t, lambda: not t.stats()["remote_up"], 3 * TIMEOUT)
+    else:
+        t.wait(probed_fetch(t, toks, 4))
+    assert not t.stats()["remote_up"]
+    given_up, t0 = len(calls), time.monotonic()
+    t.reset()
+    assert len(calls) == given_up == 1 and time.monotonic() - t0 < 3 * TIMEOUT + 1
+    t.destroy()
+    if t is not a:
+        a.destroy()
+
+
+def test_one_hung_call_of_a_many_call_get_ends_by_its_own_timeout(mooncake_master):
+    """remote_timeout_s bounds each call: the first call of an eight-call get hanging, the owner gives up after one
+    timeout. The stage's deadline was the timeout times its calls, counted from its start (eight here; 19 for an 8k
+    Qwen3-8B prefix at 5 s each: a hung peer's minute fit in it)."""
+    a = make_remote_tier(mooncake_master.addr)
+    toks = prompt(1, 8)
+    store_and_put(a, toks)
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    b.remote.medium._batch = 1
+    calls: list = []
+
+    def first_hangs() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(6 * TIMEOUT)
+    before_calls(b.remote.medium.store, "get", first_hangs)
+    task = probed_fetch(b, toks, 8)
+    t0 = time.monotonic()
+    b.wait(task)
+    assert time.monotonic() - t0 < 2 * TIMEOUT + 0.5
+    s = b.stats()
+    assert not s["remote_up"] and s["remote_fetches_abandoned"] == 1
+    b.remote.drain(wait=True)
+    assert_accounted(b)
+    a.destroy()
+    b.destroy()
+
+
+def test_the_read_rate_counts_the_get_not_the_probe(mooncake_master):
+    """read_gbps (what admission by cost compares with the prefill) took the probe's time as read time too."""
+    a = make_remote_tier(mooncake_master.addr)
+    toks = prompt(1, 4)
+    store_and_put(a, toks)
+    b = make_remote_tier(mooncake_master.addr, seed=1, remote_timeout_s=5.0)
+    slowed(b.remote.medium.store, "exists", 0.5)  # a slow probe; the get itself as it is
+    pages, _ = fetch_and_load(b, toks)
+    assert pages == 4 and b.stats()["remote_seconds_fetch"] < 0.25
     a.destroy()
     b.destroy()
 

@@ -513,7 +513,7 @@ class KVTier(HostTier):
         rec = self._inflight.get(tid)
         if rec is None:
             return False
-        self._wait(rec)
+        self._wait(rec, discard=True)
         self._finalize(rec, cancelled=True)
         return True
 
@@ -522,7 +522,7 @@ class KVTier(HostTier):
         """Wait for every in-flight copy, then drop every CPU page and task (pending poll reports included); the
         SSD tier keeps its durable blocks (they outlive processes; a new KVTier over its directories serves them)."""
         for rec in list(self._inflight.values()):
-            self._wait(rec)
+            self._wait(rec, discard=True)
             self._finalize(rec, cancelled=True)
         if self.ssd is not None:
             self.ssd.drain(wait=True)  # no write reads a CPU block any more; the SSD tier keeps its blocks
@@ -667,15 +667,18 @@ class KVTier(HostTier):
         rec.task.num_pages = int(ids.size) * self._pages_per_block
         self.remote.start_get(job, ids)
 
-    def _wait(self, rec: CopyRecord) -> None:
-        """Block until ``rec``'s copy has completed; a fetch: each stage at most ``remote_timeout_s`` per call it
-        makes (past it, it is abandoned: it brings nothing, and its CPU blocks stay held until its calls return)."""
+    def _wait(self, rec: CopyRecord, *, discard: bool = False) -> None:
+        """Block until ``rec``'s copy has completed; a fetch: each of its calls at most ``remote_timeout_s`` (past
+        it, it is abandoned: it brings nothing, and its CPU blocks stay held until its calls return). ``discard``:
+        the task is dropped after the wait, so a fetch whose probe has returned ends without its get."""
         if rec.task.kind != TaskKind.FETCH:
             rec.completion.wait()
             return
         job, medium = rec.completion, self.remote.medium
         while not job.done():
-            if job.awaiting_blocks():
+            if job.awaiting_blocks() and discard:
+                medium.end(job)
+            elif job.awaiting_blocks():
                 self._advance_fetch(rec)
             elif not medium.wait(job):
                 return

@@ -129,7 +129,7 @@ class RemoteJob:
     down: bool = False  # a call found the master unreachable
     abandoned: bool = False  # the owner stopped waiting (the calls may still run)
     discarded: bool = False  # fetch: given up on, or ended before its get returned (it brings nothing)
-    started: Optional[float] = None  # time.monotonic() when the running stage's calls began (None: queued)
+    started: Optional[float] = None  # time.monotonic() when the running call began (its stage, before the first)
     worker: Optional["_Worker"] = dataclasses.field(default=None, repr=False)  # the thread running its stages
     io_seconds: float = 0.0
     _stage: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
@@ -359,6 +359,7 @@ class RemoteTier:
         caller owns them until the job is finished)."""
         job.host_ids = np.asarray(host_ids, np.int64).copy()
         job.views = [self._view(int(b)) for b in job.host_ids.tolist()]
+        job.io_seconds = 0.0  # the get's own time (read_gbps): not the probe's
         self.stats.fetches += 1
         self._fetcher.submit(lambda: self._run_get(job), job)
 
@@ -366,16 +367,10 @@ class RemoteTier:
         """End a probed fetch without a get (nothing held, refused, or no CPU block)."""
         job._ended = True
 
-    def stage_timeout(self, job: RemoteJob) -> float:
-        """How long the owner waits for ``job``'s running stage: ``timeout_s`` per call it makes (a get of many
-        blocks is several batched calls)."""
-        return self.timeout_s * max(1, -(-job.host_ids.size // self._batch))
-
     def wait(self, job: RemoteJob) -> bool:
         """Wait for ``job``'s stage; whether it returned. The stage is abandoned (and the tier marked down) once
-        its calls have run :meth:`stage_timeout` from when they began, or, still queued, once the tier is down (a
-        call ahead of it outlasted its own timeout: :meth:`watch`); time spent queued behind healthy calls does not
-        count."""
+        one of its calls has run ``timeout_s``, or, still queued, once the tier is down (a call ahead of it
+        outlasted its own timeout: :meth:`watch`); time spent queued behind healthy calls does not count."""
         while not job.wait(_WATCH_S):
             self.watch()  # may abandon this job, or the call ahead of it
             if self.expired(job):
@@ -385,7 +380,7 @@ class RemoteTier:
         return True
 
     def expired(self, job: RemoteJob) -> bool:
-        """Whether the owner gives up on ``job``'s stage: its calls outlasted :meth:`stage_timeout`; or it has
+        """Whether the owner gives up on ``job``'s stage: its running call outlasted ``timeout_s``; or it has
         not started and the tier is down (it is skipped when it runs) or the call ahead of it on its thread was
         given up on or is past its own timeout (it would wait for that call)."""
         if job.abandoned or job._stage.is_set():  # given up on already, or its stage returned
@@ -397,10 +392,9 @@ class RemoteTier:
         return self._overdue(job)
 
     def _overdue(self, job: RemoteJob) -> bool:
-        """Whether ``job``'s running stage has run longer than :meth:`stage_timeout`."""
+        """Whether ``job``'s running call has run longer than ``timeout_s``."""
         started = job.started
-        return (started is not None and not job._stage.is_set()
-                and time.monotonic() - started > self.stage_timeout(job))
+        return started is not None and not job._stage.is_set() and time.monotonic() - started > self.timeout_s
 
     def abandon(self, job: RemoteJob) -> None:
         """Stop waiting for ``job`` (its calls may still run; its blocks stay the job's) and mark the tier
@@ -486,13 +480,17 @@ class RemoteTier:
 
     def close(self) -> None:
         """Finish the queued calls, stop the threads, disconnect; idempotent. A client whose call still hangs
-        past the timeout is left to the process's exit rather than torn down under that call."""
+        past the timeout is left to the process's exit rather than torn down under that call, and so is one whose
+        master did not answer last: Mooncake's close holds the GIL while it waits for the master (30-60 s)."""
         if self._putter is None:
             return
-        if self._stop_threads():
-            self.store.close()
-        else:
+        if not self._stop_threads():
             logger.warning("kvtier: a remote call still runs at shutdown; the Mooncake client is not closed")
+        elif not self.up:
+            logger.warning("kvtier: the Mooncake master did not answer last; the client is left to the process's "
+                           "exit, not closed")
+        else:
+            self.store.close()
 
     def _stop_threads(self) -> bool:
         """Stop the workers there are (after their queued calls) and the prep threads; whether every worker
@@ -531,23 +529,33 @@ class RemoteTier:
         concurrent.futures.wait(futures)  # none still writes a buffer or a CPU block when this returns or raises
         return [f.result() for f in futures]
 
-    def _pipeline(self, worker: _Worker, n: int, prepare, call, check) -> None:
-        """Blocks ``0..n`` in batches: ``prepare(a, b, buf)`` fills batch ``[a, b)``'s buffer while the previous
-        batch's ``call`` runs on the sender; ``check(a, b, buf, result)`` (False: stop) runs while the next
-        batch's call does. Returns only once no call runs (none still writes a buffer or a CPU block)."""
+    def _pipeline(self, job: RemoteJob, worker: _Worker, n: int, prepare, call, check) -> None:
+        """Blocks ``0..n`` of ``job`` in batches: ``prepare(a, b, buf)`` fills batch ``[a, b)``'s buffer while the
+        previous batch's ``call`` runs on the sender; ``check(a, b, buf, result)`` (False: stop) runs while the next
+        batch's call does. No call starts once the job is abandoned, the tier is down or the last call found the
+        master unreachable. Returns only once no call runs (none still writes a buffer or a CPU block)."""
         spans = [(a, min(a + self._batch, n)) for a in range(0, n, self._batch)]
+
+        def timed(a: int, b: int, buf: np.ndarray):  # the owner's deadline counts from each call's start
+            job.started = time.monotonic()
+            return call(a, b, buf)
         last = None  # (a, b, buf, future) of the call in flight
         try:
             for k, (a, b) in enumerate(spans):
                 buf = worker.buffers[k % 2]
-                prepare(a, b, buf)
+                if not job.abandoned and self.up:
+                    prepare(a, b, buf)
                 result = last[3].result() if last is not None else None
-                fut = worker.sender.submit(call, a, b, buf)
+                if job.abandoned or not self.up or (result is not None and any(unreachable(c) for c in result)):
+                    break
+                fut = worker.sender.submit(timed, a, b, buf)
                 prev, last = last, (a, b, buf, fut)
                 if prev is not None and not check(prev[0], prev[1], prev[2], result):
                     return
+            else:
+                result = last[3].result() if last is not None else None
             if last is not None:
-                check(last[0], last[1], last[2], last[3].result())
+                check(last[0], last[1], last[2], result)
         finally:
             if last is not None:
                 concurrent.futures.wait([last[3]])
@@ -578,7 +586,7 @@ class RemoteTier:
             job.ok = len(job.stored)
             return not job.down
 
-        self._pipeline(self._putter, job.num_blocks, prepare, call, check)
+        self._pipeline(job, self._putter, job.num_blocks, prepare, call, check)
 
     def _run_probe(self, job: RemoteJob) -> None:
         if not self.up:
@@ -618,20 +626,31 @@ class RemoteTier:
             job.ok = a + ok
             if ok < got:
                 job.corrupt += 1
+                self._remove(job, a + ok)
                 return False
             if got < b - a:  # gone since the probe, the master down, its holder dead, or a value of another size
                 code = codes[got]
                 if transfer_failed(code):  # a dead or hung holder, or a value of another size: ask the master
+                    job.started = time.monotonic()  # a call of its own, bounded alike
                     size = self.store.size(self.keys(job.hashes[a + got:a + got + 1])[0])
                     code = size if size < 0 else (code if size == self.value_bytes else None)
                 missing, failed, job.down = gone(code), transfer_failed(code), unreachable(code)
                 job.missing += missing
                 job.failed += failed
-                job.corrupt += not (job.down or missing or failed)
+                if not (job.down or missing or failed):
+                    job.corrupt += 1
+                    self._remove(job, a + got)
                 return False
             return True
 
-        self._pipeline(self._fetcher, job.host_ids.size, lambda a, b, buf: None, call, check)
+        self._pipeline(job, self._fetcher, job.host_ids.size, lambda a, b, buf: None, call, check)
+
+    def _remove(self, job: RemoteJob, i: int) -> None:
+        """Remove block ``i``'s value, which failed its checks: a put of the same key is a no-op while it is there
+        (the store answers it stored), so the block would stay a miss for every instance until the store evicts
+        it. A call of its own, bounded alike."""
+        job.started = time.monotonic()
+        self.store.remove(self.keys(job.hashes[i:i + 1]))
 
     def _run_health(self, job: RemoteJob) -> None:
         codes = self.store.exists([f"{self.key_prefix}/health"])
