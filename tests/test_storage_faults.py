@@ -39,6 +39,18 @@ def file_bytes(slots: int) -> int:
     return ALIGN + slots * 2 * ALIGN
 
 
+def fill(path: str) -> None:
+    """A file at ``path`` that takes every free page of its disk."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * ALIGN):
+            pass
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     """A function mounting a tmpfs of ``nbytes`` (rounded up to pages) under ``tmp_path``; unmounted after."""
@@ -59,32 +71,55 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(d)], check=True)  # lazily: a failed test may hold a file open
 
 
-def test_a_disk_without_room_for_the_journal_fails_at_open(small_fs):
+def test_a_disk_without_room_for_the_journal_fails_at_open_and_closes_what_it_opened(small_fs):
     slots = 64
     d = small_fs(file_bytes(slots) + 32 * ALIGN)  # the block file and 32 pages: the journal needs more
-    with pytest.raises(BlockFileError, match="journal"):
-        store(d, slots)
+    before = _open_fds()
+    for _ in range(3):
+        with pytest.raises(BlockFileError, match="journal"):
+            store(d, slots)
+    assert _open_fds() == before
 
 
-def test_a_disk_filled_after_open_compacts_the_journal_and_puts_go_on(small_fs):
-    """Another file takes every free page once the store is open: the journal cannot grow, so it compacts in place,
-    and every put still succeeds; a restart recovers each slot's last block."""
+def test_a_disk_filled_after_open_costs_reserve_pages_and_puts_go_on(small_fs):
+    """Another file takes every free page once the store is open: the journal grows into the pages its reserve
+    gives back, and every put still succeeds; a restart recovers each slot's last block."""
     slots = 64
     d = small_fs(file_bytes(slots) + reserve_bytes(slots, TOKENS) + 64 * ALIGN)
     want = {}
     with store(d, slots) as s:
-        fd = os.open(os.path.join(d, "filler"), os.O_WRONLY | os.O_CREAT)
-        try:
-            while os.write(fd, b"\0" * ALIGN):
-                pass
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
+        fill(os.path.join(d, "filler"))
         for i in range(300):  # a journal page a put: the journal outgrows what was left after a few
             slot = i % slots
             s.put([slot], [block(1000 + i)])
             want[slot] = 1000 + i
+    with store(d, slots) as s:
+        assert {slot: h.chain_hash for slot, h in s.recover()} == want
+
+
+def test_a_full_disk_without_reserve_compacts_the_journal_in_place(small_fs):
+    """The disk full and the reserve gone too (the test takes its pages): an append that finds no room compacts the
+    journal, in place since the new file's copy finds none either, and writes into what that freed."""
+    slots = 64
+    d = small_fs(file_bytes(slots) + reserve_bytes(slots, TOKENS) + 64 * ALIGN)
+    want = {}
+    with store(d, slots) as s:
+        for i in range(40):  # 40 journal pages, 37 of them superseded
+            s.put([i % slots], [block(2000 + i)])
+            want[i % slots] = 2000 + i
+        j = s.files[0].journal
+        pages = j.pages
+        for n in range(2):  # the free space, then the reserve's pages, go to other files
+            if n:
+                os.truncate(j.path + ".reserve", 0)
+            fill(os.path.join(d, f"filler{n}"))
+        for i in range(40, 140):
+            s.put([i % slots], [block(2000 + i)])
+            want[i % slots] = 2000 + i
+        assert j.pages < pages  # compacted at least once, with no room for a copy
+        assert not os.path.exists(j.path + ".tmp")
+    for n in range(2):  # room again: a restart holds its reserve anew
+        os.unlink(os.path.join(d, f"filler{n}"))
     with store(d, slots) as s:
         assert {slot: h.chain_hash for slot, h in s.recover()} == want
 

@@ -58,6 +58,14 @@ def store_and_put(tier: KVTier, toks: np.ndarray, first_page: int = 0) -> list[t
     return slot_bytes(tier, slots)
 
 
+def put_by_a(master: str, pages: int) -> tuple[KVTier, np.ndarray]:
+    """Instance A: a tier that stored ``prompt(1, pages)`` and put it; the tier and the tokens."""
+    a = make_remote_tier(master)
+    toks = prompt(1, pages)
+    store_and_put(a, toks)
+    return a, toks
+
+
 def probed_fetch(tier: KVTier, toks: np.ndarray, found: int):
     """Start a fetch of ``toks`` and wait for its probe only, which must find ``found`` blocks (the get is
     started by the next drain or wait); the task."""
@@ -159,9 +167,7 @@ def test_a_killed_master_leaves_the_local_tiers_serving_and_the_tier_reconnects(
 
 
 def test_a_hung_master_bounds_every_wait_and_keeps_the_fetch_blocks_until_its_calls_return(mooncake_master):
-    a = make_remote_tier(mooncake_master.addr)
-    toks = prompt(1, 4)
-    store_and_put(a, toks)
+    a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1)
     task = probed_fetch(b, toks, 4)  # the probe returned; the get is not started yet
     mooncake_master.pause()  # the get's calls hang
@@ -189,9 +195,7 @@ def test_a_hung_master_bounds_every_wait_and_keeps_the_fetch_blocks_until_its_ca
 def test_a_tier_whose_master_did_not_answer_last_is_destroyed_without_waiting_for_it(mooncake_master):
     """Mooncake's close waits for a hung master (30-60 s) holding the GIL: a tier that found its master not
     answering leaves the client to the process's exit."""
-    a = make_remote_tier(mooncake_master.addr)
-    toks = prompt(1, 4)
-    store_and_put(a, toks)
+    a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1)
     task = probed_fetch(b, toks, 4)
     mooncake_master.pause()
@@ -209,9 +213,7 @@ def test_a_tier_whose_master_did_not_answer_last_is_destroyed_without_waiting_fo
 
 
 def test_a_key_gone_between_probe_and_get_is_a_counted_miss(mooncake_master):
-    a = make_remote_tier(mooncake_master.addr)
-    toks = prompt(1, 4)
-    store_and_put(a, toks)
+    a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1)
     task = probed_fetch(b, toks, 4)
     store = a.remote.medium.store
@@ -277,9 +279,7 @@ def test_a_forged_value_is_a_counted_miss_never_served(mooncake_master, forgery,
 def test_a_cancelled_fetch_ends_without_its_get(mooncake_master):
     """A fetch cancelled after its probe returned went on: it evicted CPU pages to make room, ran its get, and
     then threw the blocks away."""
-    a = make_remote_tier(mooncake_master.addr)
-    toks = prompt(1, 4)
-    store_and_put(a, toks)
+    a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1, num_blocks=8)
     local = prompt(2, 6)
     store_and_put(b, local)
@@ -381,9 +381,7 @@ def two_prompts_put(master: str) -> tuple[KVTier, np.ndarray, np.ndarray]:
 
 
 def test_a_fetch_that_returns_after_it_was_abandoned_is_counted_once(mooncake_master):
-    a = make_remote_tier(mooncake_master.addr)
-    toks = prompt(1, 4)
-    store_and_put(a, toks)
+    a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1)
     slowed(b.remote.medium.store, "get", 2.5 * TIMEOUT)  # the get succeeds, after its timeout
     b.wait(b.lookup_tiers(toks, None).promotion)
@@ -418,9 +416,7 @@ def test_time_queued_behind_healthy_gets_does_not_count_against_a_fetch(mooncake
 def test_a_polled_fetch_whose_get_hangs_ends_by_its_timeout(mooncake_master):
     """An engine that only polls (SGLang's backend) never waits for a fetch: the fetch still ends by its
     timeout, the tier goes down, and the CPU blocks stay held until the hung call returns."""
-    a = make_remote_tier(mooncake_master.addr)
-    toks = prompt(1, 4)
-    store_and_put(a, toks)
+    a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1)
     slowed(b.remote.medium.store, "get", 4 * TIMEOUT)
     task = b.lookup_tiers(toks, None).promotion
@@ -523,13 +519,25 @@ def test_a_job_given_up_on_makes_no_further_calls(mooncake_master, kind):
         a.destroy()
 
 
+def test_slow_batch_preparation_between_calls_is_no_hung_call(mooncake_master, monkeypatch):
+    """The deadline runs while a call runs only: a put whose next batch takes longer than the timeout to prepare
+    (a busy host, the preparing thread niced) after a quick call is not given up on."""
+    checksum = remote_tier._checksum
+    monkeypatch.setattr(remote_tier, "_checksum", lambda rows: (time.sleep(1.5 * TIMEOUT), checksum(rows))[1])
+    a = make_remote_tier(mooncake_master.addr, num_blocks=32)
+    a.remote.medium._batch = 1
+    a.wait(a.store(prompt(10, 3), None, page_slots(0, 3, P)))
+    poll_until(a, lambda: a.stats()["remote_blocks_put"] == 3, 10 * TIMEOUT)
+    s = a.stats()
+    assert s["remote_up"] and s["remote_blocks_put"] == 3
+    a.destroy()
+
+
 def test_one_hung_call_of_a_many_call_get_ends_by_its_own_timeout(mooncake_master):
     """remote_timeout_s bounds each call: the first call of an eight-call get hanging, the owner gives up after one
     timeout. The stage's deadline was the timeout times its calls, counted from its start (eight here; 19 for an 8k
     Qwen3-8B prefix at 5 s each: a hung peer's minute fit in it)."""
-    a = make_remote_tier(mooncake_master.addr)
-    toks = prompt(1, 8)
-    store_and_put(a, toks)
+    a, toks = put_by_a(mooncake_master.addr, 8)
     b = make_remote_tier(mooncake_master.addr, seed=1)
     b.remote.medium._batch = 1
     calls: list = []
@@ -553,9 +561,7 @@ def test_one_hung_call_of_a_many_call_get_ends_by_its_own_timeout(mooncake_maste
 
 def test_the_read_rate_counts_the_get_not_the_probe(mooncake_master):
     """read_gbps (what admission by cost compares with the prefill) took the probe's time as read time too."""
-    a = make_remote_tier(mooncake_master.addr)
-    toks = prompt(1, 4)
-    store_and_put(a, toks)
+    a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1, remote_timeout_s=5.0)
     slowed(b.remote.medium.store, "exists", 0.5)  # a slow probe; the get itself as it is
     pages, _ = fetch_and_load(b, toks)

@@ -3,8 +3,8 @@
 Accepted: a 1-D numpy integer array, a ``list``/``tuple`` of ints, or an ``array.array`` of integer
 typecode (SGLang's ``RadixKey`` holds ``array('q')``). They become a C-contiguous 1-D numpy array of
 dtype int64, int32 or uint32 without copying where the input already is one (``array('q')`` is viewed
-with ``np.frombuffer``). The trie takes ids in ``[0, 2**63)`` (ids from 2**31 on as codes: page_trie.py); the
-standalone hash functions take ``[0, 2**32)`` (``check_token_range``).
+with ``np.frombuffer``). The trie and ``page_hashes`` take ids in ``[0, 2**63)`` (the trie holds ids from 2**31 on
+as codes: page_trie.py); the standalone token hash of xxh64.py takes ``[0, 2**32)`` (``check_token_range``).
 """
 from __future__ import annotations
 

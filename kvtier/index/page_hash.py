@@ -6,11 +6,10 @@ Page ``i`` has the chained hash::
     h_{-1} = namespace_seed(ns)
     h_i    = xxh64(tokens of page i, seed = h_{i-1})      (tokens as little-endian uint32, see xxh64.py)
 
-A page holding an id of 2**32 or more (SGLang's image pad values reach 2**62) is hashed as its ids in little-endian
-uint64 instead: twice the bytes, so never the encoding of another page of the same size.
-
 so ``h_i`` identifies the whole prefix ``tokens[: (i + 1) * page_size]`` within one namespace, and
-the same tokens under two namespaces hash differently from the first page on.
+the same tokens under two namespaces hash differently from the first page on. A page holding an id of 2**32 or more
+(SGLang's image pad values reach 2**62) is hashed as its ids in little-endian uint64 instead: twice the bytes, so
+never the encoding of another page of the same size.
 
 Namespace seed: the triple ``(extra_key, lora_id, cache_salt)`` is encoded as::
 
@@ -40,8 +39,8 @@ from ._config import NUMBA_CACHE
 from ._tokens import TOKEN_MAX, as_token_array, tokens_in_range
 from .xxh64 import xxh64, xxh64_token_range, xxh64_u8
 
-__all__ = ["Namespace", "namespace_seed", "page_hashes", "chain_page_hashes", "DEFAULT_NAMESPACE_SEED",
-           "FULL_HASH_MASK"]
+__all__ = ["Namespace", "namespace_seed", "page_hashes", "chain_page_hashes", "chain_wide_page_hashes",
+           "DEFAULT_NAMESPACE_SEED", "FULL_HASH_MASK"]
 
 FULL_HASH_MASK = (1 << 64) - 1
 _MAGIC = b"kvtier.ns.v1"
@@ -123,17 +122,25 @@ def page_hashes(tokens, page_size: int, ns: Namespace | None = None) -> np.ndarr
     else:
         if int(t.min()) < 0:
             raise ValueError(f"token ids must be in [0, 2**63), got {int(t.min())}")
-        _chain_wide_page_hashes(t, int(page_size), np.uint64(ns.seed), np.uint64(FULL_HASH_MASK), out)
+        chain_wide_page_hashes(t.astype(np.int64, copy=False), int(page_size), np.uint64(ns.seed),
+                               np.uint64(FULL_HASH_MASK), out)
     return out
 
 
-def _chain_wide_page_hashes(t: np.ndarray, page_size: int, seed, mask, out: np.ndarray) -> None:
-    """:func:`chain_page_hashes` where some ids are 2**32 or more: their pages hashed as uint64 ids."""
+@numba.njit(cache=NUMBA_CACHE)
+def chain_wide_page_hashes(t, page_size, seed, mask, out):
+    """:func:`chain_page_hashes` of int64 ids some of which are 2**32 or more: their pages hashed as the ids'
+    little-endian uint64 bytes."""
+    n = t.shape[0] // page_size
     h = seed
-    for i in range(out.size):
-        page = t[i * page_size:(i + 1) * page_size]
-        if int(page.max()) > TOKEN_MAX:
-            h = xxh64_u8(page.astype("<u8").view(np.uint8), h) & mask
+    for i in range(n):
+        a, b = i * page_size, (i + 1) * page_size
+        wide = False
+        for j in range(a, b):
+            wide |= t[j] > TOKEN_MAX
+        if wide:
+            h = xxh64_u8(t[a:b].view(np.uint8), h) & mask
         else:
-            h = xxh64_token_range(t, i * page_size, (i + 1) * page_size, h) & mask
+            h = xxh64_token_range(t, a, b, h) & mask
         out[i] = h
+    return n

@@ -30,7 +30,7 @@ from kvtier._checks import check_count
 from ._state import (DEPTH, FREE_PARENT, GEN, M_HEAP, M_HIGH, M_INDEXED, M_PROT, M_TOTAL, M_WIDE, NS_BASE, PARENT,
                      TrieState, grow_namespaces, grow_nodes, new_state, state_nbytes, table_slots_for, with_table)
 from ._tokens import RAW_MAX, as_token_array
-from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace
+from .page_hash import DEFAULT_NAMESPACE, FULL_HASH_MASK, Namespace, page_hashes
 from .trie_jit import (BAD_BLOCK_COUNT, BAD_BLOCKS, BAD_TOKENS, F_TOUCH, NEED_HASH, NEED_NODES, NEED_TABLE,
                        NOT_LOCKED, OK, STALE_HANDLE, tr_evict, tr_index_path, tr_insert, tr_lock, tr_match,
                        tr_rebuild_table)
@@ -406,6 +406,7 @@ class PageTrie:
             trie.unlock(r)
             for touch in (True, False):
                 trie.match(toks, touch=touch)
+            page_hashes(toks, page_size)  # the lower tiers' keys
         trie.insert(np.arange(n, dtype=np.int64), np.arange(3), Namespace(cache_salt="warm-up"))
         trie.evict(3)
         return time.perf_counter() - t0

@@ -71,8 +71,7 @@ __all__ = ["KVTierRadixCache", "paged_kv_from_pool"]
 def paged_kv_from_pool(kv_pool, page_size: int) -> PagedKV:
     """Wrap an SGLang MHA or MLA token-to-KV pool's per-layer buffers (this rank's layers) as a :class:`PagedKV`."""
     layout = getattr(kv_pool, "kv_cache_layout", "nhd")
-    scales = sorted(k for k, v in getattr(kv_pool, "__dict__", {}).items()
-                    if k.endswith("scale_buffer") and v is not None)
+    scales = [k for k in dir(kv_pool) if k.endswith("scale_buffer") and getattr(kv_pool, k, None) is not None]
     if scales:  # k_scale_buffer (MHA FP4), kv_scale_buffer (MLA FP4), ...: a loaded prefix would keep stale scales
         raise ValueError(f"kvtier does not move per-token KV scale buffers yet ({', '.join(scales)} of "
                          f"{type(kv_pool).__name__}: quantized KV with scales)")

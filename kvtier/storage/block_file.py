@@ -121,17 +121,17 @@ class BlockFile:
         try:
             j = self.journal = Journal(self.path + ".journal", fingerprint=self.fingerprint, tokens=tokens,
                                        direct=self.direct, num_slots=self.num_slots)
+            if created or not j.valid:  # rebuilt from the headers (none in a new file)
+                if not created:
+                    logger.warning("kvtier: journal of %s is missing or damaged: rebuilding it from the slot "
+                                   "headers", self.path)
+                j.rewrite([] if created else [_record(slot, h) for slot, h in self.scan()])
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
             need = reserve_bytes(self.num_slots, tokens)
             raise BlockFileError(f"not enough space beside {self.path} for its journal: {need / 2**20:.1f} MiB "
                                  f"needed; make ssd_cache_gb smaller or free space") from e
-        if created or not j.valid:  # rebuilt from the headers (none in a new file)
-            if not created:
-                logger.warning("kvtier: journal of %s is missing or damaged: rebuilding it from the slot headers",
-                               self.path)
-            j.rewrite([] if created else [_record(slot, h) for slot, h in self.scan()])
 
     def _check_existing(self, want: FileHeader, wipe: bool) -> None:
         with open(self.path, "rb") as f:

@@ -8,11 +8,12 @@ no others. Replay keeps the last record per slot of the intact pages; a ``free``
 cache of the headers: a slot's header stays the authority when the block is read, so a record the journal lost or
 kept too long costs a miss, never wrong data.
 
-When it holds more than twice the pages its live records need (plus 256) the journal is rewritten with the live
-records only (a new file, synced, renamed over the old one): a batch takes whole pages, so small batches fill it
-faster. The most space the journal can take (:func:`reserve_bytes`) is held from the start in a reserve file beside it
-(:class:`~kvtier.storage.reserve.Reserve`): an append that finds the disk full (another program took the rest) writes
-into reserve pages it gives back, and a compaction takes them back, so the journal never fails for room.
+When it holds more than twice the pages a record per slot of its file takes (plus 256), the journal is rewritten
+with the live records only (a new file, synced, renamed over the old one): a batch takes whole pages, so small
+batches fill it faster. The most space the journal can take (:func:`reserve_bytes`) is held from the start in a
+reserve file beside it (:class:`~kvtier.storage.reserve.Reserve`): an append that finds the disk full (another
+program took the rest) writes into pages the reserve gives back, or into what a compaction frees (in place when the
+new file's copy finds no room either), and a compaction takes the reserve back.
 """
 
 from __future__ import annotations
@@ -123,7 +124,11 @@ class Journal:
             self.pages = (self.end - ALIGN) // ALIGN
         self._reserve: Optional[Reserve] = None
         if num_slots is not None and not read_only:
-            self._reserve = Reserve(path + ".reserve", self._room())
+            try:
+                self._reserve = Reserve(path + ".reserve", self._room())
+            except BaseException:
+                self.close()
+                raise
 
     def _room(self) -> int:
         """Bytes the reserve holds: the most the journal can take, less what it takes now."""
@@ -169,7 +174,8 @@ class Journal:
 
     def append(self, records: Iterable[Record]) -> None:
         """Append records in whole pages (durable with :meth:`sync`; write them only after their payloads are); past
-        the bound, compact. A full disk compacts first and tries once more, else raises (ENOSPC)."""
+        the bound, compact. On a full disk, tries once more in the room :meth:`_make_room` finds, else raises
+        (ENOSPC)."""
         records = list(records)
         if not records or not self.valid:
             return
@@ -177,25 +183,30 @@ class Journal:
         buf = self._pages(records)
         try:
             _write_all(self._fd, buf, self.end)
-        except OSError as e:  # the disk full: into pages the reserve gives back, or the space a compaction frees
-            if e.errno != errno.ENOSPC or not (self._reserve is not None and self._reserve.release(buf.size)
-                                               or self._compact()):
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
                 raise
+            self._make_room(buf.size)
             _write_all(self._fd, buf, self.end)
         self.end += buf.size
         self.pages += buf.size // ALIGN
         if self.bound_pages is not None and self.pages > self.bound_pages:  # mostly superseded records
             self._compact()
 
+    def _make_room(self, nbytes: int) -> None:
+        """Room for ``nbytes`` more on a full disk: pages the reserve gives back when it holds that many, else what
+        a compaction frees, else whatever the reserve still holds."""
+        if self._reserve is not None and self._reserve.nbytes >= nbytes:
+            self._reserve.release(nbytes)
+        elif not self._compact() and self._reserve is not None:
+            self._reserve.release(nbytes)
+
     def _compact(self) -> bool:
         """Rewrite the journal with its live records only, when that makes it smaller; whether it did. A disk with
         no room for the new file's copy gets them in place instead (:meth:`_rewrite_in_place`)."""
         live = list(self.replay().records())
-        pages = -(-len(live) // self.per_page)
-        if pages >= self.pages:
+        if -(-len(live) // self.per_page) >= self.pages:
             return False
-        if self._reserve is not None:  # the copy's room (reserve_bytes counts it)
-            self._reserve.release(ALIGN * (1 + pages))
         try:
             self.rewrite(live)
         except OSError as e:
@@ -246,9 +257,9 @@ class Journal:
         return {k: recs[k][last] for k in ("slot",) + fields}
 
     def _scan(self, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
-        """``slot``, ``kind`` and ``fields`` of every well-formed record of the intact pages (of a slot of the file, where
-        the journal knows its slots), in append order. Read
-        and parsed a chunk at a time through one buffer: new memory costs more than the parsing."""
+        """``slot``, ``kind`` and ``fields`` of every well-formed record of the intact pages (of a slot of the file,
+        where the journal knows its slots), in append order. Read and parsed a chunk at a time through one buffer: new
+        memory costs more than the parsing."""
         names = ("slot", "kind") + fields
         parts = {k: [np.empty(0, self._dtype)[k]] for k in names}
         end = self.end if self.valid else ALIGN
@@ -265,10 +276,13 @@ class Journal:
         return {k: np.concatenate(v) for k, v in parts.items()}
 
     def rewrite(self, live: Iterable[Record]) -> None:
-        """Replace the journal with ``live`` records only (a new file, synced, renamed over this one)."""
+        """Replace the journal with ``live`` records only (a new file, synced, renamed over this one; its room comes
+        out of the reserve, which :func:`reserve_bytes` sizes for it)."""
         self._writable()
         tmp = self.path + ".tmp"
         records = list(live)
+        if self._reserve is not None:
+            self._reserve.release(ALIGN * (1 + -(-len(records) // self.per_page)))
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             head = _aligned(ALIGN)

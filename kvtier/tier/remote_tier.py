@@ -129,7 +129,9 @@ class RemoteJob:
     down: bool = False  # a call found the master unreachable
     abandoned: bool = False  # the owner stopped waiting (the calls may still run)
     discarded: bool = False  # fetch: given up on, or ended before its get returned (it brings nothing)
-    started: Optional[float] = None  # time.monotonic() when the running call began (its stage, before the first)
+    started: Optional[float] = None  # time.monotonic() when its running stage began (None: queued)
+    call_at: Optional[float] = None  # when the call on its sender began (None: none runs)
+    side_call_at: Optional[float] = None  # when a call its worker thread makes itself began (probe, size, remove)
     worker: Optional["_Worker"] = dataclasses.field(default=None, repr=False)  # the thread running its stages
     io_seconds: float = 0.0
     _stage: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
@@ -392,9 +394,11 @@ class RemoteTier:
         return self._overdue(job)
 
     def _overdue(self, job: RemoteJob) -> bool:
-        """Whether ``job``'s running call has run longer than ``timeout_s``."""
-        started = job.started
-        return started is not None and not job._stage.is_set() and time.monotonic() - started > self.timeout_s
+        """Whether a call of ``job``'s running stage has run longer than ``timeout_s`` (the work between calls,
+        preparing and checking batches, does not count)."""
+        now = time.monotonic()
+        return not job._stage.is_set() and any(t is not None and now - t > self.timeout_s
+                                                for t in (job.call_at, job.side_call_at))
 
     def abandon(self, job: RemoteJob) -> None:
         """Stop waiting for ``job`` (its calls may still run; its blocks stay the job's) and mark the tier
@@ -481,16 +485,27 @@ class RemoteTier:
     def close(self) -> None:
         """Finish the queued calls, stop the threads, disconnect; idempotent. A client whose call still hangs
         past the timeout is left to the process's exit rather than torn down under that call, and so is one whose
-        master did not answer last: Mooncake's close holds the GIL while it waits for the master (30-60 s)."""
+        master does not answer within the timeout now: Mooncake's close holds the GIL while it waits for the master
+        (30-60 s)."""
         if self._putter is None:
             return
         if not self._stop_threads():
             logger.warning("kvtier: a remote call still runs at shutdown; the Mooncake client is not closed")
-        elif not self.up:
-            logger.warning("kvtier: the Mooncake master did not answer last; the client is left to the process's "
-                           "exit, not closed")
+        elif not self._master_answers():
+            logger.warning("kvtier: the Mooncake master did not answer within %g s at shutdown; the client is left "
+                           "to the process's exit, not closed", self.timeout_s)
         else:
             self.store.close()
+
+    def _master_answers(self) -> bool:
+        """Whether the master answers a health probe within ``timeout_s`` (the call releases the GIL; one that
+        hangs is left on a daemon thread)."""
+        codes: list = []
+        probe = threading.Thread(target=lambda: codes.extend(self.store.exists([f"{self.key_prefix}/health"])),
+                                 name="kvtier-remote-close-probe", daemon=True)
+        probe.start()
+        probe.join(self.timeout_s)
+        return bool(codes) and not any(unreachable(c) for c in codes)
 
     def _stop_threads(self) -> bool:
         """Stop the workers there are (after their queued calls) and the prep threads; whether every worker
@@ -537,16 +552,21 @@ class RemoteTier:
         spans = [(a, min(a + self._batch, n)) for a in range(0, n, self._batch)]
 
         def timed(a: int, b: int, buf: np.ndarray):  # the owner's deadline counts from each call's start
-            job.started = time.monotonic()
-            return call(a, b, buf)
+            job.call_at = time.monotonic()
+            try:
+                return call(a, b, buf)
+            finally:
+                job.call_at = None
         last = None  # (a, b, buf, future) of the call in flight
         try:
             for k, (a, b) in enumerate(spans):
                 buf = worker.buffers[k % 2]
-                if not job.abandoned and self.up:
+                go = not job.abandoned and self.up  # read once: a batch is sent only if it was filled
+                if go:
                     prepare(a, b, buf)
                 result = last[3].result() if last is not None else None
-                if job.abandoned or not self.up or (result is not None and any(unreachable(c) for c in result)):
+                if not go or job.abandoned or not self.up or (result is not None and
+                                                             any(unreachable(c) for c in result)):
                     break
                 fut = worker.sender.submit(timed, a, b, buf)
                 prev, last = last, (a, b, buf, fut)
@@ -592,7 +612,7 @@ class RemoteTier:
         if not self.up:
             job.found = 0
             return
-        codes = self.store.exists(self.keys(job.hashes))
+        codes = self._side_call(job, self.store.exists, self.keys(job.hashes))
         job.down = any(unreachable(c) for c in codes)
         held = [c == 1 for c in codes] + [False]
         job.found = held.index(False)
@@ -631,15 +651,15 @@ class RemoteTier:
             if got < b - a:  # gone since the probe, the master down, its holder dead, or a value of another size
                 code = codes[got]
                 if transfer_failed(code):  # a dead or hung holder, or a value of another size: ask the master
-                    job.started = time.monotonic()  # a call of its own, bounded alike
-                    size = self.store.size(self.keys(job.hashes[a + got:a + got + 1])[0])
+                    size = self._side_call(job, self.store.size, self.keys(job.hashes[a + got:a + got + 1])[0])
                     code = size if size < 0 else (code if size == self.value_bytes else None)
                 missing, failed, job.down = gone(code), transfer_failed(code), unreachable(code)
                 job.missing += missing
                 job.failed += failed
                 if not (job.down or missing or failed):
                     job.corrupt += 1
-                    self._remove(job, a + got)
+                    if code is None:  # the master records another size: a value not of this geometry
+                        self._remove(job, a + got)
                 return False
             return True
 
@@ -648,10 +668,18 @@ class RemoteTier:
     def _remove(self, job: RemoteJob, i: int) -> None:
         """Remove block ``i``'s value, which failed its checks: a put of the same key is a no-op while it is there
         (the store answers it stored), so the block would stay a miss for every instance until the store evicts
-        it. A call of its own, bounded alike."""
-        job.started = time.monotonic()
-        self.store.remove(self.keys(job.hashes[i:i + 1]))
+        it. Forced: the reader's own lease would refuse it; another reader of the value reads a miss."""
+        codes = self._side_call(job, self.store.remove, self.keys(job.hashes[i:i + 1]))
+        job.down = job.down or any(unreachable(c) for c in codes)
+
+    def _side_call(self, job: RemoteJob, fn, *args):
+        """``fn(*args)``, a store call the job's worker thread makes itself, timed as the owner's deadline counts."""
+        job.side_call_at = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            job.side_call_at = None
 
     def _run_health(self, job: RemoteJob) -> None:
-        codes = self.store.exists([f"{self.key_prefix}/health"])
+        codes = self._side_call(job, self.store.exists, [f"{self.key_prefix}/health"])
         job.down = any(unreachable(c) for c in codes) or any(c < 0 for c in codes)
