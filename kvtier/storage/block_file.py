@@ -34,6 +34,7 @@ from kvtier.storage.block_format import (ALIGN, BlockHeader, FileHeader, pack_bl
                                          padded, payload_checksum, unpack_block_header, unpack_file_header)
 from kvtier.storage.aligned_io import aligned as _aligned, read_all, read_all_v, scratch, write_all, write_all_v
 from kvtier.storage.journal import BLOCK, FREE, Journal, Record, reserve_bytes
+from kvtier.storage.reserve import preallocate
 
 __all__ = ["BlockFile", "BlockFileError", "scratch_sizes"]
 
@@ -183,13 +184,11 @@ class BlockFile:
     def _allocate_fd(self, fd: int, close: bool = True) -> None:
         """Preallocate the whole file (a full disk fails here, at start, not mid-serving)."""
         try:
-            os.posix_fallocate(fd, 0, self.size)
+            preallocate(fd, self.size)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise BlockFileError(f"not enough space for {self.path}: {self.size / 2**30:.2f} GiB needed") from e
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise BlockFileError(f"cannot allocate {self.path}: {e.strerror}") from e
-            os.ftruncate(fd, self.size)  # a file system without fallocate: a sparse file of the full size
+            raise BlockFileError(f"cannot allocate {self.path}: {e.strerror}") from e
         finally:
             if close:
                 os.close(fd)

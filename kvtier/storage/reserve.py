@@ -12,7 +12,19 @@ import os
 
 from kvtier.storage.block_format import ALIGN
 
-__all__ = ["Reserve"]
+__all__ = ["Reserve", "preallocate"]
+
+
+def preallocate(fd: int, nbytes: int) -> None:
+    """Allocate the first ``nbytes`` of the file ``fd`` now, so that writes into them never find the disk full (a
+    full disk raises OSError ENOSPC here instead); a file system without fallocate gets a sparse file of that
+    size."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, nbytes)
 
 
 class Reserve:
@@ -35,13 +47,9 @@ class Reserve:
         """Bytes held now."""
         return os.fstat(self._fd).st_size
 
-    def release(self, nbytes: int) -> bool:
-        """Give back ``nbytes`` (rounded up to whole pages) to the disk; whether any was held."""
-        held = self.nbytes
-        if held == 0:
-            return False
-        os.ftruncate(self._fd, max(0, held - -(-nbytes // ALIGN) * ALIGN))
-        return True
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` (rounded up to whole pages, at most what is held) to the disk."""
+        os.ftruncate(self._fd, max(0, self.nbytes - -(-nbytes // ALIGN) * ALIGN))
 
     def refill(self, nbytes: int) -> bool:
         """Hold ``nbytes`` (whole pages, at least 0) again; False when the disk has no room for them (what could be
@@ -53,13 +61,11 @@ class Reserve:
         if want == 0:
             return True
         try:
-            os.posix_fallocate(self._fd, 0, want)
+            preallocate(self._fd, want)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 return False
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            os.ftruncate(self._fd, want)  # a file system without fallocate: nothing can be held ahead
+            raise
         return True
 
     def close(self) -> None:

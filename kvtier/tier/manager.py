@@ -676,10 +676,11 @@ class KVTier(HostTier):
             return
         job, medium = rec.completion, self.remote.medium
         while not job.done():
-            if job.awaiting_blocks() and discard:
-                medium.end(job)
-            elif job.awaiting_blocks():
-                self._advance_fetch(rec)
+            if job.awaiting_blocks():
+                if discard:
+                    medium.end(job)
+                else:
+                    self._advance_fetch(rec)
             elif not medium.wait(job):
                 return
 

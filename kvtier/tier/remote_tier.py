@@ -265,6 +265,16 @@ def _start_threads(pool: concurrent.futures.ThreadPoolExecutor, n: int) -> None:
         raise
 
 
+def _timed(job: RemoteJob, clock: str, fn, *args):
+    """``fn(*args)``, a store call of ``job``, with ``job.<clock>`` (``call_at``: the sender's call;
+    ``side_call_at``: one its worker thread makes itself) set to its start while it runs: the owner's deadline."""
+    setattr(job, clock, time.monotonic())
+    try:
+        return fn(*args)
+    finally:
+        setattr(job, clock, None)
+
+
 def _stuck(worker: Optional[_Worker]) -> bool:
     """Whether ``worker`` still runs a call its owner gave up on (jobs queued behind it would wait for it)."""
     job = worker.running if worker is not None else None
@@ -501,8 +511,8 @@ class RemoteTier:
         """Whether the master answers a health probe within ``timeout_s`` (the call releases the GIL; one that
         hangs is left on a daemon thread)."""
         codes: list = []
-        probe = threading.Thread(target=lambda: codes.extend(self.store.exists([f"{self.key_prefix}/health"])),
-                                 name="kvtier-remote-close-probe", daemon=True)
+        probe = threading.Thread(target=lambda: codes.extend(self._health_codes()), name="kvtier-remote-close-probe",
+                                 daemon=True)
         probe.start()
         probe.join(self.timeout_s)
         return bool(codes) and not any(unreachable(c) for c in codes)
@@ -550,13 +560,6 @@ class RemoteTier:
         batch's call does. No call starts once the job is abandoned, the tier is down or the last call found the
         master unreachable. Returns only once no call runs (none still writes a buffer or a CPU block)."""
         spans = [(a, min(a + self._batch, n)) for a in range(0, n, self._batch)]
-
-        def timed(a: int, b: int, buf: np.ndarray):  # the owner's deadline counts from each call's start
-            job.call_at = time.monotonic()
-            try:
-                return call(a, b, buf)
-            finally:
-                job.call_at = None
         last = None  # (a, b, buf, future) of the call in flight
         try:
             for k, (a, b) in enumerate(spans):
@@ -568,7 +571,7 @@ class RemoteTier:
                 if not go or job.abandoned or not self.up or (result is not None and
                                                              any(unreachable(c) for c in result)):
                     break
-                fut = worker.sender.submit(timed, a, b, buf)
+                fut = worker.sender.submit(_timed, job, "call_at", call, a, b, buf)
                 prev, last = last, (a, b, buf, fut)
                 if prev is not None and not check(prev[0], prev[1], prev[2], result):
                     return
@@ -612,7 +615,7 @@ class RemoteTier:
         if not self.up:
             job.found = 0
             return
-        codes = self._side_call(job, self.store.exists, self.keys(job.hashes))
+        codes = _timed(job, "side_call_at", self.store.exists, self.keys(job.hashes))
         job.down = any(unreachable(c) for c in codes)
         held = [c == 1 for c in codes] + [False]
         job.found = held.index(False)
@@ -651,7 +654,7 @@ class RemoteTier:
             if got < b - a:  # gone since the probe, the master down, its holder dead, or a value of another size
                 code = codes[got]
                 if transfer_failed(code):  # a dead or hung holder, or a value of another size: ask the master
-                    size = self._side_call(job, self.store.size, self.keys(job.hashes[a + got:a + got + 1])[0])
+                    size = _timed(job, "side_call_at", self.store.size, self.keys(job.hashes[a + got:a + got + 1])[0])
                     code = size if size < 0 else (code if size == self.value_bytes else None)
                 missing, failed, job.down = gone(code), transfer_failed(code), unreachable(code)
                 job.missing += missing
@@ -669,17 +672,13 @@ class RemoteTier:
         """Remove block ``i``'s value, which failed its checks: a put of the same key is a no-op while it is there
         (the store answers it stored), so the block would stay a miss for every instance until the store evicts
         it. Forced: the reader's own lease would refuse it; another reader of the value reads a miss."""
-        codes = self._side_call(job, self.store.remove, self.keys(job.hashes[i:i + 1]))
+        codes = _timed(job, "side_call_at", self.store.remove, self.keys(job.hashes[i:i + 1]))
         job.down = job.down or any(unreachable(c) for c in codes)
 
-    def _side_call(self, job: RemoteJob, fn, *args):
-        """``fn(*args)``, a store call the job's worker thread makes itself, timed as the owner's deadline counts."""
-        job.side_call_at = time.monotonic()
-        try:
-            return fn(*args)
-        finally:
-            job.side_call_at = None
+    def _health_codes(self) -> list[int]:
+        """The codes of a probe of the health key (an unreachable code: the master did not answer)."""
+        return self.store.exists([f"{self.key_prefix}/health"])
 
     def _run_health(self, job: RemoteJob) -> None:
-        codes = self._side_call(job, self.store.exists, [f"{self.key_prefix}/health"])
+        codes = _timed(job, "side_call_at", self._health_codes)
         job.down = any(unreachable(c) for c in codes) or any(c < 0 for c in codes)
