@@ -100,42 +100,51 @@ def test_a_zero_page_load_does_not_cancel_an_earlier_loads_waits():
     h.assert_clean(s, free0)
 
 
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_prefill_decode_disaggregation_is_refused(mode):
-    """PD disaggregation's early send of cached prefix KV would read slots a kvtier load is still writing."""
+def _build_ctx(mla=False, **server_args):
+    """SGLang's cache build context over a CPU pool, with ``server_args`` as the server's arguments."""
     import types
 
     from sglang.srt.mem_cache import registry
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    s = h.build()
+    s = h.build(mla=mla)
     params = CacheInitParams(disable=False, req_to_token_pool=s.req_to_token_pool,
                              token_to_kv_pool_allocator=s.allocator, page_size=s.page_size)
-    ctx = registry.TreeCacheBuildContext(
-        server_args=types.SimpleNamespace(disaggregation_mode=mode), params=params, is_hybrid_swa=False,
-        is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
-        model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+    return registry.TreeCacheBuildContext(
+        server_args=types.SimpleNamespace(**{"disaggregation_mode": "null", **server_args}), params=params,
+        is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=False,
+        tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_prefill_decode_disaggregation_is_refused(mode):
+    """PD disaggregation's early send of cached prefix KV would read slots a kvtier load is still writing."""
     with pytest.raises(ValueError, match=f"--disaggregation-mode {mode}"):
-        ks.factory(ctx)
+        ks.factory(_build_ctx(disaggregation_mode=mode))
 
 
 def test_decode_context_parallelism_is_refused():
     """--dcp-size > 1 hands out slot ids that are not rows of this rank's pool (each rank keeps every
     dcp_size-th token): copies would move the wrong rows."""
-    import types
-
-    from sglang.srt.mem_cache import registry
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-
-    s = h.build(mla=True)
-    params = CacheInitParams(disable=False, req_to_token_pool=s.req_to_token_pool,
-                             token_to_kv_pool_allocator=s.allocator, page_size=s.page_size)
-    ctx = registry.TreeCacheBuildContext(
-        server_args=types.SimpleNamespace(disaggregation_mode="null", dcp_size=2), params=params,
-        is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=False,
-        tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None)
     with pytest.raises(ValueError, match="--dcp-size"):
-        ks.factory(ctx)
+        ks.factory(_build_ctx(mla=True, dcp_size=2))
+
+
+@pytest.mark.parametrize("algo", ["STANDALONE", "dflash", "DSPARK", "UNO"])
+def test_a_draft_model_with_its_own_kv_is_refused(algo):
+    """A draft model with a KV pool of its own (STANDALONE, the DFLASH family) reads its KV at the slots of a
+    prefix kvtier loaded into the target's pool only: the draft's rows there are stale."""
+    with pytest.raises(ValueError, match=f"--speculative-algorithm {algo.upper()}: its draft model"):
+        ks.factory(_build_ctx(speculative_algorithm=algo))
+
+
+def test_ngram_speculation_runs_and_eagle_is_reported_once():
+    """NGRAM has no draft model, so nothing of it goes stale; EAGLE's refusal comes from its bigram keys alone."""
+    assert ks.unsupported_reasons(_build_ctx(speculative_algorithm="NGRAM")) == []
+    ctx = _build_ctx(speculative_algorithm="EAGLE")
+    ctx.params.is_eagle = True
+    reasons = ks.unsupported_reasons(ctx)
+    assert len(reasons) == 1 and "EAGLE" in reasons[0]
 
 
 def test_a_pool_with_kv_scale_buffers_is_refused():

@@ -94,6 +94,10 @@ def unsupported_reasons(ctx) -> list[str]:
         reasons.append("--enable-hierarchical-cache (HiCache) cannot be combined with kvtier: kvtier is the host tier")
     if getattr(params, "is_eagle", False):
         reasons.append("EAGLE speculative decoding (bigram radix keys) is not supported yet")
+    draft = _draft_with_own_kv(ctx.server_args)
+    if draft is not None:
+        reasons.append(f"--speculative-algorithm {draft}: its draft model keeps its own KV pool, which kvtier does "
+                       "not fill, so a loaded prefix leaves the draft's KV stale (NGRAM, with no draft model, runs)")
     if getattr(params, "enable_session_radix_cache", False):
         reasons.append("--enable-session-radix-cache needs UnifiedRadixCache")
     if (getattr(ctx.server_args, "dcp_size", 1) or 1) > 1:
@@ -107,6 +111,20 @@ def unsupported_reasons(ctx) -> list[str]:
         reasons.append(f"prefill/decode disaggregation (--disaggregation-mode {mode}) is not supported yet: the "
                        "prefill server's early send of cached prefixes does not see kvtier's in-flight loads")
     return reasons
+
+
+def _draft_with_own_kv(server_args) -> str | None:
+    """The name of the speculative algorithm in ``server_args`` whose draft model keeps a KV pool of its own (None
+    when there is none, or when it is an EAGLE-family one, which ``params.is_eagle`` reports)."""
+    name = getattr(server_args, "speculative_algorithm", None)
+    if not name:
+        return None
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    algo = SpeculativeAlgorithm.from_string(name)
+    if algo.is_none() or algo.is_ngram() or algo.is_eagle():
+        return None
+    return str(name).upper()
 
 
 def _config_for(params):
