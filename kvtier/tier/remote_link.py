@@ -172,7 +172,7 @@ class RemoteLink:
     def admit(self, job: RemoteJob, tokens: int, held_tokens: int) -> int:
         """Blocks of a probed fetch to read: those the store holds, if reading them beats recomputing them."""
         k = max(job.found, 0)
-        if job.down or job.error is not None or k == 0 or not self.medium.up:
+        if job.down or job.error is not None or k == 0 or not self.medium.can_fetch():
             return 0
         B = self.block_tokens
         if not self.admission.admit(k * B, tokens - held_tokens, k * self.pool.block_bytes,

@@ -355,16 +355,23 @@ class RemoteTier:
     def probe(self, hashes: np.ndarray, namespace: int, tokens: np.ndarray) -> Optional[RemoteJob]:
         """Start asking how many leading ``hashes`` the store holds (a fetch's first stage); None when down, or
         while the fetch thread still runs a get given up on (a get queued behind it would wait for it)."""
-        if not self.up:
-            return None
-        if _stuck(self._fetcher):
-            self.stats.fetches_skipped += 1
+        if not self.can_fetch():
             return None
         job = RemoteJob("fetch", hashes.astype(np.uint64), namespace, np.array(tokens, dtype=np.int64),
                         np.empty(0, np.int64))
         self.stats.probes += 1
         self._prober.submit(lambda: self._run_probe(job), job)
         return job
+
+    def can_fetch(self) -> bool:
+        """Whether a fetch may start now: the tier is up and the fetch thread runs no call given up on (a get
+        queued behind that call would wait for it); a fetch refused for the latter is counted skipped."""
+        if not self.up:
+            return False
+        if _stuck(self._fetcher):
+            self.stats.fetches_skipped += 1
+            return False
+        return True
 
     def get(self, job: RemoteJob, host_ids: np.ndarray) -> None:
         """Start reading the first ``host_ids.size`` blocks of a probed fetch into CPU blocks ``host_ids`` (the
@@ -612,7 +619,7 @@ class RemoteTier:
         self._pipeline(job, self._putter, job.num_blocks, prepare, call, check)
 
     def _run_probe(self, job: RemoteJob) -> None:
-        if not self.up:
+        if not self.up or job.abandoned:
             job.found = 0
             return
         codes = _timed(job, "side_call_at", self.store.exists, self.keys(job.hashes))
