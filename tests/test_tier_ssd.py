@@ -422,13 +422,31 @@ def test_admission_weighs_the_rest_of_a_hit_with_what_prefills_past_a_cached_pre
     adm.note_prefill(16, 0.050, cached_tokens=2048)
     assert adm.rest_seconds(16) == pytest.approx(0.050)
     assert adm.rest_seconds(6000) == pytest.approx(adm.prefill.seconds(6000))
-    assert adm.prefill.seconds(16) == pytest.approx(0.015)  # a prefill with nothing cached is unchanged
+    # a prefill with nothing cached is unchanged: below the smallest prefill, its first segment's slope
+    assert adm.prefill.seconds(16) == pytest.approx(0.015 - 0.060 / 2016 * 48)
     assert not adm.admit(2048, 2064, 2048 * kv)
     assert adm.admit(8192, 8208, 8192 * kv)  # 157 ms of read + 50 against 310 ms
     assert adm.admit(2048, 8048, 2048 * kv)  # 39 ms of read + the 6000-token rest's 227 against 310 ms
     fixed = CostAdmission("cost", read_gbps=7.7, prefill_tokens_per_s=1e5, measured_read_gbps=lambda: None)
     fixed.note_prefill(16, 0.050, cached_tokens=2048)
     assert fixed.rest_seconds(16) == pytest.approx(16 / 1e5)  # a configured rate is the operator's word
+
+
+def test_a_hit_of_a_request_shorter_than_every_measured_prefill_counts_the_tokens_it_saves():
+    """Below the smallest measured prefill both sides cost as much as that one, so a practically free hit was
+    refused; the request was then recomputed, reported, and became the smallest prefill: refused for good."""
+    from kvtier.tier.admission import CostAdmission
+
+    kv = 147456
+    adm = CostAdmission("cost", read_gbps=1e3, prefill_tokens_per_s=None, measured_read_gbps=lambda: None)
+    adm.note_prefill(2048, 0.2)
+    assert adm.admit(1024, 1040, 1024 * kv)  # a 0.15 ms read + 16 tokens' prefill against 1040 tokens'
+    adm.note_prefill(1040, 0.1)
+    assert adm.admit(1024, 1040, 1024 * kv)
+    assert adm.prefill.seconds(16) < adm.prefill.seconds(1000) < adm.prefill.seconds(1040)
+    slow = CostAdmission("cost", read_gbps=1.0, prefill_tokens_per_s=None, measured_read_gbps=lambda: None)
+    slow.note_prefill(2048, 0.2)
+    assert not slow.admit(1024, 1040, 1024 * kv)  # 151 ms of read + the rest against ~102 ms: still refused
 
 
 def test_the_engine_reports_the_prefill_past_a_hit_with_its_cached_tokens(tmp_path):

@@ -9,9 +9,10 @@ policy admits the hit when ``read + rest(n - k) < prefill(n)`` (sglang#26305 mea
 ``prefill(x)``: ``prefill_tokens_per_s`` from the config (``x / rate``), else interpolated between the prefills
 the engine reports with nothing cached (:meth:`CostAdmission.note_prefill`: tokens computed, seconds), so a
 prefill's fixed cost and attention's growth with the context are in it; beyond the largest one it grows with the
-last slope, below the smallest one it costs as much as the smallest (a conservative floor). ``rest(x)``: the same,
-and at least what the engine's prefills past a cached prefix (``cached_tokens`` > 0) of about ``x`` computed tokens
-took: such a prefill also loads the prefix and attends over it, so a short one costs more than a short prompt
+last slope, below the smallest one with the first segment's (a fixed cost and a per-token cost; at least in
+proportion to the smallest), so the tokens a hit saves always count. ``rest(x)``: the same, and at least what the
+engine's prefills past a cached prefix (``cached_tokens`` > 0) of about ``x`` computed tokens took (held at their
+smallest and largest, a floor): such a prefill also loads the prefix and attends over it, so a short one costs more than a short prompt
 alone (on the H200's end-to-end harness, 16 tokens past a 2k prefix 45-60 ms, a 64-token prompt 15-53 ms). Bandwidth:
 ``ssd_read_gbps`` from the config, else the SSD tier's measured reads. Unknown rates admit (to measure), logged once.
 """
@@ -44,9 +45,9 @@ class PrefillModel:
     def known(self) -> bool:
         return self.tokens_per_s is not None or bool(self._samples)
 
-    def seconds(self, tokens: int, *, extrapolate: bool = True) -> Optional[float]:
-        """Estimated prefill seconds of ``tokens`` tokens; None before any measurement. Without ``extrapolate``,
-        beyond the largest measured prefill it costs as much as that one."""
+    def seconds(self, tokens: int, *, hold: bool = False) -> Optional[float]:
+        """Estimated prefill seconds of ``tokens`` tokens; None before any measurement. With ``hold``, outside the
+        measured prefills it costs as much as the nearest one."""
         if self.tokens_per_s is not None:
             return tokens / self.tokens_per_s
         if not self._samples:
@@ -57,8 +58,14 @@ class PrefillModel:
         ns = np.array(sorted(by), dtype=np.float64)
         ts = np.array([float(np.median(by[int(n)])) for n in ns])
         ts = np.maximum.accumulate(ts)  # more tokens never cost less
-        if tokens <= ns[-1] or not extrapolate:
-            return float(np.interp(tokens, ns, ts))  # np.interp holds ts[0] below ns[0]
+        if hold or ns[0] <= tokens <= ns[-1]:
+            return float(np.interp(tokens, ns, ts))  # np.interp holds the end values outside the samples
+        if tokens < ns[0]:
+            pro = ts[0] * tokens / ns[0]
+            if ns.size == 1 or ts[1] <= ts[0]:
+                return float(pro)
+            slope = (ts[1] - ts[0]) / (ns[1] - ns[0])
+            return float(max(ts[0] - slope * (ns[0] - tokens), pro))
         slope = (ts[-1] - ts[-2]) / (ns[-1] - ns[-2]) if ns.size > 1 else ts[-1] / ns[-1]
         return float(ts[-1] + slope * (tokens - ns[-1]))
 
@@ -89,7 +96,7 @@ class CostAdmission:
         base = self.prefill.seconds(tokens)
         if base is None or self.prefill.tokens_per_s is not None or not self.extend.known:
             return base
-        return max(base, self.extend.seconds(tokens, extrapolate=False))
+        return max(base, self.extend.seconds(tokens, hold=True))
 
     @property
     def read_gbps(self) -> Optional[float]:
