@@ -46,7 +46,8 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
 * ``ssd_write_policy`` (``"write_through"`` | ``"write_back"``, default ``"write_through"``): ``write_through``
   writes every block that enters the CPU tier to the SSD as well (off the engine's threads), so a CPU eviction costs
   nothing and a crash loses only the blocks still queued; ``write_back`` writes a block only when the CPU tier
-  evicts it (fewer writes; the block's CPU memory is held until its write is durable).
+  evicts it (fewer writes; the block's CPU memory is held until its write is durable, so the tier evicts ahead of
+  need, keeping 1/16 of the pool free or being written, raised to the largest store that found too few).
 * ``ssd_admission`` (``"cost"`` | ``"always"``, default ``"cost"``): ``cost`` serves an SSD hit only when reading it
   (behind the reads already queued) is faster than recomputing it (:mod:`kvtier.tier.admission`).
 * ``ssd_read_gbps`` (float > 0 or null, default null): the SSD read bandwidth admission assumes; null: the tier's

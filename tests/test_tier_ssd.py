@@ -56,7 +56,8 @@ def test_pages_round_trip_device_cpu_ssd_cpu_device_across_layouts(tmp_path, src
     want = store_all(a, toks)
     assert a.stats()["ssd_blocks_written"] == 6
     a.destroy()
-    b = make_ssd_tier(tmp_path, layout=dst, seed=1)  # other device bytes: only what the SSD held can match
+    # other device bytes: only what the SSD held can match; a pool twice the prefix (a read takes half at most)
+    b = make_ssd_tier(tmp_path, layout=dst, seed=1, num_blocks=12)
     assert b.stats()["ssd_blocks_recovered"] == 6
     assert b.lookup(toks) == 0  # the CPU tier is empty: the pages are on the SSD, being promoted
     pages, got = promote_and_load(b, toks)
@@ -105,7 +106,7 @@ def test_blocks_of_whole_page_rows_go_between_the_pinned_pool_and_the_disk_where
     want = slot_bytes(a, slots)
     assert a.stats()["ssd_blocks_written"] == 6
     a.destroy()
-    b = make_ssd_tier(tmp_path, layout=dst, geo=PAGE_ROWS, seed=1)
+    b = make_ssd_tier(tmp_path, layout=dst, geo=PAGE_ROWS, seed=1, num_blocks=12)
     pages, got = promote_and_load(b, toks)
     assert pages == 6 and same(got, want, 6, PAGE_ROWS.page_size)
     assert b.stats()["ssd_blocks_read"] == 6 and b.stats()["ssd_blocks_corrupt"] == 0
@@ -286,11 +287,11 @@ def test_the_ssd_tier_keeps_its_size_evicting_lru_blocks(tmp_path):
 
 
 def test_write_back_writes_a_block_when_the_cpu_tier_evicts_it(tmp_path):
-    t = make_ssd_tier(tmp_path, num_blocks=4, ssd_write_policy="write_back")
+    t = make_ssd_tier(tmp_path, num_blocks=6, ssd_write_policy="write_back")
     first = prompt(1, 3)
     want = store_all(t, first)
     assert t.stats()["ssd_blocks_written"] == 0  # on the CPU only
-    store_all(t, prompt(2, 3), first_page=10)  # 3 + 3 > 4: two of `first`'s blocks are evicted, and written
+    store_all(t, prompt(2, 3), first_page=10)  # 3 + 3 = 6, and a block is kept free: one of `first`'s is written
     t.flush_ssd()
     s = t.stats()
     assert s["ssd_blocks_written"] == s["pages_evicted"] > 0 and s["held_cpu_blocks"] == 0
@@ -305,6 +306,55 @@ def test_write_back_writes_a_block_when_the_cpu_tier_evicts_it(tmp_path):
     pages, got = promote_and_load(b, last)
     assert pages == 2 and same(got, want, 2)
     b.destroy()
+
+
+def test_write_back_keeps_room_free_ahead_so_stores_into_a_full_pool_are_kept(tmp_path):
+    """Blocks evicted for room are held by their write-back until durable, so a store into a full pool evicted and
+    got nothing: every other store was dropped. The tier now evicts ahead of the next allocation (at most one
+    store is short, while the room it keeps grows to the stores' size)."""
+    t = make_ssd_tier(tmp_path, num_blocks=8, ssd_slots=64, ssd_write_policy="write_back")
+    stored = []
+    for i in range(12):
+        task = t.store(prompt(i, 3), None, page_slots(3 * (i % 6), 3, P))
+        t.wait(task)
+        t.flush_ssd()  # the disk keeps up with the stores
+        stored.append(task.num_pages)
+    assert sum(n < 3 for n in stored) <= 1 and stored[-6:] == [3] * 6, stored
+    s = t.stats()
+    assert s["ssd_blocks_written"] == s["pages_evicted"] and s["ssd_blocks_write_dropped"] == 0
+    t.destroy()
+
+
+def test_destroy_writes_back_every_cpu_block_beyond_the_write_queue(tmp_path):
+    """The write queue holds half the pool: destroy evicted the whole pool in one write, and the blocks past the
+    queue's bound (the most recently used) were dropped instead of written."""
+    n = 160  # the queue: half the pool, at least 64 blocks
+    t = make_ssd_tier(tmp_path, num_blocks=n, ssd_slots=256, ssd_write_policy="write_back")
+    assert t.ssd.medium.max_pending_blocks < n
+    for i in range(n // 8):
+        t.wait(t.store(prompt(i, 8), None, page_slots(0, 8, P)))
+    assert t.stats()["pages_held"] > t.ssd.medium.max_pending_blocks  # more than one write takes
+    t.destroy()
+    b = make_ssd_tier(tmp_path, num_blocks=n, ssd_slots=256, ssd_write_policy="write_back", seed=1)
+    assert b.stats()["ssd_blocks_recovered"] == n
+    b.destroy()
+
+
+def test_one_long_ssd_hit_takes_at_most_half_the_cpu_pool(tmp_path):
+    """A promotion had no bound: an SSD hit longer than the CPU pool evicted every unlocked CPU block, hot
+    prefixes too. It reads at most half the pool (as a remote fetch does); the rest of the prefix is recomputed."""
+    w = make_ssd_tier(tmp_path, num_blocks=16, ssd_slots=64)
+    long = prompt(1, 12)
+    store_all(w, long)
+    w.destroy()
+    t = make_ssd_tier(tmp_path, num_blocks=8, ssd_slots=64)
+    hot = prompt(2, 4)
+    store_all(t, hot, first_page=20)
+    hit = t.lookup_tiers(long, None)
+    assert hit.ssd_pages == 4
+    t.wait(hit.promotion)
+    assert t.lookup(hot) == 4 and t.lookup(long) == 4
+    t.destroy()
 
 
 def test_admission_by_cost_refuses_a_read_slower_than_recompute(tmp_path):

@@ -27,7 +27,14 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CostAdmission", "PrefillModel"]
+__all__ = ["CostAdmission", "PrefillModel", "lower_read_blocks"]
+
+
+def lower_read_blocks(hit_blocks: int, pool_blocks: int) -> int:
+    """Blocks of a lower tier's hit of ``hit_blocks`` to read into a CPU pool of ``pool_blocks``: at most half
+    the pool, so that one long hit does not evict every other prefix the CPU holds (and admission weighs only
+    what is read)."""
+    return min(hit_blocks, max(1, pool_blocks // 2))
 
 
 class PrefillModel:

@@ -552,7 +552,9 @@ class KVTier(HostTier):
             if self.ssd is not None or self.remote is not None:
                 self.wait_all()
             if self.ssd is not None and self.ssd.write_back:  # the CPU's blocks are written too: a restart serves them
-                self._evict_blocks(self.pool.num_blocks)
+                self.ssd.drain(wait=True)
+                while self._evict_blocks(self.ssd.medium.max_pending_blocks):  # as many as the write queue takes
+                    self.ssd.drain(wait=True)
             self.reset()
             if self.ssd is not None:
                 self.ssd.close()
@@ -837,13 +839,23 @@ class KVTier(HostTier):
 
     def _alloc(self, n: int) -> np.ndarray:
         """Up to ``n`` free blocks, evicting unlocked pages (by the eviction policy) for room; fewer when not enough
-        can be evicted."""
+        can be evicted, or when the evicted blocks are held by their SSD writes (write_back: blocks are then evicted
+        ahead of the next allocation, :meth:`SsdLink.to_reclaim`)."""
         ids = self.pool.alloc(n)
-        if ids is not None:
-            return ids
-        self._evict_blocks(n - self.pool.num_free)
-        ids = self.pool.alloc(min(n, self.pool.num_free))
-        return ids if ids is not None else np.empty(0, np.int64)
+        if ids is None:
+            if self.ssd is not None:
+                self.ssd.drain()  # finished writes give their blocks back
+            self._evict_blocks(n - self.pool.num_free)
+            ids = self.pool.alloc(min(n, self.pool.num_free))
+            if ids is None:
+                ids = np.empty(0, np.int64)
+            if ids.size < n and self.ssd is not None:
+                self.ssd.came_short(n)
+        if self.ssd is not None:
+            ahead = self.ssd.to_reclaim(self.pool.num_free, self.holds.num_deferred)
+            if ahead:
+                self._evict_blocks(ahead)
+        return ids
 
     def _drain(self) -> None:
         if not self._auto_finalize:

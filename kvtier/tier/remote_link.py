@@ -29,7 +29,7 @@ from kvtier.geometry import KVGeometry
 from kvtier.index import Namespace, page_hashes
 from kvtier.storage import fingerprint
 from kvtier.storage.mooncake_store import MooncakeStore, RemoteStoreError
-from kvtier.tier.admission import CostAdmission
+from kvtier.tier.admission import CostAdmission, lower_read_blocks
 from kvtier.tier.block_holds import BlockHolds
 from kvtier.tier.host_pool import HostBlockPool
 from kvtier.tier.remote_tier import RemoteJob, RemoteTier
@@ -153,7 +153,7 @@ class RemoteLink:
         if held >= n or not self.medium.up:
             return None
         B = self.block_tokens
-        k = min(n - held, max(1, self.pool.num_blocks // 2))  # room for what a fetch may bring
+        k = lower_read_blocks(n - held, self.pool.num_blocks)
         hashes = chain[held:held + k]
         inflight = self._fetching.get(int(hashes[0]))
         if inflight is not None:

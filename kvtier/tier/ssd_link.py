@@ -26,7 +26,7 @@ from kvtier.config import TierConfig
 from kvtier.geometry import KVGeometry
 from kvtier.index import Namespace, page_hashes
 from kvtier.storage import BlockFileError, SsdStore, fingerprint
-from kvtier.tier.admission import CostAdmission
+from kvtier.tier.admission import CostAdmission, lower_read_blocks
 from kvtier.tier.block_holds import BlockHolds
 from kvtier.tier.host_pool import HostBlockPool
 from kvtier.tier.ssd_tier import MAX_PENDING_BYTES, IoJob, SsdTier
@@ -91,6 +91,11 @@ class SsdLink:
             self._ns = np.zeros(n, np.uint64)
             self._tokens = np.zeros((n, block_tokens), np.int64)
         self.refused_tokens = 0
+        # write_back: CPU blocks kept free or on their way back (evicted ahead, written, then freed), so that an
+        # allocation finds them free instead of evicting blocks its writes hold; grows to the largest allocation
+        # that came short, within half the pool and the write queue
+        self._free_bound = max(1, min(ssd.max_pending_blocks, n // 2))
+        self.free_target = min(self._free_bound, max(1, n // 16)) if self.write_back else 0
 
     @classmethod
     def open(cls, config: TierConfig, pool: HostBlockPool, holds: BlockHolds, block_tokens: int,
@@ -151,6 +156,16 @@ class SsdLink:
             pick = ids[self._ns[ids] == seed]
             self._write(self._hash[pick], seed, self._tokens[pick], pick)
 
+    def to_reclaim(self, free: int, freeing: int) -> int:
+        """CPU blocks to evict now so that ``free`` free blocks and ``freeing`` on their way back reach the free
+        target (write_back; 0 for write_through, whose evicted blocks are already written)."""
+        return max(0, self.free_target - free - freeing)
+
+    def came_short(self, n: int) -> None:
+        """An allocation of ``n`` blocks found too few free: with write_back, keep that many free from now on."""
+        if self.write_back:
+            self.free_target = min(self._free_bound, max(self.free_target, n))
+
     def _write(self, hashes: np.ndarray, seed: int, rows: np.ndarray, ids: np.ndarray) -> None:
         job = self.medium.write(hashes, seed, rows, ids)
         if job is not None:
@@ -186,13 +201,13 @@ class SsdLink:
         inflight = self._promoting.get(int(hashes[0]))
         if inflight is not None:
             return in_flight(inflight, hashes)
-        k = int(slots.size)
+        k = lower_read_blocks(int(slots.size), self.pool.num_blocks)
         if not self.admission.admit(k * B, tokens.size - held * B, k * self.pool.block_bytes,
                                     self.promote_bytes_inflight):
             self.refused_tokens += k * B
             return None
         rows = tokens[held * B:(held + k) * B].reshape(k, B)
-        return PromotionPlan(held, slots, hashes[:k], (ns or _DEFAULT_NS).seed, rows)
+        return PromotionPlan(held, slots[:k], hashes[:k], (ns or _DEFAULT_NS).seed, rows)
 
     def start_promotion(self, plan: PromotionPlan, ids: np.ndarray, task_id: int) -> IoJob:
         """Read the first ``ids.size`` blocks of ``plan`` into CPU blocks ``ids`` (owned by task ``task_id``)."""

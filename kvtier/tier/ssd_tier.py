@@ -157,7 +157,7 @@ class SsdTier:
         # blocks that stopped being findable (the tier's observers)
         self.on_stored: Optional[Callable[[np.ndarray, np.ndarray], None]] = None
         self.on_removed: Optional[Callable[[np.ndarray], None]] = None
-        self._max_pending = max(1, max_pending_bytes // self.block_bytes)
+        self.max_pending_blocks = max(1, max_pending_bytes // self.block_bytes)  # the write queue's bound
         self._pending_blocks = 0
         self._writing: set[int] = set()  # chain hashes of blocks in write jobs
         t0 = time.perf_counter()
@@ -206,7 +206,7 @@ class SsdTier:
         n = int(keep.sum())
         if n == 0:
             return None
-        room = min(n, self._max_pending - self._pending_blocks)  # the first blocks: a prefix's head serves most
+        room = min(n, self.max_pending_blocks - self._pending_blocks)  # the first blocks: a prefix's head serves most
         slots = self.index.alloc(room) if room > 0 else np.empty(0, np.int64)
         self.stats.blocks_write_dropped += n - slots.size
         if slots.size < n:
