@@ -86,12 +86,14 @@ class SlotIndex:
         return out
 
     def _evict(self, n: int) -> int:
-        gone = []
-        for s in list(self._lru):
-            if len(gone) == n:
+        victims = []
+        for s in self._lru:  # LRU first; the walk stops at the n-th unlocked slot (no copy of the whole order)
+            if len(victims) == n:
                 break
-            if self._locks[s]:
-                continue
+            if not self._locks[s]:
+                victims.append(s)
+        gone = []
+        for s in victims:
             h = self._lru.pop(s)
             del self._slot_of[h]
             self._free.append(s)
