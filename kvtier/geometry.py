@@ -53,8 +53,8 @@ class KVGeometry:
     is_mla: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
-            check_count(f"KVGeometry.{name}", getattr(self, name))
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):  # as Python ints: no numpy wrapping
+            object.__setattr__(self, name, check_count(f"KVGeometry.{name}", getattr(self, name)))
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"KVGeometry.dtype must be a torch.dtype, got {self.dtype!r}")
         if self.is_mla and self.num_kv_heads != 1:

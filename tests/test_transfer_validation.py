@@ -336,16 +336,62 @@ def test_counts_refuse_bools_and_negative_shapes():
         geo.host_shape(-1)
 
 
-def test_direct_copy_on_cpu_does_not_launch_through_the_callers_indices():
-    """DirectCopy kept the caller's CPU index tensor: changing it after the checks launched unchecked indices."""
+@pytest.mark.parametrize("kind", ["direct", "staged"])
+@pytest.mark.parametrize("array", [torch.tensor, np.array], ids=["torch", "numpy"])
+def test_a_copy_object_does_not_launch_through_the_callers_indices(kind, array):
+    """DirectCopy kept the caller's numpy indices (a tensor sharing their memory), StagedCopy its CPU tensors and
+    block ids: changing them after the checks launched unchecked indices (a repeated destination too)."""
+    from kvtier.kernels import StagedCopy
+
     geo = KVGeometry(2, 2, 8, torch.float16, page_size=4)
     kv = make_kv(geo, 32, "cpu", torch.Generator().manual_seed(0))
     host = make_host(geo, 4, "page_first", "cpu", torch.Generator().manual_seed(1))
-    slots, ids = torch.arange(4, dtype=torch.int64), torch.tensor([1])
-    copy = DirectCopy(kv, host, slots, ids, to_host=True, layout="page_first")
+    slots, ids = array(list(range(8))), array([1, 2])
+    copy = (DirectCopy(kv, host, slots, ids, to_host=True, layout="page_first") if kind == "direct" else
+            StagedCopy(StagedTransfer(kv, host, layout="page_first"), slots, ids, to_host=True))
     before = host.clone()
-    slots += 4  # after the checks: must not change what the copy moves
-    ids[0] = 2
-    copy.launch(0)
-    assert torch.equal(as_bytes(host[1, 0, 0]), as_bytes(kv.buffers[0][:4]))  # slots 0-3 into block 1
-    assert torch.equal(as_bytes(host[2]), as_bytes(before[2]))  # block 2 untouched
+    slots += 8  # after the checks: must not change what the copy moves
+    ids[1] = 1
+    copy.launch()
+    for block, first in ((1, 0), (2, 4)):  # slots 0-3 into block 1, 4-7 into block 2
+        assert torch.equal(as_bytes(host[block, 0, 0]), as_bytes(kv.buffers[0][first:first + 4]))
+    assert torch.equal(as_bytes(host[[0, 3]]), as_bytes(before[[0, 3]]))
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_an_empty_staged_copy_is_a_no_op(layout):
+    """StagedCopy of no block raised ZeroDivisionError in layer_first (StagedTransfer's calls were fixed)."""
+    from kvtier.kernels import StagedCopy
+
+    geo = KVGeometry(2, 2, 8, torch.float16, page_size=4)
+    kv = make_kv(geo, 32, "cpu", torch.Generator().manual_seed(0))
+    host = make_host(geo, 4, layout, "cpu", torch.Generator().manual_seed(1))
+    before = host.clone()
+    st = StagedTransfer(kv, host, layout=layout)
+    for to_host in (True, False):
+        StagedCopy(st, [], [], to_host=to_host).launch()
+    assert torch.equal(as_bytes(host), as_bytes(before))
+
+
+def test_geometry_counts_given_as_numpy_ints_are_python_ints():
+    """np.int32 counts were kept as given, so the byte sizes derived from them wrapped (a 16 GiB block came out
+    as 0 bytes)."""
+    geo = KVGeometry(np.int32(36), np.int32(8), np.int32(128), torch.bfloat16, page_size=np.int32(16))
+    assert all(type(getattr(geo, f)) is int for f in ("num_layers", "num_kv_heads", "head_dim", "page_size"))
+    big = KVGeometry(np.int32(1024), np.int32(64), np.int32(1024), torch.bfloat16, page_size=np.int32(64))
+    assert big.block_bytes == 1024 * 2 * 64 * 1024 * 2 * 64 == 2 ** 34
+
+
+def test_staging_bytes_that_are_not_whole_words_are_rounded_down():
+    """A staging size that is not a multiple of the KV's word was accepted, and every staged transfer then failed
+    viewing the buffer as words."""
+    geo = KVGeometry(2, 2, 8, torch.float16, page_size=4)
+    kv = make_kv(geo, 32, "cpu", torch.Generator().manual_seed(0))
+    host = make_host(geo, 4, "layer_first", "cpu", torch.Generator().manual_seed(1))
+    st = StagedTransfer(kv, host, layout="layer_first", tuning=Tuning(staging_bytes=geo.block_bytes * 2 + 2))
+    assert st.staging_bytes % kv.word_bytes == 0
+    slots, ids = torch.arange(8), torch.tensor([2, 0])
+    st.store(slots, ids)
+    want = make_host(geo, 4, "layer_first", "cpu", torch.Generator().manual_seed(1))
+    store_pages(kv, want, slots, ids, layout="layer_first")
+    assert torch.equal(as_bytes(host), as_bytes(want))

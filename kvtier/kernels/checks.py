@@ -111,7 +111,7 @@ def check_blocks_tensor(kv: PagedKV, blocks: torch.Tensor, layout: str, *, host_
                              "pin_memory=True or use kvtier's host pool")
     elif blocks.device != kv.device:
         raise ValueError(f"staging buffer is on {blocks.device}, the KV buffers on {kv.device}")
-    if blocks.data_ptr() % kv.word_bytes:
+    if (blocks.untyped_storage().data_ptr() + blocks.storage_offset() * blocks.element_size()) % kv.word_bytes:
         raise ValueError(f"host blocks address is not {kv.word_bytes}-byte aligned")
     return num_blocks
 
@@ -123,6 +123,10 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
     block ids stay where they are when ``block_ids_to_device`` is False), and the number of blocks the blocks
     tensor holds. ``skip_tokens``: leading tokens of the first block not moved."""
     check_kv(kv)
+    if kv.is_cuda and INTERPRETED:
+        raise ValueError("KV buffers on the GPU cannot be moved through the Triton interpreter (TRITON_INTERPRET=1 "
+                         "copies each tensor argument to the host, so other buffers' addresses point elsewhere): "
+                         "unset TRITON_INTERPRET, or keep the KV on the CPU")
     if not kv.is_cuda and not INTERPRETED:
         raise ValueError(f"KV buffers on {kv.device} can only be moved through the Triton interpreter, chosen when "
                          "triton is imported: import kvtier.kernels before anything imports triton, or set "
@@ -141,10 +145,25 @@ def check_transfer(kv: PagedKV, blocks: torch.Tensor, slots, block_ids, *, layou
         _check_range("slots", slots, kv.num_slots, "device slots", distinct=not writes_blocks)
         _check_range("block_ids", block_ids, num_blocks, "host blocks", distinct=writes_blocks)
     if slots.device != kv.device:
-        slots = slots.to(kv.device, non_blocking=True)
+        slots = _upload(slots, kv.device)
     if block_ids_to_device and block_ids.device != kv.device:
-        block_ids = block_ids.to(kv.device, non_blocking=True)
+        block_ids = _upload(block_ids, kv.device)
     return slots, block_ids, num_blocks
+
+
+def _upload(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Checked host indices on ``device``. An asynchronous copy from pinned memory reads it when the stream runs,
+    so a caller's pinned tensor is copied to pageable memory first (a copy from there reads it before returning):
+    the values checked are the values moved."""
+    if idx.is_pinned():
+        idx = idx.clone(memory_format=torch.contiguous_format)
+    return idx.to(device, non_blocking=True)
+
+
+def kept_indices(*indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Checked index tensors a copy object keeps for later launches: those in host memory cloned, so a caller
+    that changes its own (or the numpy array they share memory with) after the checks changes nothing launched."""
+    return tuple(t.clone() if t.device.type == "cpu" else t for t in indices)
 
 
 def check_staged_skip(skip_tokens, *, to_host: bool) -> int:

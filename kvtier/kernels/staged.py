@@ -299,7 +299,8 @@ class StagedTransfer:
         self._host_bytes = host.reshape(-1).view(torch.uint8)  # the copies address host blocks in bytes
         geo = kv.geometry
         self.layer_pitch = self.num_blocks * geo.page_bytes  # layer_first: host bytes from a layer to the next
-        self.staging_bytes = max(self.tuning.staging_bytes, geo.block_bytes)
+        # whole words: the staging buffers are viewed as the KV's words
+        self.staging_bytes = max(self.tuning.staging_bytes // kv.word_bytes * kv.word_bytes, geo.block_bytes)
         elems = self.staging_bytes // geo.itemsize
         self._store = StagingBuffers(kv, elems, self.tuning.num_buffers)
         self._load = StagingBuffers(kv, elems, self.tuning.num_buffers)

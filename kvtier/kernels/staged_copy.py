@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvtier.kernels import raw_events
-from kvtier.kernels.checks import LayerSpan, check_staged_skip, check_transfer, layer_span
+from kvtier.kernels.checks import LayerSpan, check_staged_skip, check_transfer, kept_indices, layer_span
 from kvtier.kernels.raw_events import RawEvent
 from kvtier.kernels.staged import (ChunkIssue, ChunkRuns, SingleCopy, StagedTransfer, StagingBuffers, block_runs,
                                    issue_chunks)
@@ -73,6 +73,7 @@ class StagedCopy:
                                                  host_side=True, writes_blocks=to_host, check_indices=check,
                                                  block_ids_to_device=False, skip_tokens=skip_tokens)
             skip_tokens = check_staged_skip(skip_tokens, to_host=to_host)
+            slots, block_ids = kept_indices(slots, block_ids)  # planned and launched later
             self._host_ids = block_ids.cpu().numpy()
         self.stager, self.to_host, self._slots, self._skip = stager, to_host, slots, skip_tokens
         self._direction: StagingBuffers = stager.buffers(to_host)
@@ -90,6 +91,8 @@ class StagedCopy:
         stager = self.stager
         kv = stager.kv
         span = layer_span(layers, kv.geometry.num_layers)
+        if self._host_ids.size == 0:  # nothing to copy (checked: the layers are in range)
+            return
         if kv.is_cuda and not self.to_host:
             one = self._one_chunk.get(span.count, False)
             if one is False:

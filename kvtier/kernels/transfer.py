@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kvtier._checks import check_count
 from kvtier.kernels.checks import INTERPRETED as _INTERPRETED
-from kvtier.kernels.checks import LayerSpan, check_kv, check_transfer, forced_checks, layer_span
+from kvtier.kernels.checks import LayerSpan, check_kv, check_transfer, forced_checks, kept_indices, layer_span
 from kvtier.kernels.paged_kv import PagedKV, as_words
 from kvtier.kernels.tuning import Tuning, check_tuning
 
@@ -164,14 +164,15 @@ class KernelLaunch:
 # Compiled kernels by specialisation: Triton's generic launch path binds and hashes every argument on each call
 # (~20 us of host time); a transfer per layer per request makes that the scheduler's cost, so launches call the
 # compiled kernel directly. Triton specialises pointers on 16-byte alignment (ints are not specialised, see
-# do_not_specialize), so the key is the constexprs, the warps, the device and the pointers' alignment.
+# do_not_specialize), so the key is the constexprs, the warps, the device, the pointers' alignment and dtypes.
 _compiled: dict[tuple, object] = {}
 _CONST_NAMES = ("TO_BLOCKS", "KV", "PAGE", "ROW_WORDS", "CHUNK", "SEGS", "ALIGN")
 
 
 def _compiled_kernel(args: tuple, consts: tuple, num_warps: int, grid: int):
     pointers = args[:5]
-    key = (consts, num_warps, pointers[0].device.index, tuple(p.data_ptr() % 16 == 0 for p in pointers))
+    key = (consts, num_warps, pointers[0].device.index, tuple(p.data_ptr() % 16 == 0 for p in pointers),
+           tuple(p.dtype for p in pointers))  # the words' and the indices' widths
     kernel = _compiled.get(key)
     if kernel is None:  # compile (on the current device) without launching: the caller launches on its stream
         kernel = _copy_pages_kernel.warmup(*args, **dict(zip(_CONST_NAMES, consts)), num_warps=num_warps,
@@ -198,7 +199,6 @@ class DirectCopy:
             num_programs = check_count("num_programs", num_programs)
         self.tuning = check_tuning(tuning)
         check_kv(kv)
-        given = (slots, block_ids)
         # Indices already on the device with no range check need no stream: skip the stream and device contexts
         # (~20 us of host time); otherwise their checks and uploads run on ``stream``.
         check = check or forced_checks()
@@ -208,10 +208,9 @@ class DirectCopy:
                                                           host_side=True, writes_blocks=to_host,
                                                           check_indices=check, skip_tokens=skip_tokens)
         skip_tokens = int(skip_tokens)  # checked: an integer in range (a numpy one reaches no launch)
-        # Launched later: on the CPU never through the caller's own index tensors, which it may change after the
-        # checks (device-side ones are the caller's to keep unchanged until the launches are issued).
-        slots, block_ids = (t.clone() if t is g and t.device.type == "cpu" else t
-                            for t, g in zip((slots, block_ids), given))
+        # launched later: never through the caller's own host indices (device-side ones are the caller's to keep
+        # unchanged until the launches are issued)
+        slots, block_ids = kept_indices(slots, block_ids)
         self.kv = kv
         self.num_programs = num_programs
         self._launch = KernelLaunch(kv, host, slots, block_ids, kv.geometry.host_row_strides(num_blocks, layout),
