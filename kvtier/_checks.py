@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-__all__ = ["is_int", "check_count", "check_int_in"]
+__all__ = ["is_int", "check_count", "check_int_in", "split_host_port"]
 
 
 def is_int(value: Any) -> bool:
@@ -28,3 +28,11 @@ def check_int_in(name: str, value: Any, lo: int, hi: int, bounds: str = "") -> i
     if not is_int(value) or not lo <= value < hi:
         raise ValueError(f"{name} must be an int in {bounds or f'[{lo}, {hi})'}, got {value!r}")
     return int(value)
+
+
+def split_host_port(addr: Any) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as (host, port), the port in 1..65535; ValueError otherwise."""
+    host, sep, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"must be host:port with a port in 1..65535, got {addr!r}")
+    return host.strip("[]"), int(port)

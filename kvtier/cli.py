@@ -108,6 +108,24 @@ def _config_check(path: str) -> int:
     if config.remote_backend is not None:
         print(f"remote tier: {config.remote_backend} at {config.remote_master} over {config.remote_protocol}, "
               f"{config.remote_segment_bytes} bytes mounted")
+    return _check_host_memory(config)
+
+
+def _check_host_memory(config) -> int:
+    """The server's host memory check, on this host: 1 (with one line) when one rank's pool does not fit."""
+    from kvtier.tier.host_pool import DEFAULT_RESERVE_GB, available_memory_bytes
+
+    avail = available_memory_bytes()
+    if avail is None:
+        return 0
+    gib, usable = 1 << 30, avail - int(DEFAULT_RESERVE_GB * (1 << 30))
+    print(f"host memory available here: {avail / gib:.2f} GiB ({DEFAULT_RESERVE_GB:g} GiB kept in reserve): room "
+          f"for the host pools of {max(0, usable) // config.cpu_cache_bytes} ranks")
+    if config.cpu_cache_bytes > usable:
+        print(f"kvtier config: a host pool of {config.cpu_cache_gb:g} GiB does not fit this host ({avail / gib:.2f} "
+              f"GiB available, {DEFAULT_RESERVE_GB:g} kept in reserve): lower cpu_cache_gb, or check on the host "
+              "that serves", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -90,9 +90,9 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
-from kvtier._checks import is_int
+from kvtier._checks import is_int, split_host_port
 from kvtier.geometry import HOST_LAYOUTS
 from kvtier.index.eviction import eviction_policy_names
 
@@ -104,6 +104,11 @@ SSD_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")
 SSD_ADMISSIONS: tuple[str, ...] = ("cost", "always")
 REMOTE_BACKENDS: tuple[str, ...] = ("mooncake",)
 REMOTE_PROTOCOLS: tuple[str, ...] = ("tcp", "rdma")
+
+
+MAX_GB = float(1 << 20)  # the largest size a *_gb key takes (1 PiB): larger ones are typos
+# keys that only act when the key after them turns their tier on
+_TIER_SWITCHES = (("ssd_", "ssd_cache_gb", "ssd_cache_gb > 0"), ("remote_", "remote_backend", "remote_backend"))
 
 
 def default_tokens_per_block(page_size: int) -> int:
@@ -160,6 +165,9 @@ class TierConfig:
     """Host tier settings; see the module docstring for each key. Build with :meth:`from_dict`, :meth:`from_file`
     or :meth:`from_env` (all validate); the constructor validates too."""
 
+    # the keys the mapping or file it was built from gave (:meth:`from_dict`); none for a config built in code
+    given_keys: ClassVar[frozenset] = frozenset()
+
     cpu_cache_gb: float = 16.0
     page_size: int = 16
     tokens_per_block: Optional[int] = None
@@ -194,8 +202,8 @@ class TierConfig:
     log_transfers: bool = True
 
     def __post_init__(self) -> None:
-        if not _is_number(self.cpu_cache_gb) or self.cpu_cache_gb <= 0:
-            raise _error(f"cpu_cache_gb must be a number > 0 (GiB), got {_got(self.cpu_cache_gb)}")
+        if not _is_number(self.cpu_cache_gb) or not 0 < self.cpu_cache_gb <= MAX_GB:
+            raise _error(f"cpu_cache_gb must be a number > 0 and <= {MAX_GB:.0f} (GiB), got {_got(self.cpu_cache_gb)}")
         if not is_int(self.page_size) or self.page_size < 1:
             raise _error(f"page_size must be an int >= 1, got {_got(self.page_size)}")
         if self.tokens_per_block is not None and (
@@ -213,14 +221,21 @@ class TierConfig:
             raise _error(f"layerwise must be true or false, got {self.layerwise!r}")
         if self.eviction_policy not in eviction_policy_names():
             raise _error(f"eviction_policy must be one of {eviction_policy_names()}, got {self.eviction_policy!r}")
-        if not _is_number(self.ssd_cache_gb) or self.ssd_cache_gb < 0:
-            raise _error(f"ssd_cache_gb must be a number >= 0 (GiB), got {_got(self.ssd_cache_gb)}")
+        if not _is_number(self.ssd_cache_gb) or not 0 <= self.ssd_cache_gb <= MAX_GB:
+            raise _error(f"ssd_cache_gb must be a number >= 0 and <= {MAX_GB:.0f} (GiB), got "
+                         f"{_got(self.ssd_cache_gb)}")
         if self.ssd_cache_dir is not None and (not isinstance(self.ssd_cache_dir, str) or not self.ssd_cache_dir):
             raise _error(f"ssd_cache_dir must be a non-empty string or null, got {self.ssd_cache_dir!r}")
         if self.ssd_cache_gb > 0 and self.ssd_cache_dir is None:
             raise _error("ssd_cache_gb > 0 needs ssd_cache_dir (one or more directories separated by ';')")
         if self.ssd_cache_dir is not None and not any(d.strip() for d in self.ssd_cache_dir.split(";")):
             raise _error(f"ssd_cache_dir names no directory: {self.ssd_cache_dir!r}")
+        seen: dict[str, str] = {}
+        for d in self.ssd_dirs:
+            real = os.path.realpath(d)
+            if real in seen:
+                raise _error(f"ssd_cache_dir names one directory twice ({seen[real]!r} and {d!r}): name each once")
+            seen[real] = d
         if not is_int(self.ssd_io_threads) or self.ssd_io_threads < 1:
             raise _error(f"ssd_io_threads must be an int >= 1, got {_got(self.ssd_io_threads)}")
         for key in ("ssd_direct_io", "ssd_wipe_mismatch"):
@@ -239,8 +254,20 @@ class TierConfig:
             raise _error(f"metrics_port must be an int in 0..65535 or null, got {_got(self.metrics_port)}")
         if not isinstance(self.log_transfers, bool):
             raise _error(f"log_transfers must be true or false, got {self.log_transfers!r}")
+        self._check_tiers_on()
         object.__setattr__(self, "cpu_cache_gb", float(self.cpu_cache_gb))
         object.__setattr__(self, "ssd_cache_gb", float(self.ssd_cache_gb))
+
+    def _check_tiers_on(self) -> None:
+        """A tier's settings given while the tier is off are a mistake (the operator meant the tier on), not
+        something to ignore."""
+        for prefix, switch, on in _TIER_SWITCHES:
+            if getattr(self, switch):
+                continue
+            given = [f.name for f in dataclasses.fields(self) if f.name.startswith(prefix) and f.name != switch
+                     and getattr(self, f.name) != f.default]
+            if given:
+                raise _error(f"{', '.join(given)} set but the tier is off: set {on} to turn it on, or drop them")
 
     def _check_remote(self) -> None:
         if self.remote_backend is not None and self.remote_backend not in REMOTE_BACKENDS:
@@ -248,9 +275,11 @@ class TierConfig:
                          f"{self.remote_backend!r}")
         if self.remote_backend is not None and self.remote_master is None:
             raise _error("remote_backend needs remote_master (the mooncake_master address, host:port)")
-        m = self.remote_master
-        if m is not None and (not isinstance(m, str) or ":" not in m or not m.rpartition(":")[2].isdigit()):
-            raise _error(f"remote_master must be host:port, got {m!r}")
+        if self.remote_master is not None:
+            try:
+                split_host_port(self.remote_master)
+            except ValueError as e:
+                raise _error(f"remote_master {e}") from None
         if self.remote_protocol not in REMOTE_PROTOCOLS:
             raise _error(f"remote_protocol must be one of {list(REMOTE_PROTOCOLS)}, got {self.remote_protocol!r}")
         for key in ("remote_device", "remote_local_hostname", "remote_metadata_server", "remote_key_prefix",
@@ -258,8 +287,9 @@ class TierConfig:
             v = getattr(self, key)
             if not isinstance(v, str) or (not v and key != "remote_device"):
                 raise _error(f"{key} must be a{'' if key == 'remote_device' else ' non-empty'} string, got {v!r}")
-        if not _is_number(self.remote_segment_gb) or self.remote_segment_gb < 0:
-            raise _error(f"remote_segment_gb must be a number >= 0 (GiB), got {_got(self.remote_segment_gb)}")
+        if not _is_number(self.remote_segment_gb) or not 0 <= self.remote_segment_gb <= MAX_GB:
+            raise _error(f"remote_segment_gb must be a number >= 0 and <= {MAX_GB:.0f} (GiB), got "
+                         f"{_got(self.remote_segment_gb)}")
         if not _is_number(self.remote_timeout_s) or self.remote_timeout_s <= 0:
             raise _error(f"remote_timeout_s must be a number > 0 (seconds), got {_got(self.remote_timeout_s)}")
         if not isinstance(self.remote_required, bool):
@@ -306,7 +336,9 @@ class TierConfig:
         for key in d:
             if key not in allowed:
                 raise _error(f"unknown key {key!r} (allowed: {', '.join(allowed)})")
-        return cls(**dict(d))
+        config = cls(**dict(d))
+        object.__setattr__(config, "given_keys", frozenset(d))
+        return config
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> TierConfig:

@@ -113,6 +113,14 @@ def test_config_check_of_a_bad_file_prints_one_line_and_fails(tmp_path, text, me
     assert len(lines) == 1 and message in lines[0] and str(f) in lines[0], r.stderr
 
 
+def test_config_check_fails_a_host_pool_this_host_cannot_hold(tmp_path, capsys):
+    """The check said valid, then the server refused the pool for want of memory."""
+    f = tmp_path / "big.yaml"
+    f.write_text("cpu_cache_gb: 1048576\n")
+    assert cli.main(["config", "check", str(f)]) == 1
+    assert "a host pool of 1.04858e+06 GiB does not fit this host" in capsys.readouterr().err
+
+
 def test_config_check_prints_what_a_file_resolves_to(tmp_path, capsys):
     f = tmp_path / "kvtier.json"
     f.write_text('{"cpu_cache_gb": 2, "page_size": 4, "remote_backend": "mooncake", "remote_master": "h:1"}')

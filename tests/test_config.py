@@ -70,7 +70,13 @@ def test_unknown_key_names_it_and_the_allowed_keys():
     ("prefill_tokens_per_s", "1e4", r"prefill_tokens_per_s must be a number > 0 or null, got the string"),
     ("remote_backend", "redis", r"remote_backend must be null or one of \['mooncake'\], got 'redis'"),
     ("remote_backend", "mooncake", r"remote_backend needs remote_master"),
-    ("remote_master", "localhost", r"remote_master must be host:port, got 'localhost'"),
+    ("remote_master", "localhost", r"remote_master must be host:port .*, got 'localhost'"),
+    ("remote_master", ":50051", r"remote_master must be host:port .*, got ':50051'"),
+    ("remote_master", "127.0.0.1:0", r"remote_master must be host:port with a port in 1..65535"),
+    ("remote_master", "127.0.0.1:99999", r"remote_master must be host:port with a port in 1..65535"),
+    ("cpu_cache_gb", 1e300, r"cpu_cache_gb must be a number > 0 and <= 1048576"),
+    ("ssd_cache_gb", 1e300, r"ssd_cache_gb must be a number >= 0 and <= 1048576"),
+    ("ssd_cache_dir", "/x;/x/", r"ssd_cache_dir names one directory twice \('/x' and '/x/'\)"),
     ("remote_protocol", "udp", r"remote_protocol must be one of \['tcp', 'rdma'\], got 'udp'"),
     ("remote_local_hostname", "", r"remote_local_hostname must be a non-empty string"),
     ("remote_segment_gb", -1, r"remote_segment_gb must be a number >= 0"),
@@ -82,6 +88,20 @@ def test_unknown_key_names_it_and_the_allowed_keys():
 def test_bad_values_name_the_key_and_what_is_allowed(key, value, message):
     with pytest.raises(ValueError, match="kvtier config: " + message):
         TierConfig.from_dict({key: value})
+
+
+@pytest.mark.parametrize("given,message", [
+    ({"ssd_cache_dir": "/nvme0/kvtier", "ssd_write_policy": "write_back"},
+     "ssd_cache_dir, ssd_write_policy set but the tier is off: set ssd_cache_gb > 0"),
+    ({"remote_master": "10.0.0.1:50051", "remote_protocol": "rdma"},
+     "remote_master, remote_protocol set but the tier is off: set remote_backend"),
+])
+def test_a_tiers_settings_without_the_key_that_turns_it_on_are_refused(given, message):
+    """They were accepted and ignored: the operator who forgot ssd_cache_gb got no SSD tier and no word of it."""
+    with pytest.raises(ValueError, match="kvtier config: " + message):
+        TierConfig.from_dict(given)
+    on = {"ssd_cache_gb": 1} if "ssd_cache_dir" in given else {"remote_backend": "mooncake"}
+    assert TierConfig.from_dict({**given, **on}).given_keys == set(given) | set(on)
 
 
 def test_yaml_and_json_files(tmp_path):

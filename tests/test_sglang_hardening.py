@@ -217,6 +217,10 @@ def test_host_pool_is_sized_against_this_ranks_share(monkeypatch, tmp_path):
     monkeypatch.delenv("KVTIER_CONFIG")
     cache = ks.factory(ctx)  # the 16 GiB default: 64 MiB here
     assert cache.tier.pool.nbytes <= 64 << 20 and cache.tier.pool.num_blocks > 0
+    cfg.write_text(f"page_size: {s.page_size}\n")  # a config that leaves the size to the default: the same
+    monkeypatch.setenv("KVTIER_CONFIG", str(cfg))
+    cache = ks.factory(ctx)
+    assert cache.tier.pool.nbytes <= 64 << 20 and cache.tier.pool.num_blocks > 0
 
 
 def test_release_host_resources_unpins_the_pool():

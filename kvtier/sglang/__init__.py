@@ -165,9 +165,9 @@ def factory(ctx):
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: the remote tier (remote_backend) does not run with "
                          f"several ranks yet ({ranks}); set remote_backend: null or run one rank")
     budget = host_budget(config.cpu_cache_bytes)
-    if budget is not None and config.cpu_cache_bytes > budget and not os.environ.get(ENV_VAR, "").strip():
-        # no kvtier config: the default pool shrinks to this rank's share (an explicit size that does not fit
-        # is an error instead, raised when the pool is built)
+    if budget is not None and config.cpu_cache_bytes > budget and "cpu_cache_gb" not in config.given_keys:
+        # no size configured: the default pool shrinks to this rank's share (a size the config gives that does
+        # not fit is an error instead, raised when the pool is built)
         gb = budget / (1 << 30)
         logger.info("kvtier: default host pool of %.1f GiB per rank exceeds this rank's share of host memory; "
                     "using %.2f GiB (set cpu_cache_gb in $%s to choose)", config.cpu_cache_gb, gb, ENV_VAR)

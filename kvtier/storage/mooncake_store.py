@@ -19,6 +19,8 @@ import socket
 import threading
 from typing import Optional, Sequence
 
+from kvtier._checks import split_host_port
+
 __all__ = ["MooncakeStore", "RemoteStoreError", "block_key", "Ranges", "CODE_UNREACHABLE", "unreachable", "gone",
            "transfer_failed"]
 
@@ -44,10 +46,10 @@ def block_key(prefix: str, fingerprint: bytes, chain_hash: int) -> str:
 
 
 def _split(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise RemoteStoreError(f"kvtier: remote_master must be host:port, got {addr!r}")
-    return host.strip("[]"), int(port)
+    try:
+        return split_host_port(addr)
+    except ValueError as e:
+        raise RemoteStoreError(f"kvtier: remote_master {e}") from None
 
 
 def check_reachable(master: str, timeout_s: float) -> None:
