@@ -350,7 +350,7 @@ class TierConfig:
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise _error(f"cannot read {path}: {e}") from None
         if ext == ".json":
             try:

@@ -196,6 +196,19 @@ def test_inspect_counts_what_the_store_wrote(tmp_path, journal):
     assert r.returncode == 0 and health in r.stdout and "default 3" in r.stdout, r.stdout + r.stderr
 
 
+def test_inspect_reads_the_directory_list_as_ssd_cache_dir_does(tmp_path):
+    """'a;a/' was surveyed twice (every count doubled) and 'a; b' looked for ' b'."""
+    import json
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    wrote = _write_cache(dirs, True)
+    r = _inspect(f"{dirs[0]};{dirs[0]}/; {dirs[1]} ;", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["total"]["blocks"] == wrote["blocks"]
+
+
 def test_inspect_verify_finds_a_flipped_payload_byte(tmp_path):
     import json
 

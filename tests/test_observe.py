@@ -250,6 +250,34 @@ def test_a_metrics_port_in_use_is_a_clear_error():
         tier.destroy()
 
 
+def test_close_takes_the_observers_off_and_a_second_attach_counts_once():
+    """close() left the transfer log and the metrics on the tier (and so did a failed attach): attached again,
+    every transfer was logged and counted twice."""
+    tier = make_tier(num_blocks=4)
+    first = attach(tier, dataclasses.replace(tier.config, metrics_port=0))
+    first.close()
+    first.close()  # idempotent
+    assert tier._observers == []
+    obs = attach(tier, dataclasses.replace(tier.config, metrics_port=0))
+    tier.wait(tier.store(_tokens(2 * P), None, page_slots(0, 2, P)))
+    assert len(tier._observers) == 2
+    assert _value(_scrape(obs.port), "kvtier_transfer_tokens_total", tier="cpu", op="store") == 2 * P
+    obs.close()
+    tier.destroy()
+
+
+def test_metrics_port_zero_is_a_free_port_on_every_rank_and_past_65535_is_refused():
+    """Port 0 plus the rank offset bound rank 3 to port 3; 65535 plus one raised an uncaught OverflowError."""
+    tier = make_tier(num_blocks=4)
+    obs = attach(tier, dataclasses.replace(tier.config, metrics_port=0), port_offset=3)
+    assert obs.port > 1024
+    obs.close()
+    with pytest.raises(ValueError, match="metrics_port 65535 \\(\\+1 for this rank\\) is past 65535"):
+        attach(tier, dataclasses.replace(tier.config, metrics_port=65535), port_offset=1)
+    assert tier._observers == []
+    tier.destroy()
+
+
 # --- warnings that say what to do: stores dropped for lack of room ---
 
 ROOM_LOGGER = "kvtier.room"

@@ -16,37 +16,51 @@ class Observability:
     """What :func:`attach` added to a tier: :attr:`metrics` (or None), :attr:`server` (kvtier's own HTTP
     endpoint, or None), :attr:`port` (the port it serves on)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tier) -> None:
+        self.tier = tier
         self.metrics = None
         self.server = None
         self.port: Optional[int] = None
+        self.observers: list = []  # what it added to the tier
+
+    def add(self, observer) -> None:
+        self.tier.add_observer(observer)
+        self.observers.append(observer)
 
     def close(self) -> None:
-        """Stop the endpoint and the metrics' sync thread (the tier keeps running unobserved by them)."""
+        """Stop the endpoint and the metrics' sync thread, and take the observers off the tier (it keeps running
+        unobserved by them); idempotent."""
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
         if self.metrics is not None:
             self.metrics.close()
+        while self.observers:
+            self.tier.remove_observer(self.observers.pop())
 
 
 def attach(tier, config=None, *, labels: Optional[Mapping[str, str]] = None, multiprocess: bool = False,
            port_offset: int = 0) -> Observability:
     """Add to ``tier`` a :class:`TransferLog` (``log_transfers``) and :class:`~kvtier.observe.metrics.TierMetrics`
     when ``multiprocess`` (SGLang's ``--enable-metrics``) or ``metrics_port`` asks for them; ``metrics_port`` plus
-    ``port_offset`` (the TP rank) is served over HTTP. ``config``: the keys to follow (default ``tier.config``)."""
+    ``port_offset`` (the rank) is served over HTTP (``metrics_port: 0``: a free port on every rank). ``config``: the keys to follow (default ``tier.config``)."""
     config = config if config is not None else tier.config
-    out = Observability()
+    port = config.metrics_port
+    if port:  # 0: any free port, on every rank
+        port += port_offset
+        if port > 65535:
+            raise ValueError(f"kvtier config: metrics_port {config.metrics_port} (+{port_offset} for this rank) is "
+                             "past 65535: lower metrics_port")
+    out = Observability(tier)
     if config.log_transfers:
-        tier.add_observer(TransferLog())
-    port = None if config.metrics_port is None else config.metrics_port + port_offset
+        out.add(TransferLog())
     if not multiprocess and port is None:
         return out
     from kvtier.observe.metrics import TierMetrics, serve
 
     out.metrics = TierMetrics(tier.stats, labels=labels, multiprocess=multiprocess)
-    tier.add_observer(out.metrics)
+    out.add(out.metrics)
     if port is not None:
         try:
             out.server, _ = serve(out.metrics, port)

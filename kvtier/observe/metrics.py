@@ -45,7 +45,10 @@ class Metric(NamedTuple):
 
 METRICS: tuple[Metric, ...] = (
     Metric("lookups_total", "counter", "Prefix lookups in the host tier.", (), (((), "lookups", 1),)),
-    Metric("lookup_hit_tokens_total", "counter", "Tokens of looked-up prefixes the CPU tier held.", ("tier",),
+    Metric("lookup_hit_tokens_total", "counter",
+           "Tokens of looked-up prefixes the CPU tier held, per lookup (an engine may look a request up more than "
+           "once, and the whole prefix, its GPU-held part too): a lookup-level figure; the CPU hits requests used "
+           "are transfer_tokens_total{tier=\"cpu\",op=\"load\"}.", ("tier",),
            ((("cpu",), "hit_pages", "page"),)),
     Metric("lookup_miss_tokens_total", "counter", "Tokens of looked-up full pages the CPU tier did not hold.",
            ("tier",), ((("cpu",), "miss_pages", "page"),)),

@@ -96,7 +96,11 @@ def survey_dirs(dirs, *, verify: bool = False) -> list[FileSurvey]:
     Raises:
         SurveyError: a directory is missing or holds no kvtier block file.
     """
-    names: Sequence[str] = [d for d in (dirs.split(";") if isinstance(dirs, str) else list(dirs)) if d]
+    given = [d.strip() for d in (dirs.split(";") if isinstance(dirs, str) else list(dirs)) if d.strip()]
+    names: list[str] = []
+    for d in given:  # each directory once (as ssd_cache_dir is read), in the order given
+        if all(os.path.realpath(d) != os.path.realpath(n) for n in names):
+            names.append(d)
     if not names:
         raise SurveyError("no directory given")
     for d in names:
