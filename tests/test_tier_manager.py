@@ -649,9 +649,11 @@ def test_gpu_int32_slots_of_a_store_in_flight_stay_its_own():
     fill_random_(tier, other, seed=2)
     want = slot_bytes(tier, src)
     toks = _tokens(pages * geo.page_size)
+    # The first store compiles the copy kernel (longer than any sleep below): compile it with another prefix first.
+    tier.wait(tier.store(_tokens(pages * geo.page_size, seed=9), None, other.cuda()))
     props = torch.cuda.get_device_properties(0)
     with torch.cuda.stream(tier.executor.stream("store")):
-        torch.cuda._sleep(int(20e-3 * getattr(props, "clock_rate", 1_980_000) * 1e3))  # ~20 ms
+        torch.cuda._sleep(int(100e-3 * getattr(props, "clock_rate", 1_980_000) * 1e3))  # ~100 ms
     task = tier.store(toks, None, src.cuda().to(torch.int32))
     decoy = torch.empty(src.numel(), dtype=torch.int64, device="cuda")  # the caller's next allocation
     decoy.copy_(other.cuda())

@@ -14,9 +14,9 @@ logger = logging.getLogger(__name__)
 
 class Observability:
     """What :func:`attach` added to a tier: :attr:`metrics` (or None), :attr:`server` (kvtier's own HTTP
-    endpoint, or None), :attr:`port` (the port it serves on)."""
+    endpoint, or None), :attr:`port` (the port it serves on). ``Observability()``: nothing attached yet."""
 
-    def __init__(self, tier) -> None:
+    def __init__(self, tier=None) -> None:
         self.tier = tier
         self.metrics = None
         self.server = None
@@ -44,7 +44,8 @@ def attach(tier, config=None, *, labels: Optional[Mapping[str, str]] = None, mul
            port_offset: int = 0) -> Observability:
     """Add to ``tier`` a :class:`TransferLog` (``log_transfers``) and :class:`~kvtier.observe.metrics.TierMetrics`
     when ``multiprocess`` (SGLang's ``--enable-metrics``) or ``metrics_port`` asks for them; ``metrics_port`` plus
-    ``port_offset`` (the rank) is served over HTTP (``metrics_port: 0``: a free port on every rank). ``config``: the keys to follow (default ``tier.config``)."""
+    ``port_offset`` (the rank) is served over HTTP (``metrics_port: 0``: a free port on every rank).
+    ``config``: the keys to follow (default ``tier.config``)."""
     config = config if config is not None else tier.config
     port = config.metrics_port
     if port:  # 0: any free port, on every rank

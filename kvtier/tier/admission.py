@@ -12,9 +12,10 @@ prefill's fixed cost and attention's growth with the context are in it; beyond t
 last slope, below the smallest one with the first segment's (a fixed cost and a per-token cost; at least in
 proportion to the smallest), so the tokens a hit saves always count. ``rest(x)``: the same, and at least what the
 engine's prefills past a cached prefix (``cached_tokens`` > 0) of about ``x`` computed tokens took (held at their
-smallest and largest, a floor): such a prefill also loads the prefix and attends over it, so a short one costs more than a short prompt
-alone (on the H200's end-to-end harness, 16 tokens past a 2k prefix 45-60 ms, a 64-token prompt 15-53 ms). Bandwidth:
-``ssd_read_gbps`` from the config, else the SSD tier's measured reads. Unknown rates admit (to measure), logged once.
+smallest and largest, a floor): such a prefill also loads the prefix and attends over it, so a short one costs more
+than a short prompt alone (on the H200's end-to-end harness, 16 tokens past a 2k prefix 45-60 ms, a 64-token
+prompt 15-53 ms). Bandwidth: ``ssd_read_gbps`` from the config, else the SSD tier's measured reads. Unknown rates
+admit (to measure), logged once.
 """
 
 from __future__ import annotations
