@@ -258,11 +258,14 @@ def headline_table() -> str:
         body.append(["end to end through SGLang's pool and scheduler sequence: outputs equal to the warm device "
                      "cache; TTFT over its bound, layerwise, 8k and 28k prefixes",
                      f"{e['outputs_equal_kvtier_vs_device']:.3f}; {e['ttft_over_bound_layerwise']:.3f}"])
-    if fr:
-        f = fr["summary"]
+    worst = []
+    for res in _fragmentation_runs():
+        f = res["summary"]
         kind = max(("load_whole", "load_layerwise", "store"), key=lambda k: f[f"frag_worst_over_one_run_{k}"])
-        body.append([f"fragmented host pool, worst run length's time over one run's, what `auto` picks "
-                     f"(`{f[f'frag_worst_cell_{kind}']}`)", f"{f[f'frag_worst_over_one_run_{kind}']:.2f}x"])
+        worst.append(f"{f[f'frag_worst_over_one_run_{kind}']:.2f}x {_card(res)} (`{f[f'frag_worst_cell_{kind}']}`)")
+    if worst:
+        body.append(["fragmented host pool, worst run length's time over one run's, what `auto` picks, per run",
+                     "; ".join(worst)])
     return _table(["headline: the worst cell of each result (H200 unless noted)", "value"], body)
 
 
@@ -295,25 +298,41 @@ def layerwise_table() -> str:
     return _join(summary, per_size)
 
 
+FRAGMENTATION_RUNS = ("fragmentation_h200.json", "fragmentation_h100.json")  # each run's card is in its env
+
+
+def _card(res: dict) -> str:
+    """A run's card and date, e.g. ``H100 2026-12-05`` (from its env)."""
+    gpu = res["env"].get("gpu", "?")
+    card = next((c for c in ("H200", "H100") if c in gpu), gpu)
+    return f"{card} {res['env'].get('time', '?')[:10]}"
+
+
+def _fragmentation_runs() -> list[dict]:
+    return [r for r in (_load(name) for name in FRAGMENTATION_RUNS) if r]
+
+
 def fragmentation_table() -> str:
-    res = _load("fragmentation_h200.json")
-    if res is None:
+    runs = _fragmentation_runs()
+    if not runs:
         return "_no results yet_"
-    s = res["summary"]
     kinds = [("load_whole", "whole load"), ("load_layerwise", "layerwise load"), ("store", "store")]
-    summary = _table(
-        ["host blocks in runs of R (1, 2, 4, 8, 16, 64, one run), Qwen3-8B, 1k and 8k tokens, both layouts, H200, "
-         "what `auto` picks", "value", "worst cell"],
-        [*[[f"{label}: worst R / one run (target <= 1.10)", f"{s[f'frag_worst_over_one_run_{k}']:.3f}",
-            f"`{s[f'frag_worst_cell_{k}']}`"] for k, label in kinds],
-         ["host time to issue a 36-layer layerwise load of 8k tokens at the worst R (target <= 3 ms)",
-          f"{s['frag_layerwise_issue_ms_max']:.2f} ms", "–"],
-         ["8192³ bf16 GEMM slowdown beside what `auto` picks (8k tokens, R = 1 and one run), worst (target <= 3%)",
-          f"{s['gemm_slowdown_pct']:+.2f}%", f"`{s['gemm_slowdown_cell']}`"]])
-    churn = _table(["run lengths R after LRU churn (multi-turn)", "median", "p10"],
-                   [["loads", f"{s['churn_load_median_R']:.0f}", f"{s['churn_load_p10_R']:.0f}"],
-                    ["stores", f"{s['churn_store_median_R']:.0f}", f"{s['churn_store_p10_R']:.0f}"]])
-    return _join(summary, churn)
+    header = ["host blocks in runs of R (1, 2, 4, 8, 16, 64, one run), Qwen3-8B, 1k and 8k tokens, both layouts, "
+              "what `auto` picks"] + [f"{_card(r)}: value, worst cell" for r in runs]
+    cell = lambda value, where: f"{value} (`{where}`)"  # noqa: E731
+    rows = [[f"{label}: worst R / one run (target <= 1.10)",
+             *[cell(f"{r['summary'][f'frag_worst_over_one_run_{k}']:.3f}", r["summary"][f"frag_worst_cell_{k}"])
+               for r in runs]] for k, label in kinds]
+    rows.append(["host time to issue a 36-layer layerwise load of 8k tokens at the worst R (target <= 3 ms)",
+                 *[f"{r['summary']['frag_layerwise_issue_ms_max']:.2f} ms" for r in runs]])
+    rows.append(["8192³ bf16 GEMM slowdown beside what `auto` picks (8k tokens, R = 1 and one run), worst "
+                 "(target <= 3%)",
+                 *[cell(f"{r['summary']['gemm_slowdown_pct']:+.2f}%", r["summary"]["gemm_slowdown_cell"])
+                   for r in runs]])
+    run_lengths = lambda s, op: f"{s[f'churn_{op}_median_R']:.0f} / {s[f'churn_{op}_p10_R']:.0f}"  # noqa: E731
+    churn = _table(["run lengths R after LRU churn (multi-turn), median / p10"] + [_card(r) for r in runs],
+                   [[f"{op}s", *[run_lengths(r["summary"], op) for r in runs]] for op in ("load", "store")])
+    return _join(_table(header, rows), churn)
 
 
 # --- SSD and remote tiers ----------------------------------------------------------------------------------------

@@ -659,8 +659,8 @@ def test_gpu_int32_slots_of_a_store_in_flight_stay_its_own():
     decoy.copy_(other.cuda())
     assert not tier.completed(task)
     tier.wait(task)
-    dst = page_slots(2 * pages, pages, geo.page_size).cuda()
-    tier.wait(tier.load(toks, None, dst))
+    dst = page_slots(2 * pages, pages, geo.page_size)
+    tier.wait(tier.load(toks, None, dst.cuda()))
     assert all(torch.equal(a, b) for a, b in zip(slot_bytes(tier, dst), want))
     del decoy
 
