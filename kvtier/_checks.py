@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any
+import os
+from typing import Any, Iterable, Optional
 
-__all__ = ["is_int", "check_count", "check_int_in", "split_host_port"]
+__all__ = ["is_int", "check_count", "check_int_in", "split_host_port", "same_directory"]
 
 
 def is_int(value: Any) -> bool:
@@ -36,3 +37,14 @@ def split_host_port(addr: Any) -> tuple[str, int]:
     if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"must be host:port with a port in 1..65535, got {addr!r}")
     return host.strip("[]"), int(port)
+
+
+def same_directory(dirs: Iterable[str]) -> Optional[tuple[str, str]]:
+    """The first two of ``dirs`` that name one directory (after links and ``..``), or None."""
+    seen: dict[str, str] = {}
+    for d in dirs:
+        real = os.path.realpath(d)
+        if real in seen:
+            return seen[real], d
+        seen[real] = d
+    return None

@@ -92,7 +92,7 @@ import math
 import os
 from typing import Any, ClassVar, Mapping, Optional
 
-from kvtier._checks import is_int, split_host_port
+from kvtier._checks import is_int, same_directory, split_host_port
 from kvtier.geometry import HOST_LAYOUTS
 from kvtier.index.eviction import eviction_policy_names
 
@@ -230,12 +230,9 @@ class TierConfig:
             raise _error("ssd_cache_gb > 0 needs ssd_cache_dir (one or more directories separated by ';')")
         if self.ssd_cache_dir is not None and not any(d.strip() for d in self.ssd_cache_dir.split(";")):
             raise _error(f"ssd_cache_dir names no directory: {self.ssd_cache_dir!r}")
-        seen: dict[str, str] = {}
-        for d in self.ssd_dirs:
-            real = os.path.realpath(d)
-            if real in seen:
-                raise _error(f"ssd_cache_dir names one directory twice ({seen[real]!r} and {d!r}): name each once")
-            seen[real] = d
+        twice = same_directory(self.ssd_dirs)
+        if twice:
+            raise _error(f"ssd_cache_dir names one directory twice ({twice[0]!r} and {twice[1]!r}): name each once")
         if not is_int(self.ssd_io_threads) or self.ssd_io_threads < 1:
             raise _error(f"ssd_io_threads must be an int >= 1, got {_got(self.ssd_io_threads)}")
         for key in ("ssd_direct_io", "ssd_wipe_mismatch"):

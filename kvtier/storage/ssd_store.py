@@ -25,6 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from kvtier._checks import same_directory
 from kvtier.storage import payload
 from kvtier.storage.aligned_io import aligned, use_region
 from kvtier.storage.block_file import BlockFile, scratch_sizes
@@ -109,12 +110,9 @@ class SsdStore:
         self.dirs = [d for d in (dirs.split(";") if isinstance(dirs, str) else list(dirs)) if d]
         if not self.dirs:
             raise ValueError("an SSD store needs at least one directory")
-        seen: dict[str, str] = {}
-        for d in self.dirs:
-            real = os.path.realpath(d)
-            if real in seen:
-                raise ValueError(f"SSD directories {seen[real]!r} and {d!r} are one directory: name each once")
-            seen[real] = d
+        twice = same_directory(self.dirs)
+        if twice:
+            raise ValueError(f"SSD directories {twice[0]!r} and {twice[1]!r} are one directory: name each once")
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         self.block_bytes = block_bytes
