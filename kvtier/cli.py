@@ -112,21 +112,32 @@ def _config_check(path: str) -> int:
 
 
 def _check_host_memory(config) -> int:
-    """The server's host memory check, on this host: 1 (with one line) when one rank's pool does not fit."""
+    """The server's host memory check, on this host: 1 (with one line) when one rank's pool does not fit. With
+    SGLang installed, by SGLang's rule (what is available less its 10 GiB reserve, shared by the host's ranks: a
+    default pool shrinks to that share, a configured one must fit it); else by kvtier's (available less 2 GiB)."""
+    from kvtier.sglang import host_budget
     from kvtier.tier.host_pool import DEFAULT_RESERVE_GB, available_memory_bytes
 
-    avail = available_memory_bytes()
-    if avail is None:
+    avail, gib = available_memory_bytes(), 1 << 30
+    budget = host_budget(config.cpu_cache_bytes)
+    if budget is not None:
+        usable, rule = budget, "SGLang's rule: 10 GiB kept in reserve, the rest shared by this host's ranks"
+    elif avail is not None:
+        usable, rule = avail - int(DEFAULT_RESERVE_GB * gib), f"{DEFAULT_RESERVE_GB:g} GiB kept in reserve"
+    else:
         return 0
-    gib, usable = 1 << 30, avail - int(DEFAULT_RESERVE_GB * (1 << 30))
-    print(f"host memory available here: {avail / gib:.2f} GiB ({DEFAULT_RESERVE_GB:g} GiB kept in reserve): room "
-          f"for the host pools of {max(0, usable) // config.cpu_cache_bytes} ranks")
-    if config.cpu_cache_bytes > usable:
-        print(f"kvtier config: a host pool of {config.cpu_cache_gb:g} GiB does not fit this host ({avail / gib:.2f} "
-              f"GiB available, {DEFAULT_RESERVE_GB:g} kept in reserve): lower cpu_cache_gb, or check on the host "
-              "that serves", file=sys.stderr)
-        return 1
-    return 0
+    shown = "unknown" if avail is None else f"{avail / gib:.2f} GiB"
+    print(f"host memory available here: {shown}; by {rule}: {max(0, usable) / gib:.2f} GiB for a rank, room for "
+          f"{max(0, usable) // config.cpu_cache_bytes} ranks' host pools")
+    if config.cpu_cache_bytes <= usable:
+        return 0
+    if budget is not None and "cpu_cache_gb" not in config.given_keys and usable > 0:
+        print(f"the default host pool of {config.cpu_cache_gb:g} GiB shrinks to {usable / gib:.2f} GiB a rank under "
+              "SGLang (set cpu_cache_gb to choose)")
+        return 0
+    print(f"kvtier config: a host pool of {config.cpu_cache_gb:g} GiB does not fit this host ({shown} available; "
+          f"{rule}): lower cpu_cache_gb, or check on the host that serves", file=sys.stderr)
+    return 1
 
 
 def _demo(parser: argparse.ArgumentParser, args) -> int:

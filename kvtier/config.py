@@ -78,7 +78,8 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
 * ``remote_admission`` (``"cost"`` | ``"always"``, default ``"cost"``) and ``remote_read_gbps`` (float > 0 or
   null): as ``ssd_admission`` and ``ssd_read_gbps``, for fetches from the remote tier.
 * ``metrics_port`` (int 0..65535 or null, default null): kvtier's own Prometheus endpoint,
-  ``http://0.0.0.0:PORT/metrics`` (TP rank r serves on PORT + r); null: none. Under SGLang with
+  ``http://0.0.0.0:PORT/metrics`` (the process of rank r, its torch.distributed rank, serves on PORT + r); 0: a
+  free port on every rank (logged); null: none. Under SGLang with
   ``--enable-metrics`` kvtier's metrics are on SGLang's ``/metrics`` as well (:mod:`kvtier.observe.metrics`).
 * ``log_transfers`` (bool, default true): one INFO line per completed transfer on the ``kvtier.transfers`` logger
   (:mod:`kvtier.observe.transfer_log`).
@@ -204,6 +205,8 @@ class TierConfig:
     def __post_init__(self) -> None:
         if not _is_number(self.cpu_cache_gb) or not 0 < self.cpu_cache_gb <= MAX_GB:
             raise _error(f"cpu_cache_gb must be a number > 0 and <= {MAX_GB:.0f} (GiB), got {_got(self.cpu_cache_gb)}")
+        if self.cpu_cache_bytes < 1:
+            raise _error(f"cpu_cache_gb {self.cpu_cache_gb!r} GiB is less than one byte: give the pool's size in GiB")
         if not is_int(self.page_size) or self.page_size < 1:
             raise _error(f"page_size must be an int >= 1, got {_got(self.page_size)}")
         if self.tokens_per_block is not None and (

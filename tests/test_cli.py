@@ -100,6 +100,7 @@ def test_demo_in_a_fresh_process_without_triton_interpret():
 @pytest.mark.parametrize("text,message", [
     ("cpu_cache_gb: 4\ncpu_cach_gb: 8\n", "unknown key 'cpu_cach_gb' (allowed: cpu_cache_gb,"),  # a wrong key
     ("page_size: sixteen\n", "page_size must be an int >= 1, got 'sixteen'"),  # a wrong type
+    ("cpu_cache_gb: 1.0e-12\n", "cpu_cache_gb 1e-12 GiB is less than one byte"),  # divided by zero in the check
     ("remote_backend: mooncake\nremote_master: 10.0.0.5:50051\nremote_protocol: udp\n",
      "remote_protocol must be one of ['tcp', 'rdma'], got 'udp'"),  # a bad value
 ])

@@ -223,6 +223,28 @@ def test_host_pool_is_sized_against_this_ranks_share(monkeypatch, tmp_path):
     assert cache.tier.pool.nbytes <= 64 << 20 and cache.tier.pool.num_blocks > 0
 
 
+def test_config_check_and_the_factory_use_sglangs_share_of_host_memory(monkeypatch, tmp_path, capsys):
+    """config check judged a pool by kvtier's own rule (available less 2 GiB) where the server uses SGLang's (less
+    10 GiB, shared by the host's ranks), so it passed pools the server refused; with no share left, the factory's
+    error named a negative cpu_cache_gb the config never set."""
+    from sglang.srt.mem_cache.pool_host import base as host_base
+
+    from kvtier import cli
+
+    monkeypatch.setattr(host_base, "available_host_memory_bytes", lambda **kw: (10 << 30) + 8 * (64 << 20))
+    monkeypatch.setattr(host_base, "ranks_per_host", lambda: 8)  # 64 MiB a rank
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text("cpu_cache_gb: 0.125\n")
+    assert cli.main(["config", "check", str(cfg)]) == 1
+    assert "a host pool of 0.125 GiB does not fit this host" in capsys.readouterr().err
+    cfg.write_text("page_size: 16\n")  # the default size, which the server shrinks
+    assert cli.main(["config", "check", str(cfg)]) == 0
+    assert "the default host pool of 16 GiB shrinks to 0.06 GiB a rank under SGLang" in capsys.readouterr().out
+    monkeypatch.setattr(host_base, "available_host_memory_bytes", lambda **kw: 9 << 30)  # below the reserve
+    with pytest.raises(ValueError, match=r"this rank's share of host memory for a host pool is -0\.12 GiB"):
+        ks.factory(_build_ctx())
+
+
 def test_release_host_resources_unpins_the_pool():
     s = h.build()
     h.serve(s, list(range(1, 10)))

@@ -325,6 +325,33 @@ def test_write_back_keeps_room_free_ahead_so_stores_into_a_full_pool_are_kept(tm
     t.destroy()
 
 
+def test_write_back_keeps_no_extra_room_after_a_prefix_longer_than_the_pool(tmp_path):
+    """A store longer than the pool came short with no block held by a write, and the room kept free grew to half
+    the pool for good: every later allocation evicted ahead, and the CPU tier kept half of what it could."""
+    t = make_ssd_tier(tmp_path, num_blocks=8, ssd_write_policy="write_back")
+    before = t.stats()["ssd_free_target_blocks"]
+    t.wait(t.store(prompt(1, 12), None, page_slots(0, 12, P)))  # 8 of 12 fit
+    assert t.stats()["ssd_free_target_blocks"] == before == 1
+    t.wait(t.store(prompt(2, 1), None, page_slots(20, 1, P)))  # evicts one block, held by its write
+    t.flush_ssd()
+    assert t.lookup(prompt(1, 12)) == 7  # evicting ahead for a target of 4 left 4
+    t.destroy()
+
+
+def test_an_allocation_takes_the_blocks_writes_gave_back_since_the_calls_drain(tmp_path):
+    """Writes that finished between a call's drain and its allocation gave back more blocks than were missing: the
+    allocation asked the index to evict a negative count and raised (a store or a promotion crashed, and a
+    promotion left its prefix locked)."""
+    t = make_ssd_tier(tmp_path, num_blocks=8, ssd_write_policy="write_back")
+    t.wait(t.store(prompt(1, 6), None, page_slots(0, 6, P)))
+    t.evict(6)  # write_back: the six are written now and held until durable
+    for job in t.ssd._writes:
+        job.wait()  # durable, not yet drained
+    assert t.pool.num_free == 2
+    assert t._alloc(4).size == 4
+    t.destroy()
+
+
 def test_destroy_writes_back_every_cpu_block_beyond_the_write_queue(tmp_path):
     """The write queue holds half the pool: destroy evicted the whole pool in one write, and the blocks past the
     queue's bound (the most recently used) were dropped instead of written."""

@@ -165,6 +165,10 @@ def factory(ctx):
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: the remote tier (remote_backend) does not run with "
                          f"several ranks yet ({ranks}); set remote_backend: null or run one rank")
     budget = host_budget(config.cpu_cache_bytes)
+    if budget is not None and budget < (1 << 20):
+        raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: this rank's share of host memory for a host pool is "
+                         f"{budget / (1 << 30):.2f} GiB by SGLang's rule (what is available, less its 10 GiB reserve, "
+                         "shared by the host's ranks): free host memory or run fewer ranks on this host")
     if budget is not None and config.cpu_cache_bytes > budget and "cpu_cache_gb" not in config.given_keys:
         # no size configured: the default pool shrinks to this rank's share (a size the config gives that does
         # not fit is an error instead, raised when the pool is built)

@@ -844,14 +844,14 @@ class KVTier(HostTier):
         ids = self.pool.alloc(n)
         if ids is None:
             if self.ssd is not None:
-                self.ssd.drain()  # finished writes give their blocks back
-            self._evict_blocks(n - self.pool.num_free)
+                self.ssd.drain()  # finished writes give their blocks back (perhaps all that is missing)
+            self._evict_blocks(max(0, n - self.pool.num_free))
             ids = self.pool.alloc(min(n, self.pool.num_free))
             if ids is None:
                 ids = np.empty(0, np.int64)
             if ids.size < n and self.ssd is not None:
-                self.ssd.came_short(n)
-        if self.ssd is not None:
+                self.ssd.came_short(n, held=self.holds.num_deferred)
+        if self.ssd is not None and self.ssd.free_target:
             ahead = self.ssd.to_reclaim(self.pool.num_free, self.holds.num_deferred)
             if ahead:
                 self._evict_blocks(ahead)

@@ -161,9 +161,11 @@ class SsdLink:
         target (write_back; 0 for write_through, whose evicted blocks are already written)."""
         return max(0, self.free_target - free - freeing)
 
-    def came_short(self, n: int) -> None:
-        """An allocation of ``n`` blocks found too few free: with write_back, keep that many free from now on."""
-        if self.write_back:
+    def came_short(self, n: int, held: int) -> None:
+        """An allocation of ``n`` blocks found too few free while ``held`` evicted blocks waited for their writes:
+        with write_back, keep ``n`` free from now on. A shortfall with none held (a prefix longer than the pool,
+        blocks locked by running requests) is not the writes' doing and changes nothing."""
+        if self.write_back and held > 0:
             self.free_target = min(self._free_bound, max(self.free_target, n))
 
     def _write(self, hashes: np.ndarray, seed: int, rows: np.ndarray, ids: np.ndarray) -> None:
@@ -240,6 +242,7 @@ class SsdLink:
     def stats(self) -> dict:
         out = {f"ssd_{k}": v for k, v in self.medium.snapshot().items()}
         out.update(ssd_write_policy="write_back" if self.write_back else "write_through",
+                   ssd_free_target_blocks=self.free_target,
                    ssd_admitted=self.admission.admitted, ssd_refused=self.admission.refused,
                    ssd_tokens_refused=self.refused_tokens,
                    ssd_prefill_1k_tokens_s=self.admission.prefill.seconds(1024))
