@@ -686,3 +686,24 @@ print("compiled on the first lookup:", sum(len(f._by_key) for f in entry) - sum(
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
     assert "compiled on the first lookup: 0" in out.stdout, out.stdout
+
+
+def test_a_store_whose_room_making_raises_leaves_its_prefix_unlocked():
+    """An eviction policy that raised while a store extending a held prefix made room left that prefix locked for
+    good (its pages could never be evicted again)."""
+    from kvtier.index import EvictionPolicy, register_eviction_policy
+
+    class Failing(EvictionPolicy):
+        def evict(self, n: int) -> np.ndarray:
+            raise RuntimeError("policy bug")
+
+    register_eviction_policy("failing-for-test", Failing)
+    tier = make_tier(num_blocks=4, eviction_policy="failing-for-test")
+    P = tier.page_size
+    first = _tokens(2 * P, seed=1)
+    tier.wait(tier.store(first, None, page_slots(0, 2, P)))
+    tier.wait(tier.store(_tokens(2 * P, seed=2), None, page_slots(2, 2, P)))  # the pool is full
+    with pytest.raises(RuntimeError, match="policy bug"):
+        tier.store(np.concatenate([first, _tokens(2 * P, seed=3)]), None, page_slots(0, 4, P))
+    assert tier.index.protected_pages == 0 and not tier.inflight_ids
+    tier.destroy()

@@ -541,3 +541,23 @@ def test_the_engine_reports_the_prefill_past_a_hit_with_its_cached_tokens(tmp_pa
     assert served.cached == 64 and engine.tier.stats()["pages_promoted"] == 4
     assert [n for n, _ in adm.extend._samples] == [16] and len(adm.prefill._samples) == 1
     engine.tier.destroy()
+
+
+def test_destroy_after_a_failing_close_still_releases_everything(tmp_path):
+    """A close that failed (the file's descriptor gone, as on a dying disk) stopped destroy at that step: the pool,
+    the journal, the lock file and the remote tier were left, a second destroy reported success, and the directory
+    could not be opened again in the process ("in use by another SSD store")."""
+    import threading
+
+    before = set(threading.enumerate())
+    t = make_ssd_tier(tmp_path)
+    store_all(t, prompt(1, 2))
+    f = t.ssd.medium.store.files[0]
+    os.close(f._fd)  # the disk goes away: EBADF from now on
+    with pytest.raises(OSError):
+        t.destroy()
+    assert t.pool.destroyed and f._lock_fd == -1 and f.journal._fd == -1
+    assert not [th for th in set(threading.enumerate()) - before if th.name.startswith("kvtier-ssd")]
+    t.destroy()  # idempotent
+    b = make_ssd_tier(tmp_path, seed=1)  # the directory opens again
+    b.destroy()

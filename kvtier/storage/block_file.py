@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from kvtier._cleanup import run_all
 from kvtier.storage import payload
 from kvtier.storage.block_format import (ALIGN, BlockHeader, FileHeader, pack_block_header, pack_file_header,
                                          padded, payload_checksum, unpack_block_header, unpack_file_header)
@@ -361,14 +362,13 @@ class BlockFile:
                 yield slot, h
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if self.journal is not None:
-            self.journal.close()
-        if self._lock_fd >= 0:  # last: nobody else opens the file while this store still has it open
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        """Close the file, the journal and the lock, each even if one before it fails; idempotent."""
+        fd, self._fd = self._fd, -1
+        lock_fd, self._lock_fd = self._lock_fd, -1
+        run_all(None if fd < 0 else lambda: os.close(fd),
+                None if self.journal is None else self.journal.close,
+                # last: nobody else opens the file while this store still has it open
+                None if lock_fd < 0 else lambda: os.close(lock_fd))
 
     def __enter__(self) -> "BlockFile":
         return self

@@ -26,6 +26,7 @@ from typing import Iterable, NamedTuple, Optional
 import numpy as np
 import xxhash
 
+from kvtier._cleanup import run_all
 from kvtier.storage.aligned_io import aligned as _aligned, read_all, write_all as _write_all
 from kvtier.storage.block_format import ALIGN
 from kvtier.storage.reserve import Reserve
@@ -326,11 +327,9 @@ class Journal:
             raise PermissionError(f"journal {self.path} is open read-only")
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if self._reserve is not None:
-            self._reserve.close()
+        """Close the journal file and its reserve, the reserve even if the file's close fails; idempotent."""
+        fd, self._fd = self._fd, -1
+        run_all(None if fd < 0 else lambda: os.close(fd), None if self._reserve is None else self._reserve.close)
 
     def __enter__(self) -> "Journal":
         return self

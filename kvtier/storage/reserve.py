@@ -69,6 +69,6 @@ class Reserve:
         return True
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)

@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from kvtier._checks import same_directory
+from kvtier._cleanup import run_all
 from kvtier.storage import payload
 from kvtier.storage.aligned_io import aligned, use_region
 from kvtier.storage.block_file import BlockFile, scratch_sizes
@@ -339,8 +340,7 @@ class SsdStore:
         self._pool.shutdown(wait=True)
         self._read_pool.shutdown(wait=True)
         self._commit_pool.shutdown(wait=True)
-        for f in self.files:
-            f.close()
+        run_all(*(f.close for f in self.files))
 
     def __enter__(self) -> "SsdStore":
         return self

@@ -53,6 +53,7 @@ from typing import Callable, Mapping, NamedTuple, Optional, Union
 import numpy as np
 import torch
 
+from kvtier._cleanup import run_all
 from kvtier._checks import check_count
 from kvtier.config import TierConfig
 from kvtier.index import Namespace, PageTrie, eviction_policy, page_hashes
@@ -374,7 +375,7 @@ class KVTier(HostTier):
             return self._finish_now(task)
         if held:
             self.index.lock(m)  # the prefix the new pages hang from must survive until they are inserted
-        ids = self._alloc(n - held)
+        ids = self._alloc_under(m if held else None, n - held)
         self._stats.pages_store_dropped += (n - held - ids.size) * G
         if ids.size < n - held:
             self.room_advice.host_store_dropped(dropped=n - held - int(ids.size), prefix_blocks=n,
@@ -556,13 +557,11 @@ class KVTier(HostTier):
                 while self._evict_blocks(self.ssd.medium.max_pending_blocks):  # as many as the write queue takes
                     self.ssd.drain(wait=True)
             self.reset()
-            if self.ssd is not None:
-                self.ssd.close()
-            if self.remote is not None:
-                self.remote.close()
-            if self._staged_transfer is not None:
-                self._staged_transfer.close()  # its row-issuing threads, if any
-            self.pool.destroy()
+            # each even if one before it raises (a close failing with EIO): no thread, file or pinned memory is left
+            run_all(None if self.ssd is None else self.ssd.close,
+                    None if self.remote is None else self.remote.close,
+                    None if self._staged_transfer is None else self._staged_transfer.close,  # row-issuing threads
+                    self.pool.destroy)
 
     # --- accounting ---
 
@@ -626,7 +625,7 @@ class KVTier(HostTier):
         if held:
             self.index.lock(m)
         with self.ssd.holding(plan):  # making room may write back evicted CPU blocks, evicting SSD slots
-            ids = self._alloc(plan.slots.size)
+            ids = self._alloc_under(m if held else None, plan.slots.size)
         if ids.size == 0:
             if held:
                 self.index.unlock(m)
@@ -854,8 +853,22 @@ class KVTier(HostTier):
         if self.ssd is not None and self.ssd.free_target:
             ahead = self.ssd.to_reclaim(self.pool.num_free, self.holds.num_deferred)
             if ahead:
-                self._evict_blocks(ahead)
+                try:
+                    self._evict_blocks(ahead)
+                except BaseException:
+                    self.pool.free(ids)
+                    raise
         return ids
+
+    def _alloc_under(self, handle, n: int) -> np.ndarray:
+        """:meth:`_alloc` for new blocks hanging from the prefix ``handle`` (locked; None: no prefix), which is
+        unlocked again if making room fails (an eviction policy that raises)."""
+        try:
+            return self._alloc(n)
+        except BaseException:
+            if handle is not None:
+                self.index.unlock(handle)
+            raise
 
     def _drain(self) -> None:
         if not self._auto_finalize:

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from kvtier._cleanup import run_all
 from kvtier.storage import Block, SsdStore
 from kvtier.tier.room_advice import RoomAdvice
 from kvtier.tier.slot_index import SlotIndex
@@ -290,10 +291,8 @@ class SsdTier:
         """Finish the queued jobs, stop the threads, close the files; idempotent."""
         if self._writer is None:
             return
-        self._writer.close()
-        self._reader.close()
-        self._writer = self._reader = None
-        self.store.close()
+        writer, reader, self._writer, self._reader = self._writer, self._reader, None, None
+        run_all(writer.close, reader.close, self.store.close)
 
     def snapshot(self) -> dict:
         out = dataclasses.asdict(self.stats)
