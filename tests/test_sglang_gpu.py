@@ -122,6 +122,27 @@ def test_copies_are_ordered_after_the_forward_stream(transfer_mode, layerwise):
     h.assert_clean(s, free0)
 
 
+@pytest.mark.parametrize("transfer_mode", ["direct", "staged"])
+def test_a_whole_load_makes_the_schedulers_stream_wait_too(transfer_mode):
+    """Without overlap scheduling SGLang runs the forward on the scheduler's current stream, not on the model
+    runner's forward stream; a whole load made only the forward stream wait, so such a forward could read its
+    prefix before the copy landed."""
+    P = 16
+    forward = torch.cuda.Stream()
+    s = h.build(page_size=P, kv_size=16 * P, device="cuda", transfer_mode=transfer_mode, layerwise=False,
+                forward_stream=forward)
+    toks = list(range(3, 3 + 4 * P))
+    for _ in range(2):  # a store and a load first: nothing compiles below
+        h.serve(s, toks)
+        h.flush_device(s)
+    free0 = s.allocator.available_size()
+    with torch.cuda.stream(s.cache.tier.executor.stream("load")):
+        torch.cuda._sleep(100_000_000)  # the load's copy starts ~50 ms late
+    a = h.serve(s, toks, host_wait=False)  # reads the prefix on the current stream, as a non-overlap forward
+    assert a.loaded == 4 * P
+    h.assert_clean(s, free0)
+
+
 def test_namespaces_and_eviction_pressure_on_cuda():
     """Two namespaces through a device pool that only fits one request: every load is checked byte for byte."""
     P = 16

@@ -253,6 +253,28 @@ def test_release_host_resources_unpins_the_pool():
     s.cache.release_host_resources()  # idempotent, as SGLang's contract says
 
 
+def test_wait_all_returns_after_release_host_resources_with_a_checkpoint_held():
+    """A chunked request's second checkpoint waits for its first store; after release_host_resources (which
+    destroys the tier, whose poll never reports that store again) wait_all spun forever."""
+    import threading
+
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache
+
+    s = h.build(kv_size=96, executor=DeferredExecutor())
+    req = h.make_req(s, list(range(200, 225)))
+    h.admit(s, req)
+    h.run_forward(s, req)
+    for end in (8, 16):  # two chunks: the second checkpoint is held behind the first's store
+        req.extend_end = req.kv.kv_committed_len = end
+        checkpoint_kv_cache(req, s.cache)
+    assert s.cache._held_store
+    s.cache.release_host_resources()
+    waiter = threading.Thread(target=s.cache.wait_all, daemon=True)
+    waiter.start()
+    waiter.join(timeout=20)
+    assert not waiter.is_alive()
+
+
 def test_multimodal_pad_ids_are_matched_stored_and_loaded():
     """SGLang puts image pad values (MM_PAD_SHIFT_VALUE + a 62-bit hash, up to 2**62 + 10**6) into the radix key;
     the index took ids < 2**32 only and match_prefix raised ValueError, killing the scheduler."""

@@ -358,11 +358,14 @@ class KVTierRadixCache(RadixCache):
         return node
 
     def _fence_forward(self, task) -> None:
-        if self.forward_stream is not None and torch.cuda.is_available():
+        """Make the forward pass wait for a whole load, GPU-side. SGLang runs the forward on the model runner's
+        forward stream with overlap scheduling or pipeline stages, and on the scheduler's current stream without
+        (``--disable-overlap-schedule``): both streams wait."""
+        self.tier.wait_on_current_stream(task)
+        if self.forward_stream is not None and torch.cuda.is_available() \
+                and self.forward_stream != torch.cuda.current_stream():
             with torch.cuda.stream(self.forward_stream):
                 self.tier.wait_on_current_stream(task)
-        else:
-            self.tier.wait_on_current_stream(task)
 
     # --- store ---
 
@@ -508,8 +511,9 @@ class KVTierRadixCache(RadixCache):
             self.tier.destroy()
 
     def wait_all(self) -> None:
-        """Block until every in-flight transfer completes and drop its locks (tests, shutdown)."""
-        while self.tier is not None:
+        """Block until every in-flight transfer completes and drop its locks (tests, shutdown); after
+        :meth:`release_host_resources` nothing is in flight (the tier waited for its copies)."""
+        while self.tier is not None and not self.tier.pool.destroyed:
             self.tier.wait_all()
             self._sync()  # may issue a held checkpoint's store
             if not self._held_store and not self.tier.inflight_ids and not self._order:
