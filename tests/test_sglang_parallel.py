@@ -157,6 +157,25 @@ def test_mla_ranks_hold_one_copy_of_each_page_and_split_its_stores():
     assert all(e["host_loads"] == 1 and e["kv_checks"] == 1 for e in ends)
 
 
+def test_a_later_stages_ranks_sharing_a_pool_finalize_a_copy_once_all_have_completed_it():
+    """A later pipeline stage finalizes on the first stage's verdict. With one host pool shared by the stage's MLA
+    ranks, a rank that finalized a store after its own layer share alone could evict the device pages and load the
+    host page back while the other rank's share was still being copied: its layers were read unwritten."""
+    topo = Topology(tp=2, pp=2, mla=True, layers=(2,))
+    R = ranks(topo)
+    R.call("new", 0.0, 0)
+    assert all(m["shared"] for m in R.call("pool_memory"))
+    R.call("finished_request", 0, 16, [], 0, False)  # its store is in flight everywhere
+    R.call("complete", tuple(3 if topo.coords(r)[0] == 0 else 0 for r in range(topo.world)))  # the first stage's
+    R.call("slow_verdicts", 3, 3.0)  # rank 3 (stage 1) finalizes 3 s late
+    # one call: evict the device pages (the round's agreement finalizes the store), then load the host page back
+    # and check every layer's KV on every rank
+    R.call("steps", [("evict_device", (10**9,)), ("finished_request", (0, 16, [1], 0, False))])
+    ends = R.call("teardown")
+    assert_clean(ends)
+    assert all(e["host_loads"] == 1 and e["kv_checks"] == 1 for e in ends)
+
+
 @pytest.mark.parametrize("tp,pp,mla", [(1, 2, False), (2, 1, True)], ids=["pp2", "mla-tp2"])
 def test_ranks_running_concurrently_with_skewed_copies_keep_identical_trees(tmp_path, tp, pp, mla):
     """The scheduler sequence of tests/test_sglang_gpu.py on the CPU: two rank processes running at once (not one

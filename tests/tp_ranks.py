@@ -22,6 +22,7 @@ import types
 import os
 import queue
 import tempfile
+import time
 import traceback
 from typing import Optional
 
@@ -220,6 +221,22 @@ class RankState:
 
     def evict_host(self, n):
         self.s.cache.tier.evict(n)
+
+    def steps(self, ops):
+        """Run ``(op, args)`` pairs in order, in one call (no rank waits for another between them)."""
+        return [getattr(self, op)(*args) for op, args in ops]
+
+    def slow_verdicts(self, rank, seconds):
+        """Rank ``rank`` learns each round's agreed completions ``seconds`` late (a rank of a later stage whose
+        scheduler runs behind); no-op elsewhere."""
+        if self.rank == rank:
+            agreement = self.s.cache.agreement
+            completed = agreement.completed
+
+            def late(*args, **kwargs):
+                time.sleep(seconds)
+                return completed(*args, **kwargs)
+            agreement.completed = late
 
     def on_dp(self, dp_rank, op, *args):
         """``op(*args)`` on the ranks of DP rank ``dp_rank`` only (None: on every rank); None elsewhere."""

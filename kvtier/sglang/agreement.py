@@ -120,6 +120,10 @@ class RankAgreement:
         """All-reduce ``values`` over this stage's ranks (blocking; every stage's ranks run in lockstep)."""
         return self._reduce([int(v) for v in values], op)
 
+    def stage_barrier(self) -> None:
+        """Return once every rank of this stage has called it (one all-reduce)."""
+        self._reduce([0], dist.ReduceOp.MAX)
+
     def check_stage_same(self, values: Sequence[int], what: str) -> None:
         """Raise :class:`AgreementError` unless ``values`` are equal on every rank of this stage."""
         vals = [int(v) for v in values]

@@ -310,12 +310,12 @@ class KVTierRadixCache(RadixCache):
             task = self.tier.load(tokens, ns, new_slots, start_page=start_page)
         local = min(rest, task.num_pages * self.page_size)
         loaded = self.agreement.min(local)  # a load can fail on one rank only: every rank grafts the same length
-        if local < loaded:  # a later pipeline stage: the first stage loaded what failed here
+        if local < loaded and task.status is TaskStatus.FAILED:  # a later stage: the first loaded what failed here
             self._repair(task, "load")
             local = min(rest, task.num_pages * self.page_size)
-            if local < loaded:
-                raise RuntimeError(f"kvtier: pipeline stage {self.agreement.pp_rank} loaded {local} tokens where "
-                                   f"the first stage loaded {loaded}: its host tier no longer matches the others'")
+        if local < loaded:  # this stage's host index holds less than the first stage's
+            raise RuntimeError(f"kvtier: pipeline stage {self.agreement.pp_rank} loaded {local} tokens where "
+                               f"the first stage loaded {loaded}: its host tier no longer matches the others'")
         if local > loaded:
             self.tier.wait(task)  # the slots past `loaded` are being written: free them only after the copy
         if loaded < rest:
@@ -474,6 +474,8 @@ class KVTierRadixCache(RadixCache):
         if n > len(order):
             raise RuntimeError(f"kvtier: pipeline stage {self.agreement.pp_rank} tracks {len(order)} copies, the "
                                f"first stage finalized {n}: the stages' scheduling sequences drifted apart")
+        if n and self.shared is not None and not self.agreement.decides:
+            self._stage_copies_done(n, failed)
         for bad in failed:
             task = order.popleft()
             if not bad and task.status is TaskStatus.FAILED:  # a later stage: failed here only
@@ -481,6 +483,17 @@ class KVTierRadixCache(RadixCache):
             self.tier.finalize(task, keep=not bad)
             self._release(task.id)
         self.tier.poll()  # the tier's reports: every finalized task was released above
+
+    def _stage_copies_done(self, n: int, failed: list[int]) -> None:
+        """A later pipeline stage sharing one pool between its ranks: wait until every rank of the stage has
+        completed its share of the ``n`` oldest copies before any finalizes them (a rank that finalized its own
+        share alone let a stored page into its index, or a loaded block go back to the pool, while another rank's
+        share was still being copied: a load of that page read the other share's layers unwritten)."""
+        for task, bad in zip(list(self._order)[:n], failed):
+            if not bad and task.status is TaskStatus.FAILED:  # failed here only: issued again, then waited for
+                self._repair(task, task.kind)
+            self.tier.wait(task)
+        self.agreement.stage_barrier()  # every rank of the stage is past its waits
 
     def flush_pending_backups(self) -> None:
         """SGLang calls this once per processed batch, on every rank: the round's completion agreement."""
