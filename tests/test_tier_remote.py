@@ -212,6 +212,51 @@ def test_a_tier_whose_master_did_not_answer_last_is_destroyed_without_waiting_fo
     a.destroy()
 
 
+def test_destroy_does_not_wait_for_a_probe_given_up_on(mooncake_master):
+    """A fetch given up on while its probe hung holds no CPU block, yet destroy waited for that call, holding the
+    tier's lock (stats and the metrics thread blocked too), for as long as the master hung."""
+    a, toks = put_by_a(mooncake_master.addr, 4)
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    mooncake_master.pause()  # the probe hangs
+    try:
+        task = b.lookup_tiers(toks, None).promotion
+        b.wait(task)  # given up on by its timeout
+        destroying = threading.Thread(target=b.destroy, daemon=True)
+        destroying.start()
+        destroying.join(4 * TIMEOUT + 5)
+        assert not destroying.is_alive() and b.pool.destroyed
+    finally:
+        mooncake_master.resume()
+    a.destroy()
+
+
+def test_a_process_exits_while_a_call_given_up_on_still_hangs(mooncake_master):
+    """The store calls ran on a ThreadPoolExecutor thread, which the interpreter joins at exit: a process whose
+    get was given up on (its master hung) did not exit until the master answered again. Now it exits once
+    Mooncake's own clean-up at exit has waited out its RPC timeout (30 s; it then aborts the process)."""
+    child = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {ROOT!r})
+        from tests.test_tier_remote import make_remote_tier, probed_fetch, put_by_a
+        a, toks = put_by_a(sys.argv[1], 4)
+        b = make_remote_tier(sys.argv[1], seed=1)
+        task = probed_fetch(b, toks, 4)
+        os.kill(int(sys.argv[2]), signal.SIGSTOP)  # the master hangs: the get's call hangs
+        b.wait(task)
+        print("given up", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child, mooncake_master.addr, str(mooncake_master.proc.pid)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=75)  # raises if it has not exited
+        assert "given up" in out, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        mooncake_master.resume()
+
+
 def test_a_key_gone_between_probe_and_get_is_a_counted_miss(mooncake_master):
     a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1)

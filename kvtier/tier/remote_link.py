@@ -133,9 +133,13 @@ class RemoteLink:
 
     def drain(self, wait: bool = False) -> None:
         """Account finished puts and abandoned fetches and free the CPU blocks they held; with ``wait``, every
-        one first, so that no remote call still uses a CPU block: a call past its timeout marks the tier down, so
-        the calls queued behind it are skipped, and it returns by Mooncake's own RPC timeout."""
+        one holding CPU blocks first, so that no remote call still uses a CPU block: a call past its timeout marks
+        the tier down, so the calls queued behind it are skipped, and it returns by Mooncake's own RPC timeout. A
+        fetch given up on while it probed holds no block and is not waited for (its call may hang as long as the
+        master does)."""
         for job in self._puts + self._abandoned if wait else ():
+            if job.host_ids.size == 0:
+                continue
             while not job.wait(0.05):
                 self.medium.watch()
         self._puts = self.holds.settle(self._puts, RemoteJob.finished, self.medium.finish)

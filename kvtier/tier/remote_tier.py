@@ -198,9 +198,7 @@ class _Worker:
         self.buffers = [aligned(batch * slot_bytes) for _ in range(2 if slot_bytes else 0)]
         for buf in self.buffers:
             store.register(buf.ctypes.data, buf.nbytes)
-        self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-call",
-                                                            initializer=_lower_priority, initargs=(nice,))
-        _start_threads(self.sender, 1)
+        self.sender = _CallThread(f"{name}-call", nice)
         self.running: Optional[RemoteJob] = None  # the job whose stage runs now
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, args=(prep_nice,), name=name, daemon=True)
@@ -237,6 +235,42 @@ class _Worker:
             return False
         self.sender.shutdown(wait=True)
         return True
+
+
+class _CallThread:
+    """One daemon thread running the calls submitted to it in order, each answered through a Future. Not a
+    ThreadPoolExecutor: the interpreter joins those threads at exit, so a call hung in Mooncake (a master that
+    stopped answering) held the process's exit for as long as the master hung."""
+
+    def __init__(self, name: str, nice: int = 0) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, args=(nice,), name=name, daemon=True)
+        self._thread.start()  # from the creator: the thread inherits its niceness, then adds ``nice``
+
+    def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((future, fn, args))
+        return future
+
+    def _loop(self, nice: int) -> None:
+        _lower_priority(nice)
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # the caller reads it from the future
+                future.set_exception(e)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop after the calls submitted so far (``wait``: return once they have run)."""
+        self._q.put(None)
+        if wait:
+            self._thread.join()
 
 
 def _lower_priority(nice: int) -> None:
