@@ -40,7 +40,7 @@ import os
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import xxhash
@@ -201,7 +201,7 @@ class _Worker:
         self.sender = _CallThread(f"{name}-call", nice)
         self.running: Optional[RemoteJob] = None  # the job whose stage runs now
         self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, args=(prep_nice,), name=name, daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(self._q, prep_nice, self._run), name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], None], job: RemoteJob) -> None:
@@ -209,23 +209,18 @@ class _Worker:
         job.started, job.worker = None, self
         self._q.put((fn, job))
 
-    def _loop(self, nice: int) -> None:
-        _lower_priority(nice)
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, job = item
-            t0 = time.perf_counter()
-            job.started = time.monotonic()
-            self.running = job
-            try:
-                fn()
-            except BaseException as e:  # the job ends here; its owner counts it
-                job.error = e
-            job.io_seconds += time.perf_counter() - t0
-            self.running = None
-            job._stage.set()
+    def _run(self, item: tuple) -> None:
+        fn, job = item
+        t0 = time.perf_counter()
+        job.started = time.monotonic()
+        self.running = job
+        try:
+            fn()
+        except BaseException as e:  # the job ends here; its owner counts it
+            job.error = e
+        job.io_seconds += time.perf_counter() - t0
+        self.running = None
+        job._stage.set()
 
     def close(self, timeout: float) -> bool:
         """Stop after the queued calls; whether the thread has ended within ``timeout``."""
@@ -244,7 +239,7 @@ class _CallThread:
 
     def __init__(self, name: str, nice: int = 0) -> None:
         self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, args=(nice,), name=name, daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(self._q, nice, self._run), name=name, daemon=True)
         self._thread.start()  # from the creator: the thread inherits its niceness, then adds ``nice``
 
     def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
@@ -252,25 +247,32 @@ class _CallThread:
         self._q.put((future, fn, args))
         return future
 
-    def _loop(self, nice: int) -> None:
-        _lower_priority(nice)
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # the caller reads it from the future
-                future.set_exception(e)
+    @staticmethod
+    def _run(item: tuple) -> None:
+        future, fn, args = item
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # the caller reads it from the future
+            future.set_exception(e)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop after the calls submitted so far (``wait``: return once they have run)."""
         self._q.put(None)
         if wait:
             self._thread.join()
+
+
+def _serve(q: queue.Queue, nice: int, run: Callable[[Any], None]) -> None:
+    """A thread's loop: raise its niceness by ``nice``, then ``run`` each item taken from ``q``, in order, until
+    None."""
+    _lower_priority(nice)
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        run(item)
 
 
 def _lower_priority(nice: int) -> None:
