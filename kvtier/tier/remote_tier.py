@@ -234,8 +234,8 @@ class _Worker:
 
 class _CallThread:
     """One daemon thread running the calls submitted to it in order, each answered through a Future. Not a
-    ThreadPoolExecutor: the interpreter joins those threads at exit, so a call hung in Mooncake (a master that
-    stopped answering) held the process's exit for as long as the master hung."""
+    ThreadPoolExecutor, whose threads the interpreter joins at exit: a call hung in Mooncake (a master that stopped
+    answering) would hold the process's exit for as long as the master hangs."""
 
     def __init__(self, name: str, nice: int = 0) -> None:
         self._q: queue.Queue = queue.Queue()
