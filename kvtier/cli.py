@@ -115,7 +115,7 @@ def _check_host_memory(config) -> int:
     """The server's host memory check, on this host: 1 (with one line) when one rank's pool does not fit. With
     SGLang installed, by SGLang's rule (what is available less its 10 GiB reserve, shared by the host's ranks: a
     default pool shrinks to that share, a configured one must fit it); else by kvtier's (available less 2 GiB)."""
-    from kvtier.sglang import host_budget
+    from kvtier.sglang import MIN_HOST_SHARE_BYTES, host_budget
     from kvtier.tier.host_pool import DEFAULT_RESERVE_GB, available_memory_bytes
 
     avail, gib = available_memory_bytes(), 1 << 30
@@ -131,7 +131,7 @@ def _check_host_memory(config) -> int:
           f"{max(0, usable) // config.cpu_cache_bytes} ranks' host pools")
     if config.cpu_cache_bytes <= usable:
         return 0
-    if budget is not None and "cpu_cache_gb" not in config.given_keys and usable > 0:
+    if budget is not None and "cpu_cache_gb" not in config.given_keys and usable >= MIN_HOST_SHARE_BYTES:
         print(f"the default host pool of {config.cpu_cache_gb:g} GiB shrinks to {usable / gib:.2f} GiB a rank under "
               "SGLang (set cpu_cache_gb to choose)")
         return 0

@@ -21,6 +21,7 @@ import os
 SUPPORTED_SGLANG_VERSION = "0.5.23"
 ENV_VAR = "KVTIER_CONFIG"  # kvtier.config.ENV_VAR (kept here so that importing this package needs nothing)
 BACKEND_NAME = "kvtier"
+MIN_HOST_SHARE_BYTES = 1 << 20  # a rank's share of host memory below this holds no host pool worth pinning
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def factory(ctx):
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: the remote tier (remote_backend) does not run with "
                          f"several ranks yet ({ranks}); set remote_backend: null or run one rank")
     budget = host_budget(config.cpu_cache_bytes)
-    if budget is not None and budget < (1 << 20):
+    if budget is not None and budget < MIN_HOST_SHARE_BYTES:
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: this rank's share of host memory for a host pool is "
                          f"{budget / (1 << 30):.2f} GiB by SGLang's rule (what is available, less its 10 GiB reserve, "
                          "shared by the host's ranks): free host memory or run fewer ranks on this host")
