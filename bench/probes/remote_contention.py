@@ -28,7 +28,7 @@ import xxhash
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from bench.bench_remote import Stores  # noqa: E402
-from kvtier.tier.remote_tier import _lower_priority  # noqa: E402
+from kvtier.tier.queue_thread import lower_priority as _lower_priority  # noqa: E402
 
 VALUE = (7 << 20) // 4 + 4096
 PER_CALL = 36

@@ -478,11 +478,16 @@ class KVTierRadixCache(RadixCache):
             self._stage_copies_done(n, failed)
         for bad in failed:
             task = order.popleft()
-            if not bad and task.status is TaskStatus.FAILED:  # a later stage: failed here only
-                self._repair(task, task.kind)
+            self._repair_if_failed_here_only(task, bad)
             self.tier.finalize(task, keep=not bad)
             self._release(task.id)
         self.tier.poll()  # the tier's reports: every finalized task was released above
+
+    def _repair_if_failed_here_only(self, task, failed_anywhere: int) -> None:
+        """A later pipeline stage: issue ``task`` again if it failed on this rank while the ranks' agreement keeps
+        it (``failed_anywhere`` 0: it failed here only)."""
+        if not failed_anywhere and task.status is TaskStatus.FAILED:
+            self._repair(task, task.kind)
 
     def _stage_copies_done(self, n: int, failed: list[int]) -> None:
         """A later pipeline stage sharing one pool between its ranks: wait until every rank of the stage has
@@ -490,8 +495,7 @@ class KVTierRadixCache(RadixCache):
         share alone let a stored page into its index, or a loaded block go back to the pool, while another rank's
         share was still being copied: a load of that page read the other share's layers unwritten)."""
         for task, bad in zip(list(self._order)[:n], failed):
-            if not bad and task.status is TaskStatus.FAILED:  # failed here only: issued again, then waited for
-                self._repair(task, task.kind)
+            self._repair_if_failed_here_only(task, bad)
             self.tier.wait(task)
         self.agreement.stage_barrier()  # every rank of the stage is past its waits
 

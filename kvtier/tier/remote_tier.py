@@ -40,7 +40,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import xxhash
@@ -48,6 +48,7 @@ import xxhash
 from kvtier.storage.aligned_io import aligned
 from kvtier.storage.block_format import ALIGN, BlockHeader, pack_block_header, unpack_block_header
 from kvtier.storage.mooncake_store import MooncakeStore, block_key, gone, transfer_failed, unreachable
+from kvtier.tier.queue_thread import serve
 from kvtier.tier.room_advice import RoomAdvice
 
 logger = logging.getLogger(__name__)
@@ -201,7 +202,7 @@ class _Worker:
         self.sender = _CallThread(f"{name}-call", nice)
         self.running: Optional[RemoteJob] = None  # the job whose stage runs now
         self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=_serve, args=(self._q, prep_nice, self._run), name=name, daemon=True)
+        self._thread = threading.Thread(target=serve, args=(self._q, self._run, prep_nice), name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], None], job: RemoteJob) -> None:
@@ -239,7 +240,7 @@ class _CallThread:
 
     def __init__(self, name: str, nice: int = 0) -> None:
         self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=_serve, args=(self._q, nice, self._run), name=name, daemon=True)
+        self._thread = threading.Thread(target=serve, args=(self._q, self._run, nice), name=name, daemon=True)
         self._thread.start()  # from the creator: the thread inherits its niceness, then adds ``nice``
 
     def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
@@ -262,28 +263,6 @@ class _CallThread:
         self._q.put(None)
         if wait:
             self._thread.join()
-
-
-def _serve(q: queue.Queue, nice: int, run: Callable[[Any], None]) -> None:
-    """A thread's loop: raise its niceness by ``nice``, then ``run`` each item taken from ``q``, in order, until
-    None."""
-    _lower_priority(nice)
-    while True:
-        item = q.get()
-        if item is None:
-            return
-        run(item)
-
-
-def _lower_priority(nice: int) -> None:
-    """Raise the calling thread's niceness by ``nice``, at most to 19 (only its own: Linux niceness is per thread,
-    and threads it starts inherit it); where that is not supported, it keeps its priority."""
-    if nice:
-        try:
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-        except (OSError, AttributeError):
-            pass
 
 
 def _start_threads(pool: concurrent.futures.ThreadPoolExecutor, n: int) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 
 from kvtier._cleanup import run_all
 from kvtier.storage import Block, SsdStore
+from kvtier.tier.queue_thread import serve
 from kvtier.tier.room_advice import RoomAdvice
 from kvtier.tier.slot_index import SlotIndex
 
@@ -109,24 +110,20 @@ class _Worker:
     def __init__(self, name: str, run: Callable[[IoJob], None]) -> None:
         self._run = run
         self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread = threading.Thread(target=serve, args=(self._q, self._run_one), name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: IoJob) -> None:
         self._q.put(job)
 
-    def _loop(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                self._run(job)
-            except BaseException as e:  # an IO error: the job ends here, counted by finish()
-                job.error = e
-            job.io_seconds = time.perf_counter() - t0
-            job._event.set()
+    def _run_one(self, job: IoJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._run(job)
+        except BaseException as e:  # an IO error: the job ends here, counted by finish()
+            job.error = e
+        job.io_seconds = time.perf_counter() - t0
+        job._event.set()
 
     def close(self) -> None:
         self._q.put(None)
