@@ -66,20 +66,25 @@ def thread_cpu_s() -> dict[str, float]:
 
 
 def set_priority(call: str, prep: int) -> None:
+    """``call``: a niceness for the put call thread, ``idle`` (SCHED_IDLE) or ``batch`` (SCHED_BATCH at niceness
+    10, the shipped one)."""
     rt.PUT_PREP_NICE = prep
-    if call != "idle":
+    if call not in ("idle", "batch"):
         rt.PUT_CALL_NICE = int(call)
         return
     lower = queue_thread.lower_priority
-    rt.PUT_CALL_NICE = 7  # a marker: the call thread asks for it, and gets SCHED_IDLE instead
+    rt.PUT_CALL_NICE = 7  # a marker: the call thread asks for it, and gets the policy instead
 
-    def lower_or_idle(nice: int) -> None:
+    def lower_or_policy(nice: int) -> None:
         if nice == 7 and threading.current_thread().name.endswith("-call"):
-            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+            policy = os.SCHED_IDLE if call == "idle" else os.SCHED_BATCH
+            os.sched_setscheduler(threading.get_native_id(), policy, os.sched_param(0))
+            if call == "batch":
+                lower(10)
         else:
             lower(nice)
 
-    queue_thread.lower_priority = lower_or_idle
+    queue_thread.lower_priority = lower_or_policy
 
 
 def raw_put(b: br.Bench, stores: br.Stores) -> float:
@@ -157,7 +162,7 @@ def engine(b: br.Bench, reps: int, hogs: int, label: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("throughput", "engine"), default="throughput")
-    ap.add_argument("--call", default="10", help="niceness added to the put call thread, or 'idle' (SCHED_IDLE)")
+    ap.add_argument("--call", default="10", help="niceness added to the put call thread, or 'idle' (SCHED_IDLE), 'batch' (SCHED_BATCH, +10)")
     ap.add_argument("--prep", type=int, default=10, help="niceness added to the put worker's thread")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--hogs", type=int, default=0, help="engine mode: CPU-bound processes beside it")
