@@ -563,6 +563,18 @@ def _run_children(args, argv_of) -> dict:
     return merge_runs(runs)
 
 
+def _write(res: dict, args, took: str) -> None:
+    """The JSON at ``args.out`` and, unless ``--no-plot``, its PNG beside it."""
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {args.out} ({took})")
+    if not args.no_plot:
+        try:
+            plot(res, os.path.splitext(args.out)[0] + ".png")
+        except Exception as e:  # matplotlib missing: the JSON is the result
+            print("plot skipped:", e)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", default="layer_first,page_first,layer_first:zero_copy",
@@ -601,15 +613,8 @@ def main(argv=None) -> int:
         res = _run_children(args, argv_of)
         res["command"] = " ".join([Path(sys.executable).as_posix()] + [shlex.quote(a) for a in sys.argv])
         res["args"] = vars(args)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
         print(json.dumps({k: v for k, v in res["summary"].items() if "/" not in k}, indent=1))
-        print(f"wrote {args.out} ({res['seconds']:.0f} s in {args.runs} runs)")
-        if not args.no_plot:
-            try:
-                plot(res, os.path.splitext(args.out)[0] + ".png")
-            except Exception as e:  # matplotlib missing: the JSON is the result
-                print("plot skipped:", e)
+        _write(res, args, f"{res['seconds']:.0f} s in {args.runs} runs")
         return 0
     cells = [c for c in args.cells.split(",") if c]
     hit_cells = [c for c in args.hit_cells.split(",") if c] if args.hit_tokens else []
@@ -682,15 +687,8 @@ def main(argv=None) -> int:
         stores.close()
     res["seconds"] = time.perf_counter() - t_start
     res["summary"] = summarize(res)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps(res["summary"], indent=1))
-    print(f"wrote {args.out} ({res['seconds']:.0f} s)")
-    if not args.no_plot:
-        try:
-            plot(res, os.path.splitext(args.out)[0] + ".png")
-        except Exception as e:  # matplotlib missing: the JSON is the result
-            print("plot skipped:", e)
+    _write(res, args, f"{res['seconds']:.0f} s")
     return 0
 
 
