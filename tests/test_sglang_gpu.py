@@ -136,6 +136,10 @@ def test_a_whole_load_makes_the_schedulers_stream_wait_too(transfer_mode):
         h.serve(s, toks)
         h.flush_device(s)
     free0 = s.allocator.available_size()
+    for bufs in h.layer_buffers(s):  # freed slots keep their bytes: a read before the copy lands must see others
+        for buf in bufs:
+            buf.fill_(-1)
+    torch.cuda.synchronize()
     with torch.cuda.stream(s.cache.tier.executor.stream("load")):
         torch.cuda._sleep(100_000_000)  # the load's copy starts ~50 ms late
     a = h.serve(s, toks, host_wait=False)  # reads the prefix on the current stream, as a non-overlap forward
