@@ -542,7 +542,7 @@ def merge_runs(runs: list[dict]) -> dict:
         worst = min(shipped, key=lambda c: s[f"{c}/{op}_over_raw"])
         s[f"remote_{op}_over_raw"], s[f"remote_{op}_worst_cell"] = s[f"{worst}/{op}_over_raw"], worst
         s[f"remote_{op}_over_raw_worst_run"] = min(min(s[f"{c}/{op}_over_raw_runs"]) for c in shipped)
-        s[rate if op == "put" else "kvtier_fetch_gbps"] = s[f"{worst}/{rate}"]
+        s[rate] = s[f"{worst}/{rate}"]
         s[raw] = s[f"{worst}/{raw}"]
     s["runs"] = len(runs)
     s["bytes_equal"] = all(r["summary"]["bytes_equal"] for r in runs)

@@ -1,14 +1,34 @@
-"""The loop of a worker thread that runs the items of a queue in order, and the per-thread niceness it may take."""
+"""A worker thread that runs the items put to it in order (the SSD and remote tiers' workers), and the per-thread
+niceness it may take."""
 
 from __future__ import annotations
 
 import os
 import queue
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
-def serve(q: queue.Queue, run: Callable[[Any], None], nice: int = 0) -> None:
+class QueueThread:
+    """A daemon thread, started from its creator (whose niceness it inherits), that raises its niceness by ``nice``
+    and then runs ``run(item)`` for each item :meth:`put` to it, in order, until :meth:`stop`."""
+
+    def __init__(self, name: str, run: Callable[[Any], None], nice: int = 0) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=_serve, args=(self._q, run, nice), name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, item: Any) -> None:
+        self._q.put(item)
+
+    def stop(self, timeout: Optional[float] = None) -> bool:
+        """Stop after the items put so far; whether the thread has ended within ``timeout`` (None: wait for it)."""
+        self._q.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _serve(q: queue.Queue, run: Callable[[Any], None], nice: int) -> None:
     """A thread's loop: raise its niceness by ``nice``, then ``run`` each item taken from ``q``, in order, until
     None."""
     lower_priority(nice)

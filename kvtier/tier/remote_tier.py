@@ -37,7 +37,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
 from typing import Callable, Optional
@@ -48,7 +47,7 @@ import xxhash
 from kvtier.storage.aligned_io import aligned
 from kvtier.storage.block_format import ALIGN, BlockHeader, pack_block_header, unpack_block_header
 from kvtier.storage.mooncake_store import MooncakeStore, block_key, gone, transfer_failed, unreachable
-from kvtier.tier.queue_thread import serve
+from kvtier.tier.queue_thread import QueueThread
 from kvtier.tier.room_advice import RoomAdvice
 
 logger = logging.getLogger(__name__)
@@ -201,14 +200,12 @@ class _Worker:
             store.register(buf.ctypes.data, buf.nbytes)
         self.sender = _CallThread(f"{name}-call", nice)
         self.running: Optional[RemoteJob] = None  # the job whose stage runs now
-        self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=serve, args=(self._q, self._run, prep_nice), name=name, daemon=True)
-        self._thread.start()
+        self._thread = QueueThread(name, self._run, prep_nice)
 
     def submit(self, fn: Callable[[], None], job: RemoteJob) -> None:
         job._stage.clear()
         job.started, job.worker = None, self
-        self._q.put((fn, job))
+        self._thread.put((fn, job))
 
     def _run(self, item: tuple) -> None:
         fn, job = item
@@ -225,11 +222,9 @@ class _Worker:
 
     def close(self, timeout: float) -> bool:
         """Stop after the queued calls; whether the thread has ended within ``timeout``."""
-        self._q.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._thread.stop(timeout):
             return False
-        self.sender.shutdown(wait=True)
+        self.sender.shutdown()
         return True
 
 
@@ -239,13 +234,11 @@ class _CallThread:
     answering) would hold the process's exit for as long as the master hangs."""
 
     def __init__(self, name: str, nice: int = 0) -> None:
-        self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=serve, args=(self._q, self._run, nice), name=name, daemon=True)
-        self._thread.start()  # from the creator: the thread inherits its niceness, then adds ``nice``
+        self._thread = QueueThread(name, self._run, nice)  # from the creator: inherits its niceness, adds ``nice``
 
     def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._q.put((future, fn, args))
+        self._thread.put((future, fn, args))
         return future
 
     @staticmethod
@@ -258,11 +251,9 @@ class _CallThread:
         except BaseException as e:  # the caller reads it from the future
             future.set_exception(e)
 
-    def shutdown(self, wait: bool = True) -> None:
-        """Stop after the calls submitted so far (``wait``: return once they have run)."""
-        self._q.put(None)
-        if wait:
-            self._thread.join()
+    def shutdown(self) -> None:
+        """Stop after the calls submitted so far, once they have run."""
+        self._thread.stop()
 
 
 def _start_threads(pool: concurrent.futures.ThreadPoolExecutor, n: int) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from typing import Callable, Optional
@@ -31,7 +30,7 @@ import numpy as np
 
 from kvtier._cleanup import run_all
 from kvtier.storage import Block, SsdStore
-from kvtier.tier.queue_thread import serve
+from kvtier.tier.queue_thread import QueueThread
 from kvtier.tier.room_advice import RoomAdvice
 from kvtier.tier.slot_index import SlotIndex
 
@@ -109,12 +108,10 @@ class _Worker:
 
     def __init__(self, name: str, run: Callable[[IoJob], None]) -> None:
         self._run = run
-        self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=serve, args=(self._q, self._run_one), name=name, daemon=True)
-        self._thread.start()
+        self._thread = QueueThread(name, self._run_one)
 
     def submit(self, job: IoJob) -> None:
-        self._q.put(job)
+        self._thread.put(job)
 
     def _run_one(self, job: IoJob) -> None:
         t0 = time.perf_counter()
@@ -126,8 +123,7 @@ class _Worker:
         job._event.set()
 
     def close(self) -> None:
-        self._q.put(None)
-        self._thread.join()
+        self._thread.stop()
 
 
 class SsdTier:
