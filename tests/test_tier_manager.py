@@ -707,3 +707,47 @@ def test_a_store_whose_room_making_raises_leaves_its_prefix_unlocked():
         tier.store(np.concatenate([first, _tokens(2 * P, seed=3)]), None, page_slots(0, 4, P))
     assert tier.index.protected_pages == 0 and not tier.inflight_ids
     tier.destroy()
+
+
+@pytest.mark.parametrize("bad", ["5", -5, 2.5, None])
+def test_evict_refuses_what_is_no_page_count_naming_num_pages(bad):
+    """evict("5") failed with a TypeError about a unary minus and evict(-5) with an error about another name."""
+    tier = make_tier()
+    with pytest.raises(ValueError, match=r"num_pages must be an int >= 0, got"):
+        tier.evict(bad)
+    assert tier.evict(0) == 0
+    tier.destroy()
+
+
+def test_an_empty_token_list_is_no_hit():
+    """lookup([]) failed with 'tokens must be integers, got dtype float64' (numpy's dtype of an empty list)."""
+    tier = make_tier()
+    P = tier.page_size
+    tier.wait(tier.store(np.arange(4 * P), None, page_slots(0, 4, P)))
+    for empty in ([], np.array([]), torch.tensor([])):
+        assert tier.lookup(empty) == 0
+        assert tier.lookup_tiers(empty).cpu_pages == 0
+        assert tier.load(empty, None, []).num_pages == 0
+        assert tier.store(empty, None, []).num_pages == 0
+    tier.destroy()
+
+
+@pytest.mark.parametrize("op", ["store", "load"])
+@pytest.mark.parametrize("slots", ["list", "numpy", "torch", "bool"])
+def test_float_or_bool_slot_indices_are_an_error_naming_the_argument(op, slots):
+    """Float slot indices were truncated silently (0.5, 1.7 -> slots 0, 1): the copy ran on other slots than the
+    engine meant. They are a TypeError naming slot_indices, raised before anything is allocated or launched."""
+    tier = make_tier()
+    P = tier.page_size
+    toks = np.arange(4 * P)
+    if op == "load":
+        tier.wait(tier.store(toks, None, page_slots(0, 4, P)))
+    good = page_slots(10, 4, P)
+    bad = {"list": [float(s) + 0.5 for s in good.tolist()], "numpy": good.numpy() + 0.0,
+           "torch": good.to(torch.float32), "bool": np.ones(good.numel(), bool)}[slots]
+    before = (tier.stats(), tier.pool.num_free, tier.index.protected_pages)
+    with pytest.raises(TypeError, match="slot_indices must hold integers"):
+        getattr(tier, op)(toks, None, bad)
+    assert (tier.stats(), tier.pool.num_free, tier.index.protected_pages) == before
+    assert not tier.inflight_ids
+    tier.destroy()

@@ -130,18 +130,29 @@ def _range_check(slots: torch.Tensor) -> bool:
 
 
 def _as_tokens(tokens) -> np.ndarray:
+    """Token ids as a contiguous array; an empty sequence (``[]`` is float64 to numpy) as empty int64: no page."""
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.detach().cpu().numpy()
-    return np.ascontiguousarray(np.asarray(tokens))
+    toks = np.ascontiguousarray(np.asarray(tokens))
+    return toks.astype(np.int64) if toks.size == 0 else toks
 
 
-def _as_slots(slots) -> torch.Tensor:
+def _as_slots(slots, name: str = "slot_indices") -> torch.Tensor:
+    """Slot indices as a 1-D int64 tensor; TypeError naming ``name`` for anything but integers (a float or bool
+    slot is no index: it is not truncated), ValueError for another shape."""
     if not isinstance(slots, torch.Tensor):
-        slots = torch.as_tensor(np.asarray(slots, dtype=np.int64))
+        arr = np.asarray(slots)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        elif not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{name} must hold integers, got {arr.dtype} values (floats and bools are not indices)")
+        slots = torch.as_tensor(arr.astype(np.int64, copy=False))
+    elif slots.dtype == torch.bool or slots.dtype.is_floating_point or slots.dtype.is_complex:
+        raise TypeError(f"{name} must hold integers, got {slots.dtype} values (floats and bools are not indices)")
     if slots.dtype != torch.int64:
         slots = slots.to(torch.int64)
     if slots.dim() != 1:
-        raise ValueError(f"slot indices must be 1-D, got shape {tuple(slots.shape)}")
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
     return slots
 
 
@@ -358,10 +369,10 @@ class KVTier(HostTier):
             The task; its pages become visible to ``lookup``/``load`` once it completes. Keep the slots' KV
             unchanged until then.
         """
-        self._drain()
-        B, G = self.block_tokens, self._pages_per_block
         toks = _as_tokens(tokens)
         slots = _as_slots(slot_indices)
+        self._drain()
+        B, G = self.block_tokens, self._pages_per_block
         n = toks.size // B  # blocks
         if slots.numel() < n * B:
             raise ValueError(f"{slots.numel()} slot indices for {n} full blocks of {B} tokens")
@@ -540,9 +551,13 @@ class KVTier(HostTier):
     @synchronized
     def evict(self, num_pages: int) -> int:
         """Evict unlocked blocks now (by the eviction policy), at least ``num_pages`` pages' worth if there are;
-        returns the pages evicted."""
+        returns the pages evicted.
+
+        Raises:
+            ValueError: ``num_pages`` is not an int >= 0.
+        """
         G = self._pages_per_block
-        return self._evict_blocks(-(-num_pages // G)) * G
+        return self._evict_blocks(-(-check_count("num_pages", num_pages, 0) // G)) * G
 
     def destroy(self) -> None:
         """Wait for in-flight copies and release the host pool (unpins it); idempotent. With an SSD tier, stores
@@ -692,10 +707,10 @@ class KVTier(HostTier):
 
     def _load(self, tokens, ns, slot_indices, *, layerwise: bool, start_page: int = 0) -> TierTask:
         start_page = check_count("start_page", start_page, 0)
-        self._drain()
-        P, B = self.page_size, self.block_tokens
         toks = _as_tokens(tokens)
         slots = _as_slots(slot_indices)
+        self._drain()
+        P, B = self.page_size, self.block_tokens
         start = start_page * P  # tokens on the device already
         n = min(toks.size, start + slots.numel() // P * P) // B  # blocks the slots can take
         m = self.index.match(toks[:n * B], ns, touch=True)
