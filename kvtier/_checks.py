@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numbers
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
-__all__ = ["is_int", "check_count", "check_int_in", "split_host_port", "same_directory"]
+__all__ = ["is_int", "check_count", "check_int_in", "split_host_port", "same_directory", "directories",
+           "model_identity"]
 
 
 def is_int(value: Any) -> bool:
@@ -40,11 +41,54 @@ def split_host_port(addr: Any) -> tuple[str, int]:
 
 
 def same_directory(dirs: Iterable[str]) -> Optional[tuple[str, str]]:
-    """The first two of ``dirs`` that name one directory (after links and ``..``), or None."""
+    """The first two of ``dirs`` that name one directory (after ``~``, links and ``..``), or None."""
     seen: dict[str, str] = {}
     for d in dirs:
-        real = os.path.realpath(d)
+        real = os.path.realpath(os.path.expanduser(d))
         if real in seen:
             return seen[real], d
         seen[real] = d
     return None
+
+
+def directories(spec: Any) -> list[str]:
+    """The directories of ``spec`` (a ``;``-separated string, as ``ssd_cache_dir``, or a list), each stripped of
+    blanks around it, ``~`` expanded and made absolute (so that a later ``chdir`` moves none); blank entries are
+    dropped."""
+    items = spec.split(";") if isinstance(spec, str) else list(spec)
+    return [os.path.abspath(os.path.expanduser(d.strip())) for d in items if d.strip()]
+
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def model_identity(value: Any) -> dict:
+    """``value`` as a model identity (what a lower tier's blocks belong to): a non-empty mapping of str keys to JSON
+    data (str, number, bool, None, lists and mappings of them), or a non-empty str naming the model. Anything else is
+    a ValueError naming the key: an empty identity lets two models of one geometry share blocks, and a value whose
+    ``str()`` differs between processes (an object's address) makes every restart refuse the directory."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("model_identity must name the model: got an empty string")
+        return {"model": value}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"model_identity must be a mapping (model path and revision, TP rank and size, ...) or a "
+                         f"str naming the model, got {type(value).__name__}")
+    if not value:
+        raise ValueError("model_identity is empty: name the model (path and revision), TP rank and size, or two "
+                         "models of one KV geometry read each other's blocks")
+
+    def check(key: str, v: Any) -> None:
+        if isinstance(v, Mapping):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise ValueError(f"model_identity{key} has a key {k!r} that is not a str")
+                check(f"{key}[{k!r}]", x)
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                check(f"{key}[{i}]", x)
+        elif not isinstance(v, _JSON_SCALARS) or (isinstance(v, float) and v != v):
+            raise ValueError(f"model_identity{key} must be JSON data (str, number, bool, None, lists and mappings "
+                             f"of them), got {type(v).__name__}: its text may differ between processes")
+    check("", value)
+    return dict(value)

@@ -93,7 +93,7 @@ import math
 import os
 from typing import Any, ClassVar, Mapping, Optional
 
-from kvtier._checks import is_int, same_directory, split_host_port
+from kvtier._checks import directories, is_int, same_directory, split_host_port
 from kvtier.geometry import HOST_LAYOUTS
 from kvtier.index.eviction import eviction_policy_names
 
@@ -233,7 +233,7 @@ class TierConfig:
             raise _error("ssd_cache_gb > 0 needs ssd_cache_dir (one or more directories separated by ';')")
         if self.ssd_cache_dir is not None and not any(d.strip() for d in self.ssd_cache_dir.split(";")):
             raise _error(f"ssd_cache_dir names no directory: {self.ssd_cache_dir!r}")
-        twice = same_directory(self.ssd_dirs)
+        twice = same_directory(d.strip() for d in (self.ssd_cache_dir or "").split(";") if d.strip())
         if twice:
             raise _error(f"ssd_cache_dir names one directory twice ({twice[0]!r} and {twice[1]!r}): name each once")
         if not is_int(self.ssd_io_threads) or self.ssd_io_threads < 1:
@@ -316,8 +316,8 @@ class TierConfig:
 
     @property
     def ssd_dirs(self) -> list[str]:
-        """The SSD tier's directories (``ssd_cache_dir`` split at ``;``, blanks dropped)."""
-        return [d.strip() for d in (self.ssd_cache_dir or "").split(";") if d.strip()]
+        """The SSD tier's directories (``ssd_cache_dir`` split at ``;``, blanks dropped, ``~`` expanded, absolute)."""
+        return directories(self.ssd_cache_dir or "")
 
     @classmethod
     def keys(cls) -> list[str]:

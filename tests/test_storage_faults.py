@@ -81,6 +81,25 @@ def test_a_disk_without_room_for_the_journal_fails_at_open_and_closes_what_it_op
     assert _open_fds() == before
 
 
+def test_after_an_open_that_found_no_room_for_the_journal_a_smaller_store_opens(small_fs):
+    """The error's advice taken: a store of a quarter the slots opens (the failed open left its preallocated block
+    file, of the larger geometry, and the smaller store refused it)."""
+    d = small_fs(file_bytes(16) + reserve_bytes(16, TOKENS) + 8 * ALIGN)  # room for 16 slots, not for 64
+    with pytest.raises(BlockFileError, match="journal"):
+        store(d, 64)
+    assert not os.path.exists(os.path.join(d, "kvtier_blocks.bin"))
+    with store(d, 16) as s:
+        s.put([0], [block(1)])
+
+
+@pytest.mark.parametrize("name", ["kvtier_blocks.bin", "kvtier_blocks.bin.journal",
+                                  "kvtier_blocks.bin.journal.reserve"])
+def test_a_directory_where_a_file_of_the_store_goes_is_a_clear_error(tmp_path, name):
+    (tmp_path / name).mkdir()
+    with pytest.raises(BlockFileError, match=f"{name} is a directory"):
+        store(tmp_path, 8)
+
+
 def test_a_disk_filled_after_open_costs_reserve_pages_and_puts_go_on(small_fs):
     """Another file takes every free page once the store is open: the journal grows into the pages its reserve
     gives back, and every put still succeeds; a restart recovers each slot's last block."""
@@ -141,7 +160,7 @@ def test_a_crash_after_a_wipe_leaves_no_journal_of_the_old_file(tmp_path, monkey
     with store(tmp_path, 64) as s:
         s.put(list(range(64)), [block(100 + i) for i in range(64)])
 
-    def crash(self, live):
+    def crash(self, live, first_seq=None):
         raise Killed()
     monkeypatch.setattr(block_file.Journal, "rewrite", crash)
     with pytest.raises(Killed):

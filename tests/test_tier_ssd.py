@@ -561,3 +561,75 @@ def test_destroy_after_a_failing_close_still_releases_everything(tmp_path):
     t.destroy()  # idempotent
     b = make_ssd_tier(tmp_path, seed=1)  # the directory opens again
     b.destroy()
+
+
+def test_a_disk_that_does_not_finish_writes_holds_at_most_half_a_small_pool(tmp_path, monkeypatch):
+    """A pool of 8 blocks over a disk whose writes do not finish: the write queue takes at most 4 of them, so
+    stores go on into the rest (a queue of at least 64 blocks held all 8, and every later store was dropped)."""
+    import threading
+
+    from kvtier.storage import SsdStore
+    t = make_ssd_tier(tmp_path, num_blocks=8)
+    gate = threading.Event()
+    real = SsdStore.put
+
+    def stuck(self, *a, **kw):
+        gate.wait(60)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(SsdStore, "put", stuck)
+    try:
+        for i in range(8):  # 2 pages each: the first 4 fill the pool, the others must evict for room
+            t.wait(t.store(prompt(i, 2), None, page_slots(2 * i, 2, P)))
+            assert t.ssd.medium._pending_blocks <= 4
+        assert sum(t.lookup(prompt(i, 2)) == 2 for i in range(4, 8)) >= 2
+    finally:
+        gate.set()
+    t.destroy()
+
+
+def test_a_destroyed_tier_gives_its_io_memory_back_without_a_garbage_collection(tmp_path):
+    """The SSD store's IO buffers (a region shared by its IO threads) go when the tier is destroyed, not when the
+    cyclic garbage collector next runs (16 MiB a build and destroy stayed until then)."""
+    import gc
+
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    make_ssd_tier(tmp_path).destroy()
+    gc.collect()
+    gc.disable()
+    try:
+        before = rss_mib()
+        for _ in range(5):
+            make_ssd_tier(tmp_path).destroy()
+        growth = (rss_mib() - before) / 5
+    finally:
+        gc.enable()
+    assert growth < 4, f"{growth:.1f} MiB kept per build and destroy"
+
+
+@pytest.mark.parametrize("identity,message", [
+    ({}, "model_identity is empty"),
+    ({"model": object()}, r"model_identity\['model'\] must be JSON data"),
+    ({"model": "m", "revisions": [1, {"x": object()}]}, r"model_identity\['revisions'\]\[1\]\['x'\] must be JSON"),
+    (42, "model_identity must be a mapping"),
+    ("", "must name the model"),
+])
+def test_a_model_identity_that_cannot_name_the_model_for_good_is_a_clear_error(tmp_path, identity, message):
+    """An empty identity let two models of one KV geometry read each other's blocks; an object's str() differs
+    between processes (every restart refused the directory); a str was refused with a dict-update error."""
+    with pytest.raises(ValueError, match=message):
+        make_ssd_tier(tmp_path, identity=identity)
+    assert not os.path.exists(tmp_path / FILE_NAME)
+
+
+def test_a_model_identity_given_as_a_string_names_the_model(tmp_path):
+    a = make_ssd_tier(tmp_path, identity="Qwen/Qwen3-8B@main")
+    toks = prompt(1, 2)
+    store_all(a, toks)
+    a.destroy()
+    b = make_ssd_tier(tmp_path, identity="Qwen/Qwen3-8B@main")
+    assert b.lookup_tiers(toks, None).ssd_pages == 2
+    b.destroy()
+    with pytest.raises(BlockFileError, match="another model"):
+        make_ssd_tier(tmp_path, identity="Qwen/Qwen3-8B@other")

@@ -54,11 +54,12 @@ def _health(f: FileSurvey) -> list[str]:
                    "empty (a starting tier restores the length)")
     j = f.journal
     if j.state != "ok":
-        out.append(f"[yellow]journal {j.state}[/]: blocks listed from the slot headers; a starting tier rebuilds "
-                   "the journal from them")
+        why = f" ({j.problem})" if j.problem else ""
+        out.append(f"[yellow]journal {j.state}[/]{why}: blocks listed from the slot headers; a starting tier "
+                   "rebuilds the journal from them")
     elif j.damaged_pages:
-        out.append(f"[yellow]{j.damaged_pages} of {j.pages} journal pages damaged[/]: their records are void (a "
-                   "block they listed is a miss)")
+        out.append(f"[yellow]{j.damaged_pages} of {j.pages} journal pages torn at its end[/]: an append a crash "
+                   "cut short (never acknowledged); a starting tier cuts them off")
     return out
 
 

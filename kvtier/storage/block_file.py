@@ -1,13 +1,18 @@
 """One preallocated file of fixed-size block slots, read and written with O_DIRECT where the file system takes it.
 
-Layout (:mod:`kvtier.storage.block_format`): a file header, then ``num_slots`` slots of a block header and a padded
-payload. Durability is the caller's protocol, in this order: :meth:`BlockFile.write_run` (a run of consecutive
-slots, each one's header and payload, in one request), then :meth:`BlockFile.commit` (sync the file, append the
-journal records, sync the journal); a journal record, the index a restart reads, therefore never names a block that
-is not on disk. A crash in between leaves slots whose header or payload is old, new or torn under the record of
-their old block: the header's checksum, its chain hash against the record's, and the payload checksum make each of
-them a miss or the whole block it names, never other bytes read back as KV. Without a journal (recovery scans the
-headers) a header can be durable before its payload: the payload checksum makes that slot a miss.
+Layout (:mod:`kvtier.storage.block_format`): a head page, then ``num_slots`` slots of a block header and a padded
+payload. Durability is the caller's protocol, in this order: :meth:`BlockFile.forget` (the slots about to be
+rewritten are recorded free in the journal, durably, so that no record names a block its slot no longer holds),
+:meth:`BlockFile.write_run` (a run of consecutive slots, each one's header and payload, in one request), then
+:meth:`BlockFile.commit` (sync the file, append the journal records, sync the journal), and :meth:`BlockFile.seal`
+(the head page names the journal's last page as durable) before the blocks are acknowledged. A journal record, the
+index a restart reads, therefore names only a block that is on disk. A crash in between leaves slots whose header
+or payload is new or torn under no record: free after a restart. Without a journal (recovery scans the headers) a
+header can be durable before its payload: the payload checksum makes that slot a miss.
+
+The headers are the authority; the journal makes the start fast. A start replays it only when nothing says it lost
+records (:meth:`kvtier.storage.journal.Journal.problem`: its head names this file's store, its pages are whole and in
+sequence up to the last, and it reaches the page the seal names), and otherwise rebuilds it from every slot's header.
 
 A file is created under a temporary name and renamed once preallocated and headed, so a crash mid-creation leaves
 no half-made file under its name. A store holds its file's lock file (``path + ".lock"``, ``flock``) from before it
@@ -20,19 +25,21 @@ Errors at open are :class:`BlockFileError` with what to do; a block that fails a
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
 import logging
 import os
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from kvtier._cleanup import run_all
 from kvtier.storage import payload
-from kvtier.storage.block_format import (ALIGN, BlockHeader, FileHeader, pack_block_header, pack_file_header,
-                                         padded, payload_checksum, unpack_block_header, unpack_file_header)
+from kvtier.storage.block_format import (ALIGN, BlockHeader, FileHeader, Seal, pack_block_header, pack_file_header,
+                                         pack_seal, padded, payload_checksum, unpack_block_header, unpack_file_header,
+                                         unpack_seals)
 from kvtier.storage.aligned_io import aligned as _aligned, read_all, read_all_v, scratch, write_all, write_all_v
 from kvtier.storage.journal import BLOCK, FREE, Journal, Record, reserve_bytes
 from kvtier.storage.reserve import preallocate
@@ -47,7 +54,7 @@ _ZERO_PAGE = _aligned(ALIGN)  # an empty header (never written into)
 def scratch_sizes(run: int, span: int) -> dict[str, int]:
     """The per-thread scratch buffers (name -> bytes) that reads and writes of runs of up to ``run`` slots of ``span``
     payload bytes use (:func:`kvtier.storage.aligned_io.use_region`)."""
-    return {"payloads": run * span, "run_headers": run * ALIGN, "header": ALIGN}
+    return {"payloads": run * span, "run_headers": run * ALIGN}
 
 
 class BlockFileError(Exception):
@@ -70,21 +77,34 @@ class BlockFile:
             it is left alone and opening fails).
         journal_tokens: keep a journal (``path + ".journal"``, :mod:`kvtier.storage.journal`) of blocks of this
             many tokens, so that :meth:`recover` reads it instead of every slot's header; None: no journal.
+        scan_threads: header reads in flight at once when every slot's header is read (no journal, or one that
+            cannot be trusted).
     """
 
     def __init__(self, path: str, *, slot_payload_bytes: int, num_slots: int, fingerprint: bytes,
-                 direct: bool = True, wipe_mismatch: bool = False, journal_tokens: Optional[int] = None) -> None:
+                 direct: bool = True, wipe_mismatch: bool = False, journal_tokens: Optional[int] = None,
+                 scan_threads: int = 1) -> None:
         if slot_payload_bytes <= 0 or num_slots <= 0:
             raise ValueError(f"slot_payload_bytes and num_slots must be > 0, got {slot_payload_bytes}, {num_slots}")
-        self.path, self.fingerprint = path, fingerprint
+        # every file of the store by its absolute path, fixed now: a later chdir moves none of them
+        self.path, self.fingerprint = os.path.abspath(path), fingerprint
+        path = self.path
         self.slot_payload_bytes, self.num_slots = slot_payload_bytes, num_slots
+        self.scan_threads = max(1, scan_threads)
         self.stride = ALIGN + padded(slot_payload_bytes)
         self.size = ALIGN + num_slots * self.stride
         want = FileHeader(fingerprint, slot_payload_bytes, num_slots)
         self.direct = False
         self._fd = -1
         self.journal: Optional[Journal] = None
+        self._head = _aligned(ALIGN)  # the head page as on disk: the file header and its seals
+        self._seal: Optional[Seal] = None
+        self._recovered: Optional[tuple[np.ndarray, np.ndarray]] = None  # what the start found, until asked
+        self._named = np.zeros(num_slots if journal_tokens is not None else 0, dtype=bool)  # slots a record names
+        self._freed: list[int] = []  # slots recorded free since the journal's last sync
+        self._no_directories(path)
         self._lock_fd = self._lock()
+        created = False
         try:
             if os.path.exists(path):
                 self._check_existing(want, wipe_mismatch)
@@ -92,10 +112,15 @@ class BlockFile:
             if created:
                 self._create(want)
             self._fd = self._open(direct)
+            self._read_head()
             if journal_tokens is not None:
                 self._open_journal(journal_tokens, created)
         except BaseException:
             self.close()
+            if created:  # a file this open made and could not finish goes (a retry with other sizes starts clean)
+                for leftover in (path, path + ".journal", path + ".journal.reserve"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(leftover)
             raise
 
     # --- open ---
@@ -118,27 +143,68 @@ class BlockFile:
                                  f"directory") from e
         return fd
 
+    @staticmethod
+    def _no_directories(path: str) -> None:
+        """A directory where the store keeps a file is an error naming it (not an IsADirectoryError later)."""
+        for name in (path, path + ".lock", path + ".journal", path + ".journal.reserve", path + ".journal.tmp"):
+            if os.path.isdir(name):
+                raise BlockFileError(f"{name} is a directory where the SSD store keeps a file: remove it or choose "
+                                     f"another ssd_cache_dir")
+
     def _open_journal(self, tokens: int, created: bool) -> None:
-        """Open the journal (rebuilt from the headers when missing or damaged), its reserve held."""
+        """Open the journal (its reserve held) and recover what the file holds: from the journal when it can be
+        trusted, else from every slot's header (the journal is then rebuilt from them)."""
         try:
             j = self.journal = Journal(self.path + ".journal", fingerprint=self.fingerprint, tokens=tokens,
-                                       direct=self.direct, num_slots=self.num_slots)
-            if created or not j.valid:  # rebuilt from the headers (none in a new file)
-                if not created:
-                    logger.warning("kvtier: journal of %s is missing or damaged: rebuilding it from the slot "
-                                   "headers", self.path)
-                j.rewrite([] if created else [_record(slot, h) for slot, h in self.scan()])
+                                       direct=self.direct, num_slots=self.num_slots, store_id=self._store_id)
+            sealed = None if self._seal is None else self._seal.journal_seq
+            if created:
+                j.rewrite([], first_seq=1)
+                slots, hashes = np.empty(0, np.int64), np.empty(0, np.uint64)
+            else:
+                if j.valid:
+                    slots, hashes = j.replay_hashes()
+                why = j.problem(sealed)
+                if why is None:
+                    j.cut_torn_tail()
+                else:
+                    logger.warning("kvtier: journal of %s is not trusted (%s): rebuilding it from the slot headers",
+                                   self.path, why)
+                    found = self.scan()
+                    j.rewrite([_record(slot, h) for slot, h in found],
+                              first_seq=max(sealed or 0, j.last_seq if j.valid else 0) + 1)
+                    slots = np.array([slot for slot, _ in found], dtype=np.int64)
+                    hashes = np.array([h.chain_hash for _, h in found], dtype=np.uint64)
+            self.seal()
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
             need = reserve_bytes(self.num_slots, tokens)
             raise BlockFileError(f"not enough space beside {self.path} for its journal: {need / 2**20:.1f} MiB "
                                  f"needed; make ssd_cache_gb smaller or free space") from e
+        self._recovered = (slots, hashes)
+        self._named[slots] = True
+
+    @property
+    def _store_id(self) -> bytes:
+        return unpack_file_header(self._head).store_id
+
+    def _read_head(self) -> None:
+        """The head page as on disk (a version 1 header is given a store id first: its journal is then another
+        store's and is rebuilt from the headers)."""
+        read_all(self._fd, self._head, 0)
+        got = unpack_file_header(self._head)
+        if got.store_id is None:
+            logger.info("kvtier: block file %s is of the previous format: giving it a store id", self.path)
+            self._head[:] = np.frombuffer(pack_file_header(got._replace(store_id=os.urandom(16))), dtype=np.uint8)
+            write_all(self._fd, self._head, 0)
+            os.fsync(self._fd)
+        self._seal = unpack_seals(self._head)
 
     def _check_existing(self, want: FileHeader, wipe: bool) -> None:
         with open(self.path, "rb") as f:
             got = unpack_file_header(f.read(ALIGN))
-        if got == want:
+        if got is not None and got.same_geometry(want):
             actual = os.path.getsize(self.path)
             if actual < self.size:  # truncated: the slots past its end are empty; restore the size
                 logger.warning("kvtier: block file %s is %d bytes, %d expected (truncated): the slots past its end "
@@ -168,7 +234,7 @@ class BlockFile:
             raise BlockFileError(f"cannot create {self.path}: {e.strerror}") from e
         try:
             self._allocate_fd(fd, close=False)
-            os.pwrite(fd, pack_file_header(header), 0)
+            os.pwrite(fd, pack_file_header(header._replace(store_id=os.urandom(16))), 0)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -263,19 +329,32 @@ class BlockFile:
         """Mark ``slot`` empty (its header zeroed); durable with the next :meth:`sync`."""
         write_all(self._fd, _ZERO_PAGE, self._slot_offset(slot))
 
+    def forget(self, slots: Sequence[int]) -> None:
+        """Before ``slots`` are rewritten: those a journal record may name are recorded free, durably (a crash while
+        they are rewritten then leaves no record naming a block they no longer hold)."""
+        named = [s for s in slots if self._named.size and self._named[s]]
+        if not named:
+            return
+        fresh = set(named).difference(self._freed)
+        self.journal.append(Record(FREE, s, 0, 0, 0, 0, np.empty(0, np.int64)) for s in sorted(fresh))
+        self._freed += sorted(fresh)
+        self._sync_journal()
+
     def commit(self, entries: list[tuple[int, BlockHeader]]) -> None:
         """Make blocks that :meth:`write_run` wrote durable, then findable after a restart: sync the file, append
-        their journal records, sync the journal. Returns once all of it is durable."""
+        their journal records, sync the journal. Returns once all of it is durable; :meth:`seal` before
+        acknowledging them."""
         os.fdatasync(self._fd)
         self.record(entries)
-        if self.journal is not None:
-            self.journal.sync()
+        self._sync_journal()
 
     def record(self, entries: list[tuple[int, BlockHeader]]) -> None:
         """Append the journal records of slots whose headers and payloads are durable; :meth:`commit` calls it
         between its two syncs."""
-        if self.journal is not None:
+        if self.journal is not None and entries:
             self.journal.append(_record(slot, h) for slot, h in entries)
+            self._named[[slot for slot, _ in entries]] = True
+            self._recovered = None
 
     def free(self, slots: list[int]) -> None:
         """Mark slots empty, in their headers and the journal (durable with :meth:`sync`)."""
@@ -283,28 +362,50 @@ class BlockFile:
             self.clear(slot)
         if self.journal is not None:
             self.journal.append(Record(FREE, s, 0, 0, 0, 0, np.empty(0, np.int64)) for s in slots)
+            self._freed += list(slots)
+            self._recovered = None
 
-    def sync(self) -> None:
-        """Make every write so far durable (fdatasync of the file and its journal)."""
-        os.fdatasync(self._fd)
+    def _sync_journal(self) -> None:
         if self.journal is not None:
             self.journal.sync()
+            self._named[self._freed] = False
+            self._freed = []
+
+    def seal(self) -> None:
+        """Name the journal's last page as durable in the head page, durably (after the journal's sync): a start
+        that finds the journal ending before it rebuilds it from the headers."""
+        if self.journal is None:
+            return
+        count = 0 if self._seal is None else self._seal.count + 1
+        self._seal = Seal(count, self.journal.last_seq)
+        pack_seal(self._head, self._seal)
+        write_all(self._fd, self._head, 0)
+        os.fdatasync(self._fd)
+
+    def sync(self) -> None:
+        """Make every write so far durable (fdatasync of the file and its journal), and seal it."""
+        os.fdatasync(self._fd)
+        self._sync_journal()
+        self.seal()
 
     def recover(self) -> list[tuple[int, BlockHeader]]:
         """The slots a previous process made durable, with their headers, in slot order: from the journal (one
         sequential read) where there is one, else from every slot's header. Payloads (and the headers themselves,
         when the journal answered) are checked when read."""
         if self.journal is None:
-            return list(self.scan())
+            return self.scan()
         return [(r.slot, BlockHeader(self.fingerprint, r.namespace, r.chain_hash, r.tokens, r.payload_len,
                                      r.payload_checksum)) for r in self.journal.replay().records()]
 
     def recover_hashes(self) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`recover` as arrays (slot order): the slots and their blocks' chain hashes (uint64); from the
-        journal without building a header per slot."""
+        """:meth:`recover` as arrays (slot order): the slots and their blocks' chain hashes (uint64); what the start
+        found, without building a header per slot."""
+        if self._recovered is not None:
+            found, self._recovered = self._recovered, None
+            return found
         if self.journal is not None:
             return self.journal.replay_hashes()
-        found = list(self.scan())
+        found = self.scan()
         return (np.array([s for s, _ in found], dtype=np.int64),
                 np.array([h.chain_hash for _, h in found], dtype=np.uint64))
 
@@ -315,13 +416,15 @@ class BlockFile:
         return self.read_run(slot, [out])[0]
 
     def read_run(self, slot: int, outs: Sequence[np.ndarray],
-                 accept: Optional[Callable[[int, BlockHeader], bool]] = None) -> list[Optional[BlockHeader]]:
+                 accept: Optional[Callable[[int, BlockHeader], bool]] = None,
+                 rejected: Optional[dict] = None) -> list[Optional[BlockHeader]]:
         """:meth:`read` of the consecutive slots ``slot, slot + 1, ...`` into ``outs``, their headers and payloads
         in one request. An out is an array that is contiguous or has contiguous rows, of at least the payload's
         length (its first ``payload_len`` bytes are filled); a contiguous one of whole aligned pages
         (:mod:`kvtier.storage.payload`) is read into where it is, others through this thread's aligned buffer.
         ``accept(i, header)``, when given, is asked about each block that passes the file's checks, before it is
-        copied into its out; a False makes it None too."""
+        copied into its out; a False makes it None too, and puts its header in ``rejected`` (by ``i``) when given
+        (a whole block, another than the caller's)."""
         offset = self._run_offset(slot, len(outs))
         span = self.stride - ALIGN
         heads = scratch("run_headers", len(outs) * ALIGN).reshape(len(outs), ALIGN)
@@ -342,24 +445,39 @@ class BlockFile:
         got: list[Optional[BlockHeader]] = []
         for i, buf in enumerate(dest):
             h = unpack_block_header(heads[i])
-            ok = (h is not None and h.fingerprint == self.fingerprint
-                  and h.payload_len <= min(outs[i].nbytes, self.slot_payload_bytes)
-                  and payload_checksum(buf[:h.payload_len]) == h.payload_checksum
-                  and (accept is None or accept(i, h)))
+            whole = (h is not None and h.fingerprint == self.fingerprint
+                     and h.payload_len <= min(outs[i].nbytes, self.slot_payload_bytes)
+                     and payload_checksum(buf[:h.payload_len]) == h.payload_checksum)
+            ok = whole and (accept is None or accept(i, h))
+            if whole and not ok and rejected is not None:
+                rejected[i] = h
             if ok and bounced[i]:
                 payload.scatter(buf[:h.payload_len], outs[i])
             got.append(h if ok else None)
         return got
 
-    def scan(self) -> Iterator[tuple[int, BlockHeader]]:
-        """Every slot with a valid header of this fingerprint (recovery after a restart; payloads are checked when
-        read)."""
-        header = scratch("header", ALIGN)
-        for slot in range(self.num_slots):
+    def scan(self) -> list[tuple[int, BlockHeader]]:
+        """Every slot with a valid header of this fingerprint, in slot order (recovery after a restart; payloads are
+        checked when read): a read per slot, ``scan_threads`` of them at once (a disk serves a queue of small reads
+        faster than one at a time)."""
+        n = self.num_slots
+        parts = min(self.scan_threads, n)
+        bounds = [n * i // parts for i in range(parts + 1)]
+        if parts == 1:
+            return self._scan_range(0, n)
+        with concurrent.futures.ThreadPoolExecutor(parts, thread_name_prefix="kvtier-ssd-scan") as pool:
+            found = pool.map(self._scan_range, bounds[:-1], bounds[1:])
+            return [x for part in found for x in part]
+
+    def _scan_range(self, first: int, end: int) -> list[tuple[int, BlockHeader]]:
+        header = _aligned(ALIGN)
+        out = []
+        for slot in range(first, end):
             read_all(self._fd, header, self._slot_offset(slot))
             h = unpack_block_header(header)
             if h is not None and h.fingerprint == self.fingerprint:
-                yield slot, h
+                out.append((slot, h))
+        return out
 
     def close(self) -> None:
         """Close the file, the journal and the lock, each even if one before it fails; idempotent."""

@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from kvtier._checks import same_directory
+from kvtier._checks import directories, same_directory
 from kvtier._cleanup import run_all
 from kvtier.storage import payload
 from kvtier.storage.aligned_io import aligned, use_region
@@ -65,11 +65,13 @@ class _Skipped(Exception):
 
 class ReadResult(NamedTuple):
     """What :meth:`SsdStore.read` found: a header per block (None: a miss), and the first IO error, if any, with
-    the first block of the run it ended."""
+    the first block of the run it ended; ``others``: the headers of whole blocks that ``accept`` refused, by
+    position (the slot holds another block than the caller's)."""
 
     headers: list
     error: Optional[BaseException]
     error_at: int  # -1: no error
+    others: dict
 
 
 def _all(pool: concurrent.futures.Executor, fn: Callable[[Any], Any], items: list) -> list:
@@ -95,7 +97,8 @@ class SsdStore:
     """Fixed-size block slots on disk.
 
     Args:
-        dirs: directories (a ``;``-separated string, as FlexKV's ``ssd_cache_dir``, or a list); each gets one file.
+        dirs: directories (a ``;``-separated string, as FlexKV's ``ssd_cache_dir``, or a list: each entry stripped,
+            ``~`` expanded, made absolute); each gets one file.
         capacity_bytes: the store's size on disk over all directories (slots of ``block_bytes`` plus a 4 KiB header
             each, rounded down to whole slots per directory).
         block_bytes: payload bytes of a block.
@@ -108,7 +111,7 @@ class SsdStore:
 
     def __init__(self, dirs, *, capacity_bytes: int, block_bytes: int, fingerprint: bytes, io_threads: int = 4,
                  direct: bool = True, wipe_mismatch: bool = False, tokens_per_block: Optional[int] = None) -> None:
-        self.dirs = [d for d in (dirs.split(";") if isinstance(dirs, str) else list(dirs)) if d]
+        self.dirs = directories(dirs)
         if not self.dirs:
             raise ValueError("an SSD store needs at least one directory")
         twice = same_directory(self.dirs)
@@ -125,7 +128,8 @@ class SsdStore:
             for d in self.dirs:
                 self.files.append(BlockFile(os.path.join(d, FILE_NAME), slot_payload_bytes=block_bytes,
                                             num_slots=per_dir, fingerprint=fingerprint, direct=direct,
-                                            wipe_mismatch=wipe_mismatch, journal_tokens=tokens_per_block))
+                                            wipe_mismatch=wipe_mismatch, journal_tokens=tokens_per_block,
+                                            scan_threads=4 * io_threads))
         except BaseException:  # the files opened so far are closed (and unlocked)
             for f in self.files:
                 f.close()
@@ -142,6 +146,7 @@ class SsdStore:
         shares: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(2 * io_threads):
             shares.put(region[i * share:(i + 1) * share])
+        self._shares = shares  # emptied at close: the region's memory goes with the IO threads, not a later GC
 
         def take_share() -> None:
             with contextlib.suppress(queue.Empty):  # (a thread beyond the pools' own maps its buffers itself)
@@ -171,8 +176,9 @@ class SsdStore:
         """Store ``blocks[i]`` in ``slots[i]`` and return once all are durable. Batches of ``batch`` blocks (all of
         them by default) go by the durability protocol (headers and payloads, sync, journal records, sync); the
         next batch's blocks are written while one commits. ``on_durable(n)`` is called (on this thread) each time
-        the first ``n`` blocks are durable. A block's payload is read from where it is, on the IO threads, until
-        the call returns.
+        the first ``n`` blocks are durable; acknowledge them once the call returns (or raises): every file written is
+        sealed then. A block's payload is read from where it is, on the IO threads, until the call returns. The
+        slots are recorded free first (a crash while they are rewritten leaves no record naming their old blocks).
         An exception (a disk error, the disk full) ends the call once no IO is left running; the slots past the
         last ``on_durable`` count are unspecified: the caller treats them as empty and frees them."""
         if len(slots) != len(blocks):
@@ -214,7 +220,10 @@ class SsdStore:
         todo = collections.deque((a, min(a + step, n)) for a in range(0, n, step))
         writing: collections.deque = collections.deque()  # (first, end, block writes) of batches, 2 at most
         committing: Optional[tuple[int, list]] = None  # (end, commits) of the batch being made durable
+        touched = list({id(f): f for f, _ in where}.values())
         try:
+            for f in touched:
+                f.forget([local for g, local in where if g is f])
             while todo or writing:
                 while todo and len(writing) < 2:
                     a, b = todo.popleft()
@@ -230,12 +239,17 @@ class SsdStore:
                 _settle(committing[1])
                 if on_durable is not None:
                     on_durable(committing[0])
+            for f in touched:
+                f.seal()
         except BaseException as e:
             failed.set()
             for _, _, futures in writing:
                 concurrent.futures.wait(futures)
             if committing is not None and _settle(committing[1], raise_error=False) and on_durable is not None:
                 on_durable(committing[0])  # the batch before the failed one became durable all the same
+            with contextlib.suppress(OSError):  # what became durable is acknowledged: sealed if the disk still can
+                for f in touched:
+                    f.seal()
             if isinstance(e, _Skipped):  # the write that failed first says why
                 raise errors[0] from None
             raise
@@ -258,14 +272,16 @@ class SsdStore:
         lock = threading.Lock()
         first_bad = [n]  # the first block without a header so far
         errors: list[tuple[int, BaseException]] = []
+        others: dict[int, BlockHeader] = {}
 
         def read(piece: _Piece) -> None:
             pos = piece.positions
             if stop_at_bad and pos[0] > first_bad[0]:
                 return
             check = None if accept is None else (lambda j, h: accept(pos[j], h))
+            refused: dict[int, BlockHeader] = {}
             try:
-                got = piece.file.read_run(piece.local, [outs[i] for i in pos], check)
+                got = piece.file.read_run(piece.local, [outs[i] for i in pos], check, refused)
             except Exception as e:  # noqa: BLE001 - any error ends the run; the caller sees it
                 with lock:
                     errors.append((pos[0], e))
@@ -274,13 +290,14 @@ class SsdStore:
             for i, h in zip(pos, got):
                 headers[i] = h
             bad = [i for i, h in zip(pos, got) if h is None]
-            if bad:
-                with lock:
+            with lock:
+                others.update((pos[j], h) for j, h in refused.items())
+                if bad:
                     first_bad[0] = min(first_bad[0], bad[0])
 
         _settle([self._read_pool.submit(read, p) for p in self._pieces(where, 0, n)])
         error_at, error = min(errors, key=lambda e: e[0]) if errors else (-1, None)
-        return ReadResult(headers, error, error_at)
+        return ReadResult(headers, error, error_at, others)
 
     def get(self, slots: Sequence[int], outs: Sequence[np.ndarray]) -> list[Optional[BlockHeader]]:
         """Read ``slots[i]`` into ``outs[i]`` (uint8 buffers of at least ``block_bytes``); each one's header, or
@@ -318,6 +335,7 @@ class SsdStore:
             f.free(local)
 
     def sync(self) -> None:
+        """Make every write and free so far durable, and seal it."""
         list(self._pool.map(BlockFile.sync, self.files))
 
     def recover(self) -> list[tuple[int, BlockHeader]]:
@@ -328,18 +346,53 @@ class SsdStore:
         return sorted((x for part in per_file for x in part), key=lambda x: x[0])
 
     def recover_hashes(self) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`recover` as arrays: store slots (ascending) and their blocks' chain hashes."""
+        """:meth:`recover` as arrays: store slots (ascending) and their blocks' chain hashes, each hash once. A hash
+        found in several slots (a record left naming a block its slot lost, a block stored again elsewhere) keeps a
+        slot whose block reads back whole; the others are freed."""
         k = len(self.files)
         parts = list(self._pool.map(lambda f: f.recover_hashes(), self.files))
         slots = np.concatenate([local * k + fi for fi, (local, _) in enumerate(parts)])
-        hashes = np.concatenate([h for _, h in parts])
+        hashes = np.concatenate([h for _, h in parts]).astype(np.uint64)
         order = np.argsort(slots, kind="stable")
-        return slots[order], hashes[order]
+        slots, hashes = slots[order], hashes[order]
+        unique, counts = np.unique(hashes, return_counts=True)
+        if (counts > 1).any():
+            drop = self._duplicates(slots, hashes, set(unique[counts > 1].tolist()))
+            keep = ~np.isin(slots, drop)
+            slots, hashes = slots[keep], hashes[keep]
+        return slots, hashes
+
+    def _duplicates(self, slots: np.ndarray, hashes: np.ndarray, twice: set) -> list[int]:
+        """The slots to free among those of the chain hashes in ``twice``: every one but the first whose block reads
+        back whole under that hash (all of them when none does); freed durably before returning."""
+        cand = [(int(s), int(h)) for s, h in zip(slots.tolist(), hashes.tolist()) if h in twice]
+        outs = [aligned(padded(self.block_bytes)) for _ in cand]
+        got = self.read([s for s, _ in cand], outs, accept=lambda i, hd: hd.chain_hash == cand[i][1])
+        kept: set = set()
+        drop = []
+        for (slot, h), hd in zip(cand, got.headers):
+            if hd is not None and h not in kept:
+                kept.add(h)
+            else:
+                drop.append(slot)
+        self.free(drop)
+        self.sync()
+        return drop
+
+    def adopt(self, slot: int, header: BlockHeader) -> None:
+        """Record that ``slot`` holds the block ``header`` names (read back whole under a record of another
+        block), durably."""
+        f, local = self._where(slot)
+        f.record([(local, header)])
+        f.sync()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._read_pool.shutdown(wait=True)
         self._commit_pool.shutdown(wait=True)
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._shares.get_nowait()
         run_all(*(f.close for f in self.files))
 
     def __enter__(self) -> "SsdStore":

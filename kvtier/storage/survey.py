@@ -15,9 +15,10 @@ from typing import Optional
 
 import numpy as np
 
+from kvtier._checks import directories
 from kvtier.storage.aligned_io import aligned, read_all
-from kvtier.storage.block_format import (ALIGN, BlockHeader, padded, payload_checksum, unpack_block_header,
-                                         unpack_file_header)
+from kvtier.storage.block_format import (ALIGN, BlockHeader, FileHeader, padded, payload_checksum,
+                                         unpack_block_header, unpack_file_header, unpack_seals)
 from kvtier.storage.journal import Journal, head_tokens
 from kvtier.storage.ssd_store import FILE_NAME
 
@@ -43,15 +44,18 @@ class Verification:
 
 @dataclasses.dataclass
 class JournalState:
-    """The journal beside a block file. ``state``: ``ok``, ``missing`` or ``invalid`` (damaged head, another
-    format version or another fingerprint: a starting tier rebuilds it from the slot headers)."""
+    """The journal beside a block file. ``state``: ``ok``, ``missing``, ``invalid`` (damaged head, another
+    format version, another fingerprint or store) or ``untrusted`` (a damaged page, pages out of sequence, or an end
+    before the page the block file's seal names: ``problem`` says which); a starting tier rebuilds all but an ``ok``
+    one from the slot headers."""
 
     path: str
     state: str
     bytes: int = 0
     tokens_per_record: Optional[int] = None
     pages: int = 0
-    damaged_pages: int = 0  # fail their checksum: their records are void
+    damaged_pages: int = 0  # fail their checksum
+    problem: Optional[str] = None  # why a start does not trust it
 
 
 @dataclasses.dataclass
@@ -96,7 +100,7 @@ def survey_dirs(dirs, *, verify: bool = False) -> list[FileSurvey]:
     Raises:
         SurveyError: a directory is missing or holds no kvtier block file.
     """
-    given = [d.strip() for d in (dirs.split(";") if isinstance(dirs, str) else list(dirs)) if d.strip()]
+    given = directories(dirs)
     names: list[str] = []
     for d in given:  # each directory once (as ssd_cache_dir is read), in the order given
         if all(os.path.realpath(d) != os.path.realpath(n) for n in names):
@@ -122,12 +126,17 @@ def survey_file(path: str, *, verify: bool = False) -> FileSurvey:
             raise SurveyError(f"{path} is not a kvtier block file (or its header is damaged)")
         st = os.fstat(fd)
         stride = ALIGN + padded(fh.slot_payload_bytes)
-        journal = _journal_state(path + ".journal", fh.fingerprint)
+        journal = _journal_state(path + ".journal", fh)
         if journal.state == "ok":
             with Journal(journal.path, fingerprint=fh.fingerprint, tokens=journal.tokens_per_record, direct=False,
-                         read_only=True, num_slots=fh.num_slots) as j:
-                journal.pages, journal.damaged_pages = j.page_health()
+                         read_only=True, num_slots=fh.num_slots, store_id=fh.store_id) as j:
                 held = [(r.slot, _header(fh.fingerprint, r)) for r in j.replay().records()]
+                journal.pages, journal.damaged_pages = j.health.pages, j.health.pages - j.health.intact
+                seal = unpack_seals(head)
+                journal.problem = j.problem(None if seal is None else seal.journal_seq)
+            if journal.problem is not None:  # a start rebuilds it from the headers
+                journal.state = "untrusted"
+        if journal.state == "ok":
             source = "journal"
         else:
             held = list(_scan(fd, fh.fingerprint, fh.num_slots, stride, st.st_size))
@@ -149,16 +158,17 @@ def survey_file(path: str, *, verify: bool = False) -> FileSurvey:
         os.close(fd)
 
 
-def _journal_state(path: str, fingerprint: bytes) -> JournalState:
+def _journal_state(path: str, fh: FileHeader) -> JournalState:
     if not os.path.exists(path):
         return JournalState(path, "missing")
     size = os.path.getsize(path)
     tokens = head_tokens(path)
     if tokens is None:
-        return JournalState(path, "invalid", size)
-    with Journal(path, fingerprint=fingerprint, tokens=tokens, direct=False, read_only=True) as j:
-        valid = j.valid  # the head names this file's fingerprint
-    return JournalState(path, "ok" if valid else "invalid", size, tokens if valid else None)
+        return JournalState(path, "invalid", size, problem="its head is damaged or of another format version")
+    with Journal(path, fingerprint=fh.fingerprint, tokens=tokens, direct=False, read_only=True,
+                 store_id=fh.store_id or bytes(16)) as j:
+        valid, why = j.valid, j.invalid_reason  # the head names this file's fingerprint and store
+    return JournalState(path, "ok" if valid else "invalid", size, tokens if valid else None, problem=why)
 
 
 def _header(fp: bytes, r) -> BlockHeader:

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from kvtier._cleanup import run_all
-from kvtier._checks import check_count
+from kvtier._checks import check_count, model_identity as check_model_identity
 from kvtier.config import TierConfig
 from kvtier.index import Namespace, PageTrie, eviction_policy, page_hashes
 from kvtier.kernels import DirectCopy, PagedKV, StagedCopy, StagedTransfer, load_pages, store_pages
@@ -194,6 +194,8 @@ class KVTier(HostTier):
             if model_identity is None:
                 raise ValueError(f"{name} tier needs model_identity (model path and revision, TP rank and size): "
                                  "its blocks outlive the process, and another model must never read them")
+        if lower:
+            model_identity = check_model_identity(model_identity)
         geo = kv.geometry
         if geo.page_size != self.config.page_size:
             raise ValueError(f"the KV pool has page_size {geo.page_size}, the kvtier config {self.config.page_size}:"

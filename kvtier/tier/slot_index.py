@@ -120,6 +120,18 @@ class SlotIndex:
         self._lru[slot] = h
         return True
 
+    def adopt(self, slot: int, h: int) -> bool:
+        """A free ``slot`` found holding the whole block ``h`` (under a record of another block): it holds ``h``
+        from now on, least recently used. False (nothing changes) when the slot is not free or ``h`` is held."""
+        slot, h = int(slot), int(h)
+        if h in self._slot_of or slot not in self._free:
+            return False
+        self._free.remove(slot)
+        self._slot_of[h] = slot
+        self._lru[slot] = h
+        self._lru.move_to_end(slot, last=False)
+        return True
+
     def release(self, slots: np.ndarray) -> None:
         """Pending slots whose write failed go back to the free list."""
         self._pending -= len(slots)

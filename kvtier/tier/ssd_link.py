@@ -122,7 +122,7 @@ class SsdLink:
                                  f"ssd_cache_gb changes the slot geometry)") from None
         try:
             ssd = SsdTier(store, block_tokens=block_tokens, block_view=pool.block_rows,
-                          max_pending_bytes=min(MAX_PENDING_BYTES, max(pool.nbytes // 2, 64 * pool.block_bytes)))
+                          max_pending_bytes=min(MAX_PENDING_BYTES, max(1, pool.num_blocks // 2) * pool.block_bytes))
         except BaseException:
             store.close()
             raise

@@ -9,7 +9,8 @@ The tier's owner (:class:`kvtier.tier.KVTier`) decides what to write and what to
 * :meth:`SsdTier.read` reads held slots into CPU blocks the caller owns, on a read thread (reads never wait behind
   writes). Every block is checked before it counts: header and payload checksums, fingerprint, chain hash,
   namespace, tokens. Reading stops at the first block that fails; that slot is removed and counted. The slots
-  stay locked (never evicted, never rewritten) until :meth:`finish`.
+  stay locked (never evicted, never rewritten) until :meth:`finish`. A slot found holding another whole block than
+  its record named (a journal that lost records) is given to that block, else recorded free, on the write thread.
 
 Each thread hands a whole job to the store (:meth:`SsdStore.put` in durable batches of :data:`BATCH_BYTES`, the next
 one written while one commits; :meth:`SsdStore.read`), whose IO threads move the bytes straight between the disk
@@ -29,7 +30,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from kvtier._cleanup import run_all
-from kvtier.storage import Block, SsdStore
+from kvtier.storage import Block, BlockHeader, SsdStore
 from kvtier.tier.queue_thread import QueueThread
 from kvtier.tier.room_advice import RoomAdvice
 from kvtier.tier.slot_index import SlotIndex
@@ -56,7 +57,7 @@ class IoJob:
     """A batch of blocks to write to or read from the SSD; its completion interface is the executors' (``done``,
     ``wait``, ``seconds``)."""
 
-    kind: str  # "write" | "read"
+    kind: str  # "write" | "read" | "free" | "adopt" (the last two: records of read slots, on the write thread)
     slots: np.ndarray  # int64, one per block
     hashes: np.ndarray  # uint64 chain hashes
     namespace: int  # signed namespace seed
@@ -64,6 +65,7 @@ class IoJob:
     host_ids: np.ndarray  # CPU blocks read from (write) or filled (read)
     ok: int = 0  # leading blocks durable (write) or verified and copied in (read)
     bad: int = -1  # read: the block that failed a check (-1: none)
+    other: Optional[BlockHeader] = None  # read: the whole block that the failed slot holds instead; adopt: it
     error: Optional[BaseException] = None  # an IO error that ended the job early
     io_seconds: float = 0.0
     _event: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
@@ -96,6 +98,8 @@ class SsdStats:
     reads: int = 0
     blocks_read: int = 0
     blocks_corrupt: int = 0  # failed a check on read: a miss, the slot freed
+    blocks_stale: int = 0  # read: the slot held another whole block than its record named: a miss
+    blocks_adopted: int = 0  # such slots given to the block they hold
     read_errors: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
@@ -163,7 +167,7 @@ class SsdTier:
             logger.info("kvtier: SSD tier recovered %d blocks from %s in %.2f s", self.stats.blocks_recovered,
                         ";".join(store.dirs), self.recovery_seconds)
         self._batch = max(1, BATCH_BYTES // self.block_bytes)
-        self._writer = _Worker("kvtier-ssd-write", self._run_write)
+        self._writer = _Worker("kvtier-ssd-write", self._run_writer_job)
         self._reader = _Worker("kvtier-ssd-read", self._run_read)
 
     # --- owner's side (under its lock) ---
@@ -255,16 +259,34 @@ class SsdTier:
             if job.bad < 0 and job.error is not None and job.ok < n:  # another error: the reading stopped here
                 job.bad = job.ok
             if job.bad >= 0:
-                self.index.remove(job.slots[job.bad])
-                if job.error is None:
-                    self.stats.blocks_corrupt += 1
-                else:
+                slot = int(job.slots[job.bad])
+                self.index.remove(slot)
+                if job.error is not None:
                     self.stats.read_errors += 1
                     logger.warning("kvtier: SSD read failed (%s: %s); the block is a miss",
                                    type(job.error).__name__, job.error)
+                elif job.other is None:
+                    self.stats.blocks_corrupt += 1
+                    self._record(IoJob("free", np.array([slot]), np.empty(0, np.uint64), 0, np.empty((0, 0)),
+                                       np.empty(0, np.int64)))
+                else:
+                    self.stats.blocks_stale += 1
+                    self._settle_stale(slot, job.other)
             self.stats.blocks_read += ok
             self.stats.bytes_read += ok * self.block_bytes
             self.stats.seconds_read += job.io_seconds
+
+    def _settle_stale(self, slot: int, other: BlockHeader) -> None:
+        """``slot``, just removed, holds the whole block ``other``: it holds it from now on when that block is held
+        nowhere else on the SSD, else it is recorded free; either durably, on the write thread (FIFO: before any
+        later write into the slot)."""
+        adopted = self.index.adopt(slot, other.chain_hash)
+        self.stats.blocks_adopted += adopted
+        self._record(IoJob("adopt" if adopted else "free", np.array([slot]), np.empty(0, np.uint64), 0,
+                           np.empty((0, 0)), np.empty(0, np.int64), other=other))
+
+    def _record(self, job: IoJob) -> None:
+        self._writer.submit(job)
 
     def _removed(self, hashes: list[int]) -> None:
         if self.on_removed is not None:
@@ -296,6 +318,20 @@ class SsdTier:
 
     # --- worker side ---
 
+    def _run_writer_job(self, job: IoJob) -> None:
+        if job.kind == "write":
+            self._run_write(job)
+            return
+        try:  # a record of a read slot: nobody waits for it; a failure costs a miss after a restart, no more
+            if job.kind == "adopt":
+                self.store.adopt(int(job.slots[0]), job.other)
+            else:  # "free"
+                self.store.free(job.slots.tolist())
+                self.store.sync()
+        except Exception as e:  # noqa: BLE001 - logged: the slot's record stays as it was
+            logger.warning("kvtier: recording SSD slot %d as %s failed (%s: %s)", int(job.slots[0]),
+                           "adopted" if job.kind == "adopt" else "free", type(e).__name__, e)
+
     def _run_write(self, job: IoJob) -> None:
         blocks = [Block(job.namespace, h, job.tokens[i], self._view(b))
                   for i, (h, b) in enumerate(zip(job.hashes.tolist(), job.host_ids.tolist()))]
@@ -318,5 +354,8 @@ class SsdTier:
         job.ok = ok
         if ok < job.num_blocks:
             job.bad = ok
+            other = got.others.get(ok)
+            if other is not None and other.chain_hash != hashes[ok]:  # a stale record (the same hash: a collision)
+                job.other = other
             if got.error is not None and got.error_at == ok:  # an IO error, not a failed check
                 raise got.error
