@@ -183,3 +183,22 @@ def _flip(path: str, offset: int) -> None:
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
 
+
+
+def test_a_block_file_of_the_first_format_is_given_a_store_id_and_keeps_its_blocks(tmp_path, caplog):
+    """A file made before store ids (file header version 1, its journal of the previous version): it opens, is given
+    a store id, and every block is recovered from the headers."""
+    import logging
+    import struct
+
+    import xxhash
+    caplog.set_level(logging.INFO)
+    want = _fill(tmp_path, 8)
+    path = os.path.join(str(tmp_path), FILE_NAME)
+    body = struct.pack("<8sI16sQQ", b"KVTFILE1", 1, FP, ALIGN + 200, 8)
+    with open(path, "r+b") as f:
+        f.write((body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))).ljust(ALIGN, b"\0"))
+    assert _served(tmp_path, 8, want) == 8
+    assert "previous format" in caplog.text
+    with open(path, "rb") as f:
+        assert struct.unpack_from("<I", f.read(12), 8)[0] == 2

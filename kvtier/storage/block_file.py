@@ -158,6 +158,7 @@ class BlockFile:
             j = self.journal = Journal(self.path + ".journal", fingerprint=self.fingerprint, tokens=tokens,
                                        direct=self.direct, num_slots=self.num_slots, store_id=self._store_id)
             sealed = None if self._seal is None else self._seal.journal_seq
+            resealed = created
             if created:
                 j.rewrite([], first_seq=1)
                 slots, hashes = np.empty(0, np.int64), np.empty(0, np.uint64)
@@ -166,7 +167,7 @@ class BlockFile:
                     slots, hashes = j.replay_hashes()
                 why = j.problem(sealed)
                 if why is None:
-                    j.cut_torn_tail()
+                    resealed = j.cut_torn_tail() > 0 or self._seal is None  # else the seal names a page it holds
                 else:
                     logger.warning("kvtier: journal of %s is not trusted (%s): rebuilding it from the slot headers",
                                    self.path, why)
@@ -175,7 +176,9 @@ class BlockFile:
                               first_seq=max(sealed or 0, j.last_seq if j.valid else 0) + 1)
                     slots = np.array([slot for slot, _ in found], dtype=np.int64)
                     hashes = np.array([h.chain_hash for _, h in found], dtype=np.uint64)
-            self.seal()
+                    resealed = True
+            if resealed:
+                self.seal()
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
