@@ -20,10 +20,12 @@ are comparable between ways of serving the same prompt.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PagedDecoder", "KVShape", "greedy", "qwen3_config", "deepseek_v3_config"]
+__all__ = ["PagedDecoder", "KVShape", "Segment", "greedy", "qwen3_config", "deepseek_v3_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,43 +160,59 @@ class PagedDecoder:
             write_slots: the pool slot of each new token (its K/V is written there, every layer).
             read_slots: the slots of positions ``0..start+len(tokens)-1`` (the prefix, then ``write_slots``).
         """
-        n = tokens.numel()
-        if write_slots.numel() != n or read_slots.numel() != start + n:
-            raise ValueError(f"{n} tokens at {start}: need {n} write slots and {start + n} read slots, got "
-                             f"{write_slots.numel()} and {read_slots.numel()}")
+        return self.forward_batch(pool, [Segment(tokens, start, write_slots, read_slots)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, pool, segments: list["Segment"]) -> torch.Tensor:
+        """Run several requests' new tokens as one batch (the projections and MLPs over all of them at once,
+        attention per request); return each segment's last-position logits, ``[len(segments), vocab]``."""
+        for s in segments:
+            n = s.tokens.numel()
+            if n < 1 or s.write_slots.numel() != n or s.read_slots.numel() != s.start + n:
+                raise ValueError(f"{n} tokens at {s.start}: need {n} write slots and {s.start + n} read slots (and "
+                                 f"a token at least), got {s.write_slots.numel()} and {s.read_slots.numel()}")
         inner = self.model.model
+        tokens = torch.cat([s.tokens for s in segments])
         h = inner.embed_tokens(tokens)[None]
-        positions = torch.arange(start, start + n, device=tokens.device)[None]
+        positions = torch.cat([torch.arange(s.start, s.start + s.tokens.numel(), device=tokens.device)
+                               for s in segments])[None]
         cos, sin = inner.rotary_emb(h, positions)
-        mask = _causal_mask(n, start + n)
+        ends = torch.tensor([s.tokens.numel() for s in segments]).cumsum(0).tolist()
+        parts = [_Part(s, a, b, _causal_mask(b - a, s.start + b - a))
+                 for s, a, b in zip(segments, [0] + ends[:-1], ends)]
+        write = torch.cat([s.write_slots for s in segments])
         attend = self._mla if self.is_mla else self._mha
         from torch.nn.attention import sdpa_kernel
 
         with sdpa_kernel(_sdpa_backends()):  # the same inputs give the same logits, run after run
             for i, layer in enumerate(inner.layers):
                 x = layer.input_layernorm(h)
-                h = h + attend(i, layer.self_attn, pool, x, cos, sin, mask, write_slots, read_slots)
+                h = h + attend(i, layer.self_attn, pool, x, cos, sin, parts, write)
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = inner.norm(h[:, -1:])
-        return self.model.lm_head(h)[0, -1].float()
+        h = inner.norm(h[:, [b - 1 for b in ends]])
+        return self.model.lm_head(h)[0].float()
 
-    def _mha(self, layer: int, attn, pool, x, cos, sin, mask, write_slots, read_slots) -> torch.Tensor:
+    def _mha(self, layer: int, attn, pool, x, cos, sin, parts: list["_Part"], write) -> torch.Tensor:
         n, d = x.shape[1], self.kv_shape.head_dim
         q = attn.q_norm(attn.q_proj(x).view(1, n, -1, d)).transpose(1, 2)
         k = attn.k_norm(attn.k_proj(x).view(1, n, -1, d)).transpose(1, 2)
         v = attn.v_proj(x).view(1, n, -1, d)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        pool.set_kv_buffer(None, write_slots, k[0].transpose(0, 1), v[0], layer_id_override=layer)
-        keys = pool.get_key_buffer(layer)[read_slots].transpose(0, 1)[None]  # [1, kv_heads, total, d]
-        values = pool.get_value_buffer(layer)[read_slots].transpose(0, 1)[None]
-        groups = q.shape[1] // keys.shape[1]
-        if groups > 1 and mask is not None:  # SDPA's causal bias takes no grouped KV: repeat it per query head
-            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
-                                           enable_gqa=groups > 1 and mask is None)
+        pool.set_kv_buffer(None, write, k[0].transpose(0, 1), v[0], layer_id_override=layer)
+        key_buf, value_buf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+        out = []
+        for p in parts:
+            keys = key_buf[p.seg.read_slots].transpose(0, 1)[None]  # [1, kv_heads, total, d]
+            values = value_buf[p.seg.read_slots].transpose(0, 1)[None]
+            groups = q.shape[1] // keys.shape[1]
+            if groups > 1 and p.mask is not None:  # SDPA's causal bias takes no grouped KV: repeat it per head
+                keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+            out.append(F.scaled_dot_product_attention(q[:, :, p.a:p.b], keys, values, attn_mask=p.mask,
+                                                      scale=attn.scaling, enable_gqa=groups > 1 and p.mask is None))
+        o = torch.cat(out, dim=2)
         return attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
 
-    def _mla(self, layer: int, attn, pool, x, cos, sin, mask, write_slots, read_slots) -> torch.Tensor:
+    def _mla(self, layer: int, attn, pool, x, cos, sin, parts: list["_Part"], write) -> torch.Tensor:
         cfg, n = self.config, x.shape[1]
         rank, rope_dim, nope_dim = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
         if attn.q_lora_rank is None:
@@ -210,20 +228,44 @@ class PagedDecoder:
             q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
         q_rot, k_rot = _rope(q_rot, cos, sin), _rope(k_rot, cos, sin)
         row = torch.cat((latent[0], k_rot[0, 0]), dim=-1)[:, None]  # [n, 1, rank + rope]
-        pool.set_kv_buffer(None, write_slots, row, None, layer_id_override=layer)
-        cached = pool.get_key_buffer(layer)[read_slots][:, 0]  # [total, rank + rope]
-        total, heads = cached.shape[0], q.shape[1]
-        kv = attn.kv_b_proj(cached[:, :rank]).view(total, heads, -1).transpose(0, 1)  # [heads, total, nope + v]
-        k_nope, values = kv.split([nope_dim, kv.shape[-1] - nope_dim], dim=-1)
-        keys = torch.cat((k_nope, cached[None, :, rank:].expand(heads, -1, -1)), dim=-1)
-        o = F.scaled_dot_product_attention(torch.cat((q_nope, q_rot), dim=-1), keys[None], values[None],
-                                           attn_mask=mask, scale=attn.scaling)
+        pool.set_kv_buffer(None, write, row, None, layer_id_override=layer)
+        buf = pool.get_key_buffer(layer)
+        query = torch.cat((q_nope, q_rot), dim=-1)
+        out = []
+        for p in parts:
+            cached = buf[p.seg.read_slots][:, 0]  # [total, rank + rope]
+            total, heads = cached.shape[0], q.shape[1]
+            kv = attn.kv_b_proj(cached[:, :rank]).view(total, heads, -1).transpose(0, 1)  # [heads, total, nope + v]
+            k_nope, values = kv.split([nope_dim, kv.shape[-1] - nope_dim], dim=-1)
+            keys = torch.cat((k_nope, cached[None, :, rank:].expand(heads, -1, -1)), dim=-1)
+            out.append(F.scaled_dot_product_attention(query[:, :, p.a:p.b], keys[None], values[None],
+                                                      attn_mask=p.mask, scale=attn.scaling))
+        o = torch.cat(out, dim=2)
         return attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
 
     @torch.inference_mode()
     def reference_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The transformers model's own forward over the whole of ``tokens``: its last position's logits."""
         return self.model(tokens[None], use_cache=False).logits[0, -1].float()
+
+
+class Segment(NamedTuple):
+    """One request's share of a batched forward: its new ``tokens`` at positions ``start..``, the slot each is
+    written to, and the slots of all its positions (the prefix's, then ``write_slots``)."""
+
+    tokens: torch.Tensor
+    start: int
+    write_slots: torch.Tensor
+    read_slots: torch.Tensor
+
+
+class _Part(NamedTuple):
+    """A segment's rows ``a..b`` of the batch and its attention mask."""
+
+    seg: Segment
+    a: int
+    b: int
+    mask: object
 
 
 def greedy(logits: torch.Tensor) -> int:
