@@ -58,6 +58,10 @@ class BlockHolds:
         """Blocks let go of that an IO still holds."""
         return int(self.free_later.sum())
 
-    def reset(self) -> None:
-        self.refs[:] = 0
+    def reset(self) -> np.ndarray:
+        """Everything is let go of (the index emptied): the blocks an IO still uses stay held, quarantined until
+        the last IO holding them ends (:meth:`drop`), and are returned; every other block is the pool's again."""
+        held = np.flatnonzero(self.refs > 0)
         self.free_later[:] = False
+        self.free_later[held] = True
+        return held

@@ -327,11 +327,13 @@ class HostBlockPool:
         self._block_digest = xxhash.xxh64_intdigest(b"F" + a.tobytes(), seed=self._block_digest) >> 1
 
     @synchronized
-    def reset(self) -> None:
-        """Mark every block free (the caller guarantees no transfer uses any)."""
+    def reset(self, keep: Optional[np.ndarray] = None) -> None:
+        """Mark every block free except those of ``keep`` (the caller guarantees no transfer uses the others)."""
         self._check_alive()
         self._free[:] = True
-        self._num_free = self.num_blocks
+        if keep is not None and keep.size:
+            self._free[keep] = False
+        self._num_free = int(self._free.sum())
         self._cursor = 0
 
     @synchronized

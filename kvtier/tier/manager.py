@@ -27,7 +27,8 @@ page), so hits, stores and evictions come in whole blocks, and a load may start 
   CPU blocks. It never waits on the network; ``wait`` on a fetch waits at most ``remote_timeout_s`` per stage.
 * ``poll() -> [task ids]``: drain completions; every task id is reported by exactly one poll (unless ``reset``).
   ``wait(task)``: block until it completes and finalize it. ``cancel(task)``: wait for its copy, then discard it
-  (a store frees its blocks and inserts nothing). ``reset()``: wait for every copy, then drop everything.
+  (a store frees its blocks and inserts nothing). ``reset()``: wait for every copy, then drop everything (remote
+  calls are not waited for: the CPU blocks one still uses stay held, quarantined, until it returns).
 
 Invariants: pages read by an in-flight load or under an in-flight store or promotion are locked in the index, so
 never evicted; blocks written by an in-flight store or promotion belong to the task (not free, not in the index);
@@ -44,11 +45,13 @@ their host blocks run).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import threading
-from typing import Callable, Mapping, NamedTuple, Optional, Union
+import time
+from typing import Callable, Iterator, Mapping, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -185,7 +188,14 @@ class KVTier(HostTier):
                  finalize: str = "auto", model_identity: Optional[Mapping] = None,
                  store_layers: Optional[range] = None) -> None:
         self._lock = threading.RLock()
+        if isinstance(config, Mapping):  # a kvtier config file's keys, as a dict: checked as the file's would be
+            config = TierConfig.from_dict(config)
+        elif config is not None and not isinstance(config, TierConfig):
+            raise TypeError(f"KVTier: config must be a TierConfig, a mapping of its keys or None ($KVTIER_CONFIG), "
+                            f"got {type(config).__name__}")
         self.config = config if config is not None else TierConfig.from_env()
+        logger.info("kvtier: starting: the host pool, then the host index (numba compiles it on a first start: up "
+                    "to a few minutes; later starts load it from its cache)")
         lower = [name for name, on in (("an SSD", self.config.ssd_cache_gb > 0),
                                        ("a remote", self.config.remote_backend is not None)) if on]
         for name in lower:
@@ -457,7 +467,7 @@ class KVTier(HostTier):
         rec = self._inflight.get(tid)
         if rec is not None:
             self._wait(rec)
-            if self._auto_finalize:
+            if self._auto_finalize and self._pending(rec):
                 self._finalize(rec, cancelled=False)
         return rec.task if rec is not None else task
 
@@ -465,8 +475,9 @@ class KVTier(HostTier):
     def wait_all(self) -> None:
         """Block until every in-flight copy has completed, and finalize them (``"ordered"``: only block)."""
         for rec in list(self._inflight.values()):
-            self._wait(rec)
-            if self._auto_finalize:
+            if self._pending(rec):  # not finalized by another thread while this one waited for a fetch
+                self._wait(rec)
+            if self._auto_finalize and self._pending(rec):
                 self._finalize(rec, cancelled=False)
 
     @synchronized
@@ -482,7 +493,8 @@ class KVTier(HostTier):
         rec = self._inflight.get(task.id if isinstance(task, TierTask) else int(task))
         if rec is not None:
             self._wait(rec)
-            self._finalize(rec, cancelled=not keep)
+            if self._pending(rec):
+                self._finalize(rec, cancelled=not keep)
 
     @synchronized
     def retry(self, task: TierTask) -> bool:
@@ -534,19 +546,21 @@ class KVTier(HostTier):
     @synchronized
     def reset(self) -> None:
         """Wait for every in-flight copy, then drop every CPU page and task (pending poll reports included); the
-        SSD tier keeps its durable blocks (they outlive processes; a new KVTier over its directories serves them)."""
+        SSD tier keeps its durable blocks (they outlive processes; a new KVTier over its directories serves them).
+        Remote calls are not waited for: fetches in flight end unread, and the CPU blocks a put or get still uses
+        stay held, never reused, until its call returns (a hung one: by Mooncake's own RPC timeout, ~30 s)."""
         for rec in list(self._inflight.values()):
-            self._wait(rec, discard=True)
+            self._wait(rec, discard=True)  # a fetch is not waited for: it ends, its blocks held while a call runs
             self._finalize(rec, cancelled=True)
         if self.ssd is not None:
             self.ssd.drain(wait=True)  # no write reads a CPU block any more; the SSD tier keeps its blocks
         if self.remote is not None:
-            self.remote.drain(wait=True)
-        self.holds.reset()
+            self.remote.drain()
+        quarantined = self.holds.reset()  # still used by a remote call: held until it returns
         self.index.reset()
         if self._observers:
             self._notify("cleared")
-        self.pool.reset()
+        self.pool.reset(keep=quarantined)
         self.counter.reset()
         self._finished = []
 
@@ -563,20 +577,26 @@ class KVTier(HostTier):
 
     def destroy(self) -> None:
         """Wait for in-flight copies and release the host pool (unpins it); idempotent. With an SSD tier, stores
-        in flight complete first and every queued SSD write is made durable: a restart serves them."""
+        in flight complete first and every queued SSD write is made durable: a restart serves them. Fetches in
+        flight end unread; remote calls are waited for at most ``remote_timeout_s`` in all: a client whose call
+        still runs (its blocks held by it) is left to the process's exit."""
         with self._lock:
             if self.pool.destroyed:
                 return
             if self.ssd is not None or self.remote is not None:
-                self.wait_all()
+                for rec in list(self._inflight.values()):  # stores land (and go down the tiers); fetches end
+                    if rec.task.kind != TaskKind.FETCH:
+                        self._wait(rec)
+                        self._finalize(rec, cancelled=False)
             if self.ssd is not None and self.ssd.write_back:  # the CPU's blocks are written too: a restart serves them
                 self.ssd.drain(wait=True)
                 while self._evict_blocks(self.ssd.medium.max_pending_blocks):  # as many as the write queue takes
                     self.ssd.drain(wait=True)
+            until = None if self.remote is None else time.monotonic() + self.remote.medium.timeout_s
             self.reset()
             # each even if one before it raises (a close failing with EIO): no thread, file or pinned memory is left
             run_all(None if self.ssd is None else self.ssd.close,
-                    None if self.remote is None else self.remote.close,
+                    None if self.remote is None else functools.partial(self.remote.close, until),
                     None if self._staged_transfer is None else self._staged_transfer.close,  # row-issuing threads
                     self.pool.destroy)
 
@@ -688,19 +708,34 @@ class KVTier(HostTier):
     def _wait(self, rec: CopyRecord, *, discard: bool = False) -> None:
         """Block until ``rec``'s copy has completed; a fetch: each of its calls at most ``remote_timeout_s`` (past
         it, it is abandoned: it brings nothing, and its CPU blocks stay held until its calls return). ``discard``:
-        the task is dropped after the wait, so a fetch whose probe has returned ends without its get."""
+        the task is dropped after the wait, so a fetch is not waited for: finalizing it ends it (no get starts, and
+        a get running makes no further call and keeps its blocks held until it returns)."""
         if rec.task.kind != TaskKind.FETCH:
             rec.completion.wait()
             return
+        if discard:
+            return
         job, medium = rec.completion, self.remote.medium
-        while not job.done():
+        while not job.done() and self._pending(rec):
             if job.awaiting_blocks():
-                if discard:
-                    medium.end(job)
-                else:
-                    self._advance_fetch(rec)
-            elif not medium.wait(job):
+                self._advance_fetch(rec)
+            elif not medium.wait(job, self._released):
                 return
+
+    def _pending(self, rec: CopyRecord) -> bool:
+        """Whether ``rec`` is still in flight (a wait for a fetch lets go of the lock: another thread may have
+        finalized it meanwhile)."""
+        return self._inflight.get(rec.task.id) is rec
+
+    @contextlib.contextmanager
+    def _released(self) -> Iterator[None]:
+        """The tier's lock let go of (however deeply this thread holds it) for the block: other threads' calls
+        (stats, lookups) run while this one waits on the network."""
+        state = self._lock._release_save()
+        try:
+            yield
+        finally:
+            self._lock._acquire_restore(state)
 
     def _launch(self, stream: str, fn):
         self.executor.begin(stream)

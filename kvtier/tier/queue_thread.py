@@ -23,7 +23,15 @@ class QueueThread:
 
     def stop(self, timeout: Optional[float] = None) -> bool:
         """Stop after the items put so far; whether the thread has ended within ``timeout`` (None: wait for it)."""
+        self.request_stop()
+        return self.join(timeout)
+
+    def request_stop(self) -> None:
+        """Make the thread end after the items put so far, without waiting for it."""
         self._q.put(None)
+
+    def join(self, timeout: Optional[float] = None) -> bool:
+        """Whether the thread has ended within ``timeout`` (None: wait for it)."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
 

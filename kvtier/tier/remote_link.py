@@ -20,6 +20,7 @@ Single-owner: called under the :class:`~kvtier.tier.KVTier` lock.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Mapping, NamedTuple, Optional
 
 import numpy as np
@@ -42,7 +43,9 @@ __all__ = ["RemoteLink", "FetchPlan", "remote_fingerprint", "TP_KEYS"]
 
 _DEFAULT_NS = Namespace()
 TP_KEYS = ("tp_rank", "tp_size")  # identity fields an MLA block does not depend on
-MAX_PENDING_BYTES = 4 << 30  # puts queued beyond this are dropped (they hold CPU blocks until sent; docs/DESIGN.md)
+# Puts queued beyond this are dropped, and beyond half of the pool's blocks (they hold CPU blocks until sent: a slow
+# store must leave the pool room for stores; docs/DESIGN.md).
+MAX_PENDING_BYTES = 4 << 30
 
 
 def remote_fingerprint(geometry: KVGeometry, block_tokens: int, identity: Mapping) -> bytes:
@@ -106,7 +109,7 @@ class RemoteLink:
                               fingerprint=remote_fingerprint(geo, block_tokens, identity),
                               key_prefix=config.remote_key_prefix, block_view=pool.block_rows,
                               timeout_s=config.remote_timeout_s,
-                              max_pending_bytes=min(MAX_PENDING_BYTES, max(pool.nbytes // 2, 64 * pool.block_bytes)))
+                              max_pending_bytes=min(MAX_PENDING_BYTES, pool.num_blocks // 2 * pool.block_bytes))
         except BaseException:
             store.close()
             raise
@@ -131,20 +134,36 @@ class RemoteLink:
             self.holds.hold(job.host_ids)
             self._puts.append(job)
 
-    def drain(self, wait: bool = False) -> None:
-        """Account finished puts and abandoned fetches and free the CPU blocks they held; with ``wait``, every
-        one holding CPU blocks first, so that no remote call still uses a CPU block: a call past its timeout marks
-        the tier down, so the calls queued behind it are skipped, and it returns by Mooncake's own RPC timeout. A
-        fetch given up on while it probed holds no block and is not waited for (its call may hang as long as the
-        master does)."""
+    def drain(self, wait: bool = False, until: Optional[float] = None) -> None:
+        """Account finished puts and abandoned fetches and free the CPU blocks they held.
+
+        With ``wait``, first wait for each job holding CPU blocks to finish: a call past its timeout is given up on
+        (the tier goes down, and the jobs queued behind it are skipped). Without ``until`` (a ``time.monotonic()``
+        deadline) that waits for calls given up on too, which return by Mooncake's own RPC timeout (~30 s), so
+        that no remote call still uses a CPU block. With it, no job given up on is waited for and none past
+        ``until``: the blocks of a job still running stay held (quarantined) until its calls return. A fetch given
+        up on while it probed holds no block and is never waited for."""
         for job in self._puts + self._abandoned if wait else ():
-            if job.host_ids.size == 0:
-                continue
-            while not job.wait(0.05):
-                self.medium.watch()
+            if job.host_ids.size:
+                self._wait_job(job, until)
+        for job in self._puts:  # queued behind a call given up on, or the tier down: skipped when it runs
+            if not job.abandoned and self.medium.expired(job):
+                self.medium.abandon(job)
         self._puts = self.holds.settle(self._puts, RemoteJob.finished, self.medium.finish)
         self._abandoned = self.holds.settle(self._abandoned, RemoteJob.finished, self.medium.finish)
         self.medium.tick()
+
+    def _wait_job(self, job: RemoteJob, until: Optional[float]) -> None:
+        """Wait for ``job`` to finish, giving up on calls past their timeout (and a job queued behind one); with
+        ``until``, not for a job given up on, nor past ``until``."""
+        medium = self.medium
+        while not job.finished():
+            medium.watch()
+            if medium.expired(job):  # queued behind a call given up on, or the tier down: it is skipped
+                medium.abandon(job)
+            if until is not None and (job.abandoned or time.monotonic() >= until):
+                return
+            job.wait(0.05 if until is None else min(0.05, until - time.monotonic()))
 
     # --- fetches ---
 
@@ -215,6 +234,10 @@ class RemoteLink:
                    remote_tokens_refused=self.refused_tokens)
         return out
 
-    def close(self) -> None:
-        self.drain(wait=True)
-        self.medium.close()
+    def close(self, until: Optional[float] = None) -> None:
+        """Account what has finished, then stop the tier's threads and disconnect by ``until`` (default: the
+        timeout from now); jobs still running keep their blocks (and the client) to themselves."""
+        if until is None:
+            until = time.monotonic() + self.medium.timeout_s
+        self.drain(wait=True, until=until)
+        self.medium.close(until)

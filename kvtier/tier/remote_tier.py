@@ -34,12 +34,13 @@ stopped waiting for it. Single-owner: every method except the workers' is called
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import numpy as np
 import xxhash
@@ -53,7 +54,7 @@ from kvtier.tier.room_advice import RoomAdvice
 logger = logging.getLogger(__name__)
 
 __all__ = ["RemoteTier", "RemoteJob", "RemoteStats", "RETRY_S", "BATCH_BYTES", "PREP_THREADS", "PUT_CALL_NICE",
-           "PUT_PREP_NICE"]
+           "PUT_PREP_NICE", "LEFT_TO_EXIT"]
 
 # Tuned constants: docs/DESIGN.md, "Tuned constants".
 BATCH_BYTES = 64 << 20  # one put or get call per this many bytes
@@ -77,6 +78,9 @@ PUT_CALL_NICE = 10
 PUT_PREP_NICE = 10
 
 ViewFn = Callable[[int], np.ndarray]  # CPU block id -> its bytes, uint8 [layers, row] (rows contiguous)
+# Clients closed with a call still running or their master not answering: kept until the process exits (a destructor
+# would close them, holding the GIL while it waits for the master).
+LEFT_TO_EXIT: list[MooncakeStore] = []
 
 
 def _ranges(rows: np.ndarray) -> list[tuple[int, int]]:
@@ -220,9 +224,14 @@ class _Worker:
         self.running = None
         job._stage.set()
 
-    def close(self, timeout: float) -> bool:
-        """Stop after the queued calls; whether the thread has ended within ``timeout``."""
-        if not self._thread.stop(timeout):
+    def request_stop(self) -> None:
+        """Make the thread end after the queued jobs, without waiting for it."""
+        self._thread.request_stop()
+
+    def join(self, until: float) -> bool:
+        """Whether the thread has ended by ``until`` (``time.monotonic()``); if so, its sender is stopped too (no
+        call of it runs: a job returns only once its calls have)."""
+        if not self._thread.join(max(0.0, until - time.monotonic())):
             return False
         self.sender.shutdown()
         return True
@@ -314,7 +323,7 @@ class RemoteTier:
         self.up = True
         self._next_retry = 0.0
         self._health: Optional[RemoteJob] = None
-        self._max_pending = max(1, max_pending_bytes // block_bytes)
+        self._max_pending = max_pending_bytes // block_bytes
         self._pending_blocks = 0
         self._batch = max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // block_bytes))
         self.staged = len(_ranges(block_view(0))) > STAGE_RANGES  # see the module docstring
@@ -392,17 +401,21 @@ class RemoteTier:
         """End a probed fetch without a get (nothing held, refused, or no CPU block)."""
         job._ended = True
 
-    def wait(self, job: RemoteJob) -> bool:
+    def wait(self, job: RemoteJob, released: Callable[[], ContextManager] = contextlib.nullcontext) -> bool:
         """Wait for ``job``'s stage; whether it returned. The stage is abandoned (and the tier marked down) once
         one of its calls has run ``timeout_s``, or, still queued, once the tier is down (a call ahead of it
-        outlasted its own timeout: :meth:`watch`); time spent queued behind healthy calls does not count."""
-        while not job.wait(_WATCH_S):
+        outlasted its own timeout: :meth:`watch`); time spent queued behind healthy calls does not count. Each
+        wait for the stage runs inside ``released()`` (the owner lets go of its lock there), the checks between
+        them outside."""
+        while True:
+            with released():
+                if job.wait(_WATCH_S):
+                    return True
             self.watch()  # may abandon this job, or the call ahead of it
             if self.expired(job):
                 self.abandon(job)
             if job.abandoned:
                 return False
-        return True
 
     def expired(self, job: RemoteJob) -> bool:
         """Whether the owner gives up on ``job``'s stage: its running call outlasted ``timeout_s``; or it has
@@ -505,36 +518,45 @@ class RemoteTier:
         out.update(up=self.up, blocks_pending_put=self._pending_blocks, read_gbps=self.read_gbps)
         return out
 
-    def close(self) -> None:
-        """Finish the queued calls, stop the threads, disconnect; idempotent. A client whose call still hangs
-        past the timeout is left to the process's exit rather than torn down under that call, and so is one whose
-        master does not answer within the timeout now: Mooncake's close holds the GIL while it waits for the master
-        (30-60 s)."""
+    def close(self, until: Optional[float] = None) -> None:
+        """Finish the queued calls, stop the threads, disconnect, all by ``until`` (``time.monotonic()``; default:
+        ``timeout_s`` from now); idempotent. A client whose call still runs then (hung past its timeout) is left to
+        the process's exit rather than torn down under that call, and so is one whose master does not answer by
+        then: Mooncake's close holds the GIL while it waits for the master (30-60 s). A client left is kept
+        referenced (:data:`LEFT_TO_EXIT`), so that no destructor closes it later either."""
         if self._putter is None:
             return
-        if not self._stop_threads():
+        if until is None:
+            until = time.monotonic() + self.timeout_s
+        if not self._stop_threads(until):
             logger.warning("kvtier: a remote call still runs at shutdown; the Mooncake client is not closed")
-        elif not self._master_answers():
+            LEFT_TO_EXIT.append(self.store)
+        elif not self._master_answers(until):
             logger.warning("kvtier: the Mooncake master did not answer within %g s at shutdown; the client is left "
                            "to the process's exit, not closed", self.timeout_s)
+            LEFT_TO_EXIT.append(self.store)
         else:
             self.store.close()
 
-    def _master_answers(self) -> bool:
-        """Whether the master answers a health probe within ``timeout_s`` (the call releases the GIL; one that
-        hangs is left on a daemon thread)."""
+    def _master_answers(self, until: float) -> bool:
+        """Whether the master answers a health probe by ``until`` (the call releases the GIL; one that hangs is
+        left on a daemon thread)."""
         codes: list = []
         probe = threading.Thread(target=lambda: codes.extend(self._health_codes()), name="kvtier-remote-close-probe",
                                  daemon=True)
         probe.start()
-        probe.join(self.timeout_s)
+        probe.join(max(0.0, until - time.monotonic()))
         return bool(codes) and not any(unreachable(c) for c in codes)
 
-    def _stop_threads(self) -> bool:
-        """Stop the workers there are (after their queued calls) and the prep threads; whether every worker
-        ended within the timeout."""
+    def _stop_threads(self, until: Optional[float] = None) -> bool:
+        """Stop the workers there are (after their queued calls; all asked at once) and the prep threads; whether
+        every worker ended by ``until`` (None: ``timeout_s`` from now)."""
+        if until is None:
+            until = time.monotonic() + self.timeout_s
         workers = [w for w in (self._putter, self._fetcher, self._prober) if w is not None]
-        stopped = all([w.close(self.timeout_s) for w in workers])
+        for w in workers:
+            w.request_stop()
+        stopped = all([w.join(until) for w in workers])
         self._putter = self._fetcher = self._prober = None
         if self._prep is not None:
             self._prep.shutdown(wait=stopped)
@@ -577,12 +599,11 @@ class RemoteTier:
         try:
             for k, (a, b) in enumerate(spans):
                 buf = worker.buffers[k % 2]
-                go = not job.abandoned and self.up  # read once: a batch is sent only if it was filled
+                go = self._going(job)  # read once: a batch is sent only if it was filled
                 if go:
                     prepare(a, b, buf)
                 result = last[3].result() if last is not None else None
-                if not go or job.abandoned or not self.up or (result is not None and
-                                                             any(unreachable(c) for c in result)):
+                if not go or not self._going(job) or (result is not None and any(unreachable(c) for c in result)):
                     break
                 fut = worker.sender.submit(_timed, job, "call_at", call, a, b, buf)
                 prev, last = last, (a, b, buf, fut)
@@ -596,8 +617,13 @@ class RemoteTier:
             if last is not None:
                 concurrent.futures.wait([last[3]])
 
+    def _going(self, job: RemoteJob) -> bool:
+        """Whether ``job`` makes its next call: the tier is up, and its owner has neither given up on it nor
+        discarded it (a fetch cancelled or reset)."""
+        return self.up and not job.abandoned and not job.discarded
+
     def _run_put(self, job: RemoteJob) -> None:
-        if not self.up or job.abandoned:  # marked down or given up on while queued: not sent (counted failed)
+        if not self._going(job):  # marked down or given up on while queued: not sent (counted failed)
             return
 
         def fill(buf: np.ndarray, a: int, i: int) -> None:
@@ -634,7 +660,7 @@ class RemoteTier:
         job.found = held.index(False)
 
     def _run_get(self, job: RemoteJob) -> None:
-        if not self.up or job.abandoned:  # marked down or given up on while queued: its blocks are free at once
+        if not self._going(job):  # down, given up on or discarded while queued: its blocks are free at once
             return
 
         def call(a: int, b: int, buf: np.ndarray) -> list[int]:
