@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numbers
 import os
+import re
 from typing import Any, Iterable, Mapping, Optional
 
 __all__ = ["is_int", "check_count", "check_int_in", "split_host_port", "same_directory", "directories",
-           "model_identity"]
+           "model_identity", "PSEUDO_FILE_SYSTEMS", "existing_ancestor", "mount_of", "directory_problem"]
 
 
 def is_int(value: Any) -> bool:
@@ -33,7 +34,11 @@ def check_int_in(name: str, value: Any, lo: int, hi: int, bounds: str = "") -> i
 
 
 def split_host_port(addr: Any) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) as (host, port), the port in 1..65535; ValueError otherwise."""
+    """``host:port`` (``[v6]:port`` too) as (host, port), the port in 1..65535; ValueError otherwise (a URL's scheme,
+    ``mooncake://``, is named as the mistake: it would be taken as part of the host)."""
+    if isinstance(addr, str) and "://" in addr:
+        scheme = addr.split("://", 1)[0] + "://"
+        raise ValueError(f"must be host:port without a scheme: drop {scheme!r} (got {addr!r})")
     host, sep, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
     if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"must be host:port with a port in 1..65535, got {addr!r}")
@@ -92,3 +97,68 @@ def model_identity(value: Any) -> dict:
                              f"of them), got {type(v).__name__}: its text may differ between processes")
     check("", value)
     return dict(value)
+
+
+# File systems that hold no files of a user's (the kernel's views, not storage); tmpfs is memory, not one of them.
+PSEUDO_FILE_SYSTEMS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore", "bpf",
+    "configfs", "fusectl", "mqueue", "binfmt_misc", "efivarfs", "nsfs", "rpc_pipefs", "selinuxfs", "autofs",
+    "hugetlbfs"})
+_KERNEL_TREES = ("/proc", "/sys")  # whatever is mounted below them (the cgroup tree's tmpfs) is the kernel's too
+
+
+def existing_ancestor(path: str) -> str:
+    """``path`` itself if it exists, else its nearest ancestor that does (``/`` at worst), resolved."""
+    p = os.path.abspath(path)
+    for _ in range(p.count(os.sep) + 1):  # bounded: one step up per path component
+        if os.path.lexists(p):
+            return os.path.realpath(p)
+        p = os.path.dirname(p)
+    return os.sep
+
+
+def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, str]:
+    """(mount point, file system type) of the file system that holds ``path`` (or would, once it is made), from
+    ``mountinfo``; ``("", "")`` where that cannot be read."""
+    target = existing_ancestor(path)
+    best = ("", "")
+    try:
+        with open(mountinfo, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        before, _, after = line.partition(" - ")
+        fields = before.split()
+        if len(fields) < 5 or not after:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])  # octal escapes: \040, a blank
+        inside = target == point or target.startswith(point.rstrip(os.sep) + os.sep)
+        if inside and len(point) >= len(best[0]):  # the deepest mount wins; of equal ones, the last (on top)
+            best = (point, after.split()[0])
+    return best
+
+
+def directory_problem(path: str) -> str | None:
+    """Why files cannot be kept in directory ``path`` (made if missing) by this user, or None: a file in its place,
+    a pseudo file system (``/proc``, ``/sys``, ...), a read-only file system, no write access to it or to the
+    directory it would be made in."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        return f"{path} exists and is not a directory"
+    base = existing_ancestor(path)
+    if not os.path.isdir(base):
+        return f"{path} cannot be made: {base} is not a directory"
+    point, fs = mount_of(path)
+    if fs in PSEUDO_FILE_SYSTEMS or any(base == t or base.startswith(t + os.sep) for t in _KERNEL_TREES):
+        return (f"{path} is on {point or base} ({fs or 'the kernel'}), a pseudo file system that holds no files: "
+                "choose a directory on a disk")
+    try:
+        read_only = bool(os.statvfs(base).f_flag & os.ST_RDONLY)
+    except OSError as e:
+        return f"{path}: cannot inspect {base} ({e.strerror})"
+    if read_only:
+        return f"{path} is on a read-only file system ({point or base})"
+    if not os.access(base, os.W_OK | os.X_OK):
+        what = "is not writable" if base == os.path.realpath(path) else f"cannot be made: {base} is not writable"
+        return f"{path} {what} by this user (uid {os.getuid()})"
+    return None

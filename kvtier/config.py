@@ -91,13 +91,17 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, ClassVar, Mapping, Optional
+import re
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from kvtier._checks import directories, is_int, same_directory, split_host_port
-from kvtier.geometry import HOST_LAYOUTS
-from kvtier.index.eviction import eviction_policy_names
 
 ENV_VAR = "KVTIER_CONFIG"
+# kvtier.geometry.HOST_LAYOUTS, named here so that reading a config imports neither torch nor numba (a test keeps
+# the two equal); the eviction policies' registry is imported only for a policy other than the built-in one.
+HOST_LAYOUTS: tuple[str, ...] = ("page_first", "layer_first")
+BUILTIN_EVICTION_POLICY = "lru"
 # The smallest host block by default (tokens): see ``tokens_per_block`` above and docs/DESIGN.md ("Tuned constants").
 MIN_TOKENS_PER_BLOCK = 16
 TRANSFER_MODES: tuple[str, ...] = ("auto", "direct", "staged")
@@ -126,14 +130,16 @@ def _is_number(v: Any) -> bool:
 
 
 def _got(v: Any) -> str:
-    """How a bad value is shown; a string that reads as a number gets a hint (YAML 1.1 takes ``1.0e6``, with no
-    sign in the exponent, for a string)."""
+    """How a bad value is shown; a string that reads as a number says so: YAML 1.1 reads ``1.0e6`` (no sign in the
+    exponent) as a string, and a number in quotes (YAML, JSON or Python) is a string too."""
     if isinstance(v, str):
         try:
             float(v)
         except ValueError:
             return repr(v)
-        return f"the string {v!r} (YAML reads a number like 1.0e6 as a string: write 1.0e+6 or 1000000)"
+        if re.fullmatch(r"\s*[-+]?(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)[eE]\d+\s*", v):
+            return f"the string {v!r} (YAML reads a number like 1.0e6 as a string: write 1.0e+6 or 1000000)"
+        return f"the string {v!r} (a number in quotes: give the number itself)"
     return repr(v)
 
 
@@ -171,23 +177,23 @@ class TierConfig:
 
     cpu_cache_gb: float = 16.0
     page_size: int = 16
-    tokens_per_block: Optional[int] = None
+    tokens_per_block: int | None = None
     host_layout: str = "layer_first"
     transfer_mode: str = "auto"
-    num_programs: Optional[int] = None
+    num_programs: int | None = None
     layerwise: bool = True
     eviction_policy: str = "lru"
     ssd_cache_gb: float = 0.0
-    ssd_cache_dir: Optional[str] = None
+    ssd_cache_dir: str | None = None
     ssd_io_threads: int = 4
     ssd_direct_io: bool = True
     ssd_write_policy: str = "write_through"
     ssd_admission: str = "cost"
-    ssd_read_gbps: Optional[float] = None
-    prefill_tokens_per_s: Optional[float] = None
+    ssd_read_gbps: float | None = None
+    prefill_tokens_per_s: float | None = None
     ssd_wipe_mismatch: bool = False
-    remote_backend: Optional[str] = None
-    remote_master: Optional[str] = None
+    remote_backend: str | None = None
+    remote_master: str | None = None
     remote_protocol: str = "tcp"
     remote_device: str = ""
     remote_local_hostname: str = "localhost"
@@ -198,8 +204,8 @@ class TierConfig:
     remote_key_prefix: str = "kvtier"
     remote_tenant: str = "default"
     remote_admission: str = "cost"
-    remote_read_gbps: Optional[float] = None
-    metrics_port: Optional[int] = None
+    remote_read_gbps: float | None = None
+    metrics_port: int | None = None
     log_transfers: bool = True
 
     def __post_init__(self) -> None:
@@ -222,8 +228,12 @@ class TierConfig:
             raise _error(f"num_programs must be an int >= 1 or null, got {_got(self.num_programs)}")
         if not isinstance(self.layerwise, bool):
             raise _error(f"layerwise must be true or false, got {self.layerwise!r}")
-        if self.eviction_policy not in eviction_policy_names():
-            raise _error(f"eviction_policy must be one of {eviction_policy_names()}, got {self.eviction_policy!r}")
+        if self.eviction_policy != BUILTIN_EVICTION_POLICY:
+            from kvtier.index.eviction import eviction_policy_names
+
+            if self.eviction_policy not in eviction_policy_names():
+                raise _error(f"eviction_policy must be one of {eviction_policy_names()}, got "
+                             f"{self.eviction_policy!r}")
         if not _is_number(self.ssd_cache_gb) or not 0 <= self.ssd_cache_gb <= MAX_GB:
             raise _error(f"ssd_cache_gb must be a number >= 0 and <= {MAX_GB:.0f} (GiB), got "
                          f"{_got(self.ssd_cache_gb)}")
@@ -345,13 +355,17 @@ class TierConfig:
         """Read a ``.yaml``/``.yml`` or ``.json`` file holding one mapping of the keys above (empty file: defaults)."""
         path = os.fspath(path)
         ext = os.path.splitext(path)[1].lower()
+        if os.path.isdir(path):
+            raise _error(f"{path} is a directory: name the config file in it (.yaml, .yml or .json)")
         if ext not in (".yaml", ".yml", ".json"):
             raise _error(f"{path}: the file must end in .yaml, .yml or .json")
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise _error(f"cannot read {path}: {e}") from None
+        except OSError as e:
+            raise _error(f"cannot read {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise _error(f"cannot read {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         if ext == ".json":
             try:
                 data = json.loads(text, object_pairs_hook=_unique_keys(path)) if text.strip() else {}
@@ -376,7 +390,12 @@ class TierConfig:
     def from_env(cls, var: str = ENV_VAR) -> TierConfig:
         """Read the file named by ``$KVTIER_CONFIG``; defaults when the variable is unset or empty."""
         path = os.environ.get(var, "").strip()
-        return cls.from_file(path) if path else cls()
+        if not path:
+            return cls()
+        try:
+            return cls.from_file(path)
+        except ValueError as e:
+            raise ValueError(f"{e} (the file ${var} names)") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

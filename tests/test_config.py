@@ -187,3 +187,71 @@ def test_the_remote_tier_from_yaml(tmp_path):
     d = TierConfig()
     assert (d.remote_backend, d.remote_protocol, d.remote_metadata_server, d.remote_required) == (
         None, "tcp", "P2PHANDSHAKE", True)
+
+
+@pytest.mark.parametrize("addr, scheme", [("mooncake://10.0.0.5:50051", "mooncake://"),
+                                          ("tcp://127.0.0.1:50051", "tcp://")])
+def test_a_master_address_with_a_scheme_names_the_scheme(addr, scheme):
+    """The scheme was taken as part of the host, and the tier then advised starting a master at that 'host'."""
+    with pytest.raises(ValueError, match=f"remote_master must be host:port without a scheme: drop '{scheme}'"):
+        TierConfig.from_dict({"remote_backend": "mooncake", "remote_master": addr})
+
+
+def test_a_number_in_quotes_gets_no_yaml_hint():
+    """TierConfig(cpu_cache_gb="4") was told about YAML's reading of 1.0e6."""
+    with pytest.raises(ValueError, match=r"got the string '4' \(a number in quotes: give the number itself\)$"):
+        TierConfig(cpu_cache_gb="4")
+
+
+@pytest.mark.parametrize("case", ["directory", "missing"])
+def test_kvtier_config_naming_no_file_names_the_variable(tmp_path, monkeypatch, case):
+    """A directory or a missing file in $KVTIER_CONFIG was reported without naming the variable."""
+    target = tmp_path if case == "directory" else tmp_path / "nope.yaml"
+    monkeypatch.setenv(ENV_VAR, str(target))
+    with pytest.raises(ValueError) as e:
+        TierConfig.from_env()
+    message = str(e.value)
+    assert message.endswith("(the file $KVTIER_CONFIG names)")
+    assert {"directory": f"{tmp_path} is a directory: name the config file in it",
+            "missing": f"cannot read {target}: No such file or directory"}[case] in message
+
+
+def test_host_layouts_are_the_geometrys():
+    from kvtier import config, geometry
+
+    assert config.HOST_LAYOUTS == geometry.HOST_LAYOUTS
+
+
+def test_reading_a_config_imports_neither_torch_nor_numba(tmp_path):
+    """A one-line config took 3-4 s of CPU (10 s beside SGLang) to import torch and numba for two constants."""
+    import subprocess
+    import sys
+
+    f = tmp_path / "kvtier.yaml"
+    f.write_text("cpu_cache_gb: 2\nhost_layout: page_first\nssd_cache_gb: 1\nssd_cache_dir: /tmp/x\n")
+    code = ("import sys; from kvtier.config import TierConfig; TierConfig.from_file(sys.argv[1]); "
+            "print(sorted(m for m in ('torch', 'numba', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(f)], check=False, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_dict_is_a_config_for_kvtier_and_other_types_are_named():
+    """KVTier(kv, {...}) raised AttributeError: 'dict' object has no attribute 'ssd_cache_gb'."""
+    import torch
+
+    from kvtier.kernels import PagedKV
+    from kvtier.tier import KVTier
+
+    bufs = [torch.zeros(64, 1, 8, dtype=torch.float16) for _ in range(2)]
+    kv = PagedKV.mha(bufs[:1], bufs[1:], page_size=16)
+    tier = KVTier(kv, {"cpu_cache_gb": 1 / 1024, "page_size": 16, "host_layout": "page_first"})
+    try:
+        assert tier.config == TierConfig(cpu_cache_gb=1 / 1024, host_layout="page_first")
+        assert tier.layout == "page_first"
+    finally:
+        tier.destroy()
+    with pytest.raises(ValueError, match="kvtier config: unknown key 'cpu_cach_gb'"):
+        KVTier(kv, {"cpu_cach_gb": 1})
+    with pytest.raises(TypeError, match="KVTier: config must be a TierConfig, a mapping of its keys or None "
+                                        r"\(\$KVTIER_CONFIG\), got str"):
+        KVTier(kv, "kvtier.yaml")
