@@ -2,8 +2,11 @@
 
 * ``kvtier demo``: a model serves a prompt cold, from a warm device cache, then from kvtier (``--kernels``: a
   store/load round trip of the transfer kernels instead).
-* ``kvtier config check FILE``: validate a kvtier config (YAML or JSON) as the server would, and print what it
-  resolves to (every key, and the values derived from them); a bad file prints one line and exits with 1.
+* ``kvtier config check FILE [--offline]``: check a kvtier config (YAML or JSON) as the server does at start, short
+  of the GPU and the model, on this host (memory for the host pool, the SSD directories, the remote master), and
+  print what it resolves to; one verdict line, exit status 1 when the server would refuse it.
+* ``kvtier doctor``: what this machine gives kvtier (Python, torch, CUDA, Triton, CuPy, Mooncake, pinned-memory
+  and ``/dev/shm`` limits) and a store/load round trip on its GPU (or through the Triton interpreter without one).
 * ``kvtier inspect DIR``: a read-only look at an SSD cache directory (or a ``;``-separated list): per block file the
   fingerprint, slot geometry, blocks held, bytes, namespaces and journal health; ``--verify`` checks every held
   block's header and payload; ``--json`` for scripts.
@@ -17,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,14 +37,24 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--layout", choices=["layer_first", "page_first"], default=None,
                       help="host block layout (default: layer_first; page_first for --kernels)")
     demo.add_argument("--whole", action="store_true", help="load the prefix whole, not layer by layer")
-    demo.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default 512 CPU, 8192 GPU)")
-    config = sub.add_parser("config", help="kvtier config files")
-    config_sub = config.add_subparsers(dest="config_command", required=True)
-    check = config_sub.add_parser("check", help="validate a config file and print what it resolves to",
-                                  description="Validate a kvtier config (YAML or JSON) with the checks the server "
-                                              "runs, and print every key as it resolves (defaults filled in) and "
-                                              "the values derived from them. Exits 1 on a bad file.")
+    demo.add_argument("--prompt-tokens", type=_prompt_tokens, default=None,
+                      help="prompt length, at least 32 (default 512 CPU, 8192 GPU)")
+    config = sub.add_parser("config", help="kvtier config files", usage="kvtier config check [-h] [--offline] FILE")
+    config_sub = config.add_subparsers(dest="config_command", metavar="check")
+    check = config_sub.add_parser("check", help="check a config file on this host and print what it resolves to",
+                                  description="Check a kvtier config (YAML or JSON) as the server does at start, "
+                                              "short of the GPU and the model: every key, then this host (memory "
+                                              "for the host pool, the SSD directories, the remote master). Prints "
+                                              "every key as it resolves and one line per check, then one verdict; "
+                                              "exits 1 when the server would refuse the file here.")
     check.add_argument("file", help="the config file (.yaml, .yml or .json), as given in $KVTIER_CONFIG")
+    check.add_argument("--offline", action="store_true",
+                       help="leave the remote master unchecked (do not contact it)")
+    sub.add_parser("doctor", help="what this machine gives kvtier, and a transfer round trip on it",
+                   description="Versions (Python, torch and its CUDA, Triton, CuPy, Mooncake, SGLang), the GPU, "
+                               "the pinned-memory limit and /dev/shm's size, then a store/load round trip of the "
+                               "transfer kernels (on the GPU, or through the Triton interpreter without one). Exits "
+                               "1 when something kvtier needs is missing or the round trip fails.")
     inspect = sub.add_parser("inspect", help="what an SSD cache directory holds, and whether it is sound",
                              description="Read-only: per block file, the fingerprint, slot geometry, blocks held, "
                                          "bytes, namespaces and the journal's health; --verify reads every held "
@@ -60,10 +72,19 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("name", nargs="?", help="the bench (bench/bench_NAME.py)")
     bench.add_argument("--out", default="bench-out", help="directory of the results (default: ./bench-out)")
     bench.add_argument("--list", action="store_true", help="list the benches and what each measures")
+    parser.set_defaults(config_parser=config)
     return parser
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader went away (kvtier bench | head): no traceback, and no second error at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list | None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []  # kvtier bench NAME -- the bench's arguments
@@ -76,7 +97,15 @@ def main(argv: Optional[list] = None) -> int:
     if args.command == "demo":
         return _demo(parser, args)
     if args.command == "config":
-        return _config_check(args.file)
+        if args.config_command is None:
+            args.config_parser.error("name what to do: kvtier config check FILE")
+        from kvtier.commands import config_check
+
+        return config_check.run(args.file, offline=args.offline)
+    if args.command == "doctor":
+        from kvtier.commands import doctor
+
+        return doctor.run()
     if args.command == "inspect":
         from kvtier.commands import inspect_cache
 
@@ -88,62 +117,25 @@ def main(argv: Optional[list] = None) -> int:
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
-def _config_check(path: str) -> int:
-    from kvtier.config import TierConfig
-
+def _prompt_tokens(text: str) -> int:
+    """``--prompt-tokens``: an int of at least 32 (argparse reports a bad one with the demo's usage)."""
     try:
-        config = TierConfig.from_file(path)
-    except ValueError as e:
-        print(" ".join(str(e).split()), file=sys.stderr)  # one line
-        return 1
-    print(f"# {path}: valid; every key as it resolves")
-    for key, value in config.to_dict().items():
-        print(f"{key}: {'null' if value is None else value}")
-    print("# derived")
-    print(f"tokens per host block in force: {config.block_tokens}")
-    print(f"host pool per rank: {config.cpu_cache_bytes} bytes")
-    if config.ssd_cache_gb > 0:
-        print(f"SSD tier per rank: {config.ssd_cache_bytes} bytes over {len(config.ssd_dirs)} directories: "
-              + ", ".join(config.ssd_dirs))
-    if config.remote_backend is not None:
-        print(f"remote tier: {config.remote_backend} at {config.remote_master} over {config.remote_protocol}, "
-              f"{config.remote_segment_bytes} bytes mounted")
-    return _check_host_memory(config)
-
-
-def _check_host_memory(config) -> int:
-    """The server's host memory check, on this host: 1 (with one line) when one rank's pool does not fit. With
-    SGLang installed, by SGLang's rule (what is available less its 10 GiB reserve, shared by the host's ranks: a
-    default pool shrinks to that share, a configured one must fit it); else by kvtier's (available less 2 GiB)."""
-    from kvtier.sglang import MIN_HOST_SHARE_BYTES, host_budget
-    from kvtier.tier.host_pool import DEFAULT_RESERVE_GB, available_memory_bytes
-
-    avail, gib = available_memory_bytes(), 1 << 30
-    budget = host_budget(config.cpu_cache_bytes)
-    if budget is not None:
-        usable, rule = budget, "SGLang's rule: 10 GiB kept in reserve, the rest shared by this host's ranks"
-    elif avail is not None:
-        usable, rule = avail - int(DEFAULT_RESERVE_GB * gib), f"{DEFAULT_RESERVE_GB:g} GiB kept in reserve"
-    else:
-        return 0
-    shown = "unknown" if avail is None else f"{avail / gib:.2f} GiB"
-    print(f"host memory available here: {shown}; by {rule}: {max(0, usable) / gib:.2f} GiB for a rank, room for "
-          f"{max(0, usable) // config.cpu_cache_bytes} ranks' host pools")
-    if config.cpu_cache_bytes <= usable:
-        return 0
-    if budget is not None and "cpu_cache_gb" not in config.given_keys and usable >= MIN_HOST_SHARE_BYTES:
-        print(f"the default host pool of {config.cpu_cache_gb:g} GiB shrinks to {usable / gib:.2f} GiB a rank under "
-              "SGLang (set cpu_cache_gb to choose)")
-        return 0
-    print(f"kvtier config: a host pool of {config.cpu_cache_gb:g} GiB does not fit this host ({shown} available; "
-          f"{rule}): lower cpu_cache_gb, or check on the host that serves", file=sys.stderr)
-    return 1
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
+    if n < 32:
+        raise argparse.ArgumentTypeError(f"must be at least 32 (two pages and a token), got {n}")
+    return n
 
 
 def _demo(parser: argparse.ArgumentParser, args) -> int:
-    if args.prompt_tokens is not None and args.prompt_tokens < 32:
-        parser.error("--prompt-tokens must be at least 32")
-    import torch
+    from rich.console import Console
+
+    from kvtier.commands.steps import step
+
+    console = Console(soft_wrap=True)  # a log gets whole lines; a terminal wraps them itself
+    with step(console, "loading torch"):
+        import torch
 
     cuda = torch.cuda.is_available()
     if args.device == "cuda" and not cuda:
@@ -159,10 +151,10 @@ def _demo(parser: argparse.ArgumentParser, args) -> int:
     from kvtier import demo
 
     if args.kernels:
-        return 0 if demo.run_kernel_demo(device, layout=args.layout) else 1
+        return 0 if demo.run_kernel_demo(device, console=console, layout=args.layout) else 1
     try:
-        ok = demo.run_serve_demo(device, layout=args.layout or "layer_first", layerwise=not args.whole,
-                                 prompt_tokens=args.prompt_tokens)
+        ok = demo.run_serve_demo(device, console=console, layout=args.layout or "layer_first",
+                                 layerwise=not args.whole, prompt_tokens=args.prompt_tokens)
     except ImportError as e:
         print(f"kvtier demo needs transformers for its model ({e}): pip install 'kvtier[e2e]', or run "
               "kvtier demo --kernels", file=sys.stderr)

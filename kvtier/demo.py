@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
 from kvtier.geometry import KVGeometry
+
+# said while the index is prepared: numba's compile is the first run's longest silence (about 160 s on 2 cores)
+INDEX_COMPILE_NOTE = ("(numba compiles it on the first run: up to a few minutes on a small machine; later runs load "
+                      "it from numba's cache in about a second)")
 
 
 @dataclasses.dataclass
@@ -38,7 +42,7 @@ class _Timer:
     def __init__(self, device: str) -> None:
         self.device = device
 
-    def __call__(self, fn: Callable[[], Optional[object]]) -> float:
+    def __call__(self, fn: Callable[[], object | None]) -> float:
         if self.device == "cuda":
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -54,7 +58,7 @@ class _Timer:
         return time.perf_counter() - t
 
 
-def run_kernel_demo(device: Optional[str] = None, console=None, layout: Optional[str] = None) -> bool:
+def run_kernel_demo(device: str | None = None, console=None, layout: str | None = None) -> bool:
     """Fill paged KV, store pages to host blocks, clobber the slots, load into other slots, verify every byte.
 
     Returns True when every round trip was byte-exact.
@@ -63,9 +67,12 @@ def run_kernel_demo(device: Optional[str] = None, console=None, layout: Optional
     from rich.progress import Progress
     from rich.table import Table
 
-    from kvtier.kernels import PagedKV, StagedTransfer, load_pages, store_pages
+    from kvtier.commands.steps import step
 
     console = console or Console()
+    with step(console, "loading kvtier's kernels (Triton)"):
+        from kvtier.kernels import PagedKV, StagedTransfer, load_pages, store_pages
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     plan = plan_for(device)
     if layout is not None:
@@ -150,17 +157,16 @@ def serve_plan_for(device: str) -> ServePlan:
     return ServePlan("tiny Qwen3", 4, 512, 16, 4096, 1 / 64)
 
 
-def run_serve_demo(device: Optional[str] = None, console=None, *, layout: str = "layer_first",
-                   layerwise: bool = True, prompt_tokens: Optional[int] = None) -> bool:
+def run_serve_demo(device: str | None = None, console=None, *, layout: str = "layer_first",
+                   layerwise: bool = True, prompt_tokens: int | None = None) -> bool:
     """A random-weight Qwen3 serves one prompt three times: cold (full prefill), from a warm device cache, and from
     kvtier after the device cache is dropped. Returns True when the kvtier-served output equals the warm device
     cache's and kvtier served every full page but the last token's."""
     from rich.console import Console
     from rich.table import Table
 
+    from kvtier.commands.steps import step
     from kvtier.config import TierConfig
-    from kvtier.e2e.engine import TierEngine
-    from kvtier.e2e.model import PagedDecoder, qwen3_config
 
     console = console or Console()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -168,18 +174,25 @@ def run_serve_demo(device: Optional[str] = None, console=None, *, layout: str = 
     if prompt_tokens is not None:
         plan = dataclasses.replace(plan, prompt_tokens=prompt_tokens,
                                    num_slots=max(plan.num_slots, 2 * (prompt_tokens + 64)))
-    if device == "cuda":
-        cfg = qwen3_config(num_layers=plan.layers)
-    else:
-        cfg = qwen3_config(num_layers=plan.layers, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
-                           vocab=2048)
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter for kvtier's copies)"
     console.print(f"[bold]kvtier demo[/bold] on {where}: {plan.model}, {plan.layers} layers, random weights; a "
                   f"{plan.prompt_tokens}-token prompt, {plan.new_tokens} new tokens, {layout}, "
                   f"{'layerwise' if layerwise else 'whole'} loads")
-    with console.status("building the model"):
+    with step(console, "loading transformers, numba and kvtier's tier"):
+        from kvtier.e2e.engine import TierEngine
+        from kvtier.e2e.model import PagedDecoder, qwen3_config
+        from kvtier.index import PageTrie
+
+    with step(console, "building the model"):
+        if device == "cuda":
+            cfg = qwen3_config(num_layers=plan.layers)
+        else:
+            cfg = qwen3_config(num_layers=plan.layers, hidden=256, heads=4, kv_heads=2, head_dim=64,
+                               intermediate=512, vocab=2048)
         model = PagedDecoder.from_config(cfg, seed=0, device=device)
     config = TierConfig(cpu_cache_gb=plan.cpu_cache_gb, page_size=16, host_layout=layout, layerwise=layerwise)
+    with step(console, "preparing the host index", INDEX_COMPILE_NOTE):
+        PageTrie.compile(config.block_tokens)  # what KVTier does at start, here where it can be said
     engine = TierEngine(model, config, num_slots=plan.num_slots)
     prompt = torch.randint(1, cfg.vocab_size, (plan.prompt_tokens,), generator=torch.Generator().manual_seed(0))
     prompt = prompt.tolist()
@@ -188,7 +201,8 @@ def run_serve_demo(device: Optional[str] = None, console=None, *, layout: str = 
             engine.serve(prompt[: plan.prompt_tokens // 2], 2, source=source)
         engine.tier.reset()
     runs = {}
-    with console.status("serving"):
+    with step(console, "serving the prompt three ways", "(on a CPU the copies run in the Triton interpreter)"
+              if device == "cpu" else ""):
         for source in ("none", "device", "kvtier"):
             runs[source] = engine.serve(prompt, plan.new_tokens, source=source)
     engine.drop_device_cache()

@@ -90,9 +90,7 @@ def _render(files: list[FileSurvey], total: dict) -> None:
                                  f"{_size(f.payload_bytes)} of payload (from the {f.source})")
         t.add_row("bytes", f"{_size(f.file_bytes)} file, {_size(f.allocated_bytes)} on disk; journal "
                            f"{_size(f.journal.bytes)}")
-        t.add_row("namespaces", f"{len(f.namespaces)}: " + ", ".join(
-            f"{_namespace_label(ns)} {n}" for ns, n in list(f.namespaces.items())[:8])
-            + (" ..." if len(f.namespaces) > 8 else ""))
+        t.add_row("namespaces", _namespaces(f.namespaces))
         j = f.journal
         t.add_row("journal", f"{j.state}" + (f", {j.pages} record pages, {j.damaged_pages} damaged" if j.state == "ok"
                                              else ""))
@@ -107,6 +105,15 @@ def _render(files: list[FileSurvey], total: dict) -> None:
                       f"files, {_size(total['payload_bytes'])} of payload, {total['namespaces']} namespaces"
                       + ("" if total["fingerprints"] == 1 else
                          f"; [red]{total['fingerprints']} different fingerprints[/] (a tier opens only its own)"))
+
+
+def _namespaces(namespaces: dict[int, int], shown: int = 8) -> str:
+    """``N: label blocks, ...`` (the first ``shown``), or that no block is held."""
+    if not namespaces:
+        return "none (no block held)"
+    return f"{len(namespaces)}: " + ", ".join(
+        f"{_namespace_label(ns)} {n} blocks" for ns, n in list(namespaces.items())[:shown]) + (
+        " ..." if len(namespaces) > shown else "")
 
 
 def _size(n: int) -> str:

@@ -14,39 +14,52 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
+import re
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
-__all__ = ["PROGRESS_ENV", "bench_dir", "available", "run", "plot_numbers"]
+__all__ = ["PROGRESS_ENV", "available", "bench_dir", "plot_numbers", "run"]
 
 PROGRESS_ENV = "KVTIER_BENCH_PROGRESS_FD"  # the pipe's write end, as a file descriptor number
 _NUMBERS_PLOTTED = 40  # a generic chart shows at most this many values
+SUMMARY_CHARS = 110  # the list shows at most this much of what a bench measures
 
 
-def bench_dir() -> Optional[Path]:
+def bench_dir() -> Path | None:
     """``bench/`` of the checkout the package runs from, or None (an installed wheel has none)."""
     d = Path(__file__).resolve().parents[2] / "bench"
     return d if (d / "progress.py").is_file() else None
 
 
 def available(root: Path) -> dict[str, str]:
-    """Bench name -> the first line of its docstring, for every ``bench_*.py`` in ``root`` (read, not imported)."""
+    """Bench name -> what it measures (its docstring's first sentence, without the issue it came from), for every
+    ``bench_*.py`` in ``root`` (read, not imported)."""
     out = {}
     for p in sorted(root.glob("bench_*.py")):
         try:
             doc = ast.get_docstring(ast.parse(p.read_text())) or ""
         except SyntaxError:
             doc = ""
-        out[p.stem[len("bench_"):]] = doc.strip().splitlines()[0] if doc.strip() else ""
+        out[p.stem[len("bench_"):]] = summary(doc)
     return out
 
 
-def run(name: Optional[str], out_dir: str, extra: list[str], *, listing: bool = False) -> int:
+def summary(doc: str) -> str:
+    """A docstring's first sentence (of its first paragraph), issue references and reST quotes dropped."""
+    paragraph = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    paragraph = re.sub(r"\s*\((issues?|part) [^)]*\)", "", paragraph).replace("``", "`")
+    paragraph = re.sub(r":\w+:`", "`", paragraph)  # :mod:`x` -> `x`
+    sentence = re.split(r"(?<=[.?!])\s", paragraph, maxsplit=1)[0]
+    return textwrap.shorten(sentence, SUMMARY_CHARS, placeholder=" ...")
+
+
+def run(name: str | None, out_dir: str, extra: list[str], *, listing: bool = False) -> int:
     """Run bench ``name`` (None or ``listing``: list them) into ``out_dir``; its exit status (1: a bad request,
     refused before anything runs)."""
     root = bench_dir()
@@ -63,6 +76,9 @@ def run(name: Optional[str], out_dir: str, extra: list[str], *, listing: bool = 
     if name not in benches:
         print(f"kvtier bench: no bench {name!r} in {root} (there are: {', '.join(benches)})", file=sys.stderr)
         return 1
+    if "-h" in extra or "--help" in extra:  # the bench's own help: nothing runs, nothing is written
+        return subprocess.run([sys.executable, str(root / f"bench_{name}.py"), "--help"], check=False,
+                              env=_bench_env(root.parent)).returncode
     if any(a == "--out" or a.startswith("--out=") for a in extra):
         print("kvtier bench: the runner sets the bench's --out; choose the directory with kvtier bench --out DIR",
               file=sys.stderr)
@@ -97,12 +113,17 @@ def _run_with_progress(script: Path, name: str, args: list[str], log_path: Path)
     """Run ``script --out ARGS...`` (in this directory, the checkout on its path), its output to ``log_path`` and
     the console, its progress on a bar."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     read_fd, write_fd = os.pipe()
-    root = str(script.parent.parent)
-    env = dict(os.environ, **{PROGRESS_ENV: str(write_fd), "PYTHONUNBUFFERED": "1",
-                              "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))})
+    env = dict(_bench_env(script.parent.parent), **{PROGRESS_ENV: str(write_fd), "PYTHONUNBUFFERED": "1"})
     cmd = [sys.executable, str(script), "--out", *args]
     console = Console(highlight=False)
     with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -123,6 +144,11 @@ def _run_with_progress(script: Path, name: str, args: list[str], log_path: Path)
         rc = proc.wait()
         reader.join(timeout=10)
     return rc
+
+
+def _bench_env(checkout: Path) -> dict:
+    """This environment with the checkout first on the path (a bench imports ``bench.common``)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(checkout), os.environ.get("PYTHONPATH")))))
 
 
 def _follow(fd: int, bar, task, name: str) -> None:
@@ -171,7 +197,7 @@ def _numbers(obj, prefix: str = "", depth: int = 0):
     if isinstance(obj, bool):
         return
     if isinstance(obj, (int, float)):
-        if obj == obj and abs(obj) != float("inf"):
+        if math.isfinite(obj):
             yield prefix or "value", float(obj)
     elif isinstance(obj, dict) and depth <= 2:
         for k, v in obj.items():
