@@ -75,7 +75,7 @@ def test_requests_in_flight_are_served_as_one_at_a_time_and_leave_nothing_behind
     ps = prompts()
     want = replay(model, ps)
     engine = Engine(model, config(mode, tmp_path))
-    server = BatchServer(engine)
+    server = BatchServer(engine, verify_every=1)
     tier = engine.tier
     loads = _Loads()
     rematched_in_flight = [0]
@@ -107,6 +107,7 @@ def test_requests_in_flight_are_served_as_one_at_a_time_and_leave_nothing_behind
         # from a load admitted earlier in the same pass (requests matched again after it)
         assert all(r.device_hit + r.host_hit >= (r.prompt_len - 1) // PAGE * PAGE for r in second)
         assert sum(r.host_hit for r in second) >= 48 and rematched_in_flight[0] > 0
+        assert server.verified_pages >= 5 and server.loaded_mismatches == 0
     if mode == "kvtier_ssd":
         assert tier.stats()["promotions"] > 0
     if tier is not None:
@@ -118,4 +119,18 @@ def test_requests_in_flight_are_served_as_one_at_a_time_and_leave_nothing_behind
         assert sum(r.device_hit for r in second) >= 5 * 48  # the tree refilled within pass 2
     assert engine.req_to_token_pool.available_size() == engine.req_to_token_pool.size
     assert engine.leaked_slots() == 0
+    engine.close()
+
+
+def test_the_loaded_kv_check_finds_host_bytes_that_changed(model, tmp_path):
+    """The harness's check of loaded pages against stored ones is not blind: host blocks altered between the store
+    and the load are found."""
+    ps = prompts()
+    engine = Engine(model, config("kvtier", tmp_path))
+    server = BatchServer(engine, verify_every=1)
+    server.run([Arrival(p, 5, tag=i) for i, p in enumerate(ps)])
+    engine.flush_device()
+    engine.tier.pool.host.view(torch.uint8).add_(1)  # every host byte changed
+    server.run([Arrival(p, 5, tag=i) for i, p in enumerate(ps)])
+    assert server.verified_pages >= 5 and server.loaded_mismatches == server.verified_pages
     engine.close()

@@ -45,11 +45,14 @@ import dataclasses
 import time
 import types
 from array import array
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
+import numpy as np
 import torch
+import xxhash
 
 from kvtier.config import TierConfig
+from kvtier.e2e.arrivals import Arrival, Feed
 from kvtier.e2e.model import PagedDecoder, Segment
 from kvtier.sglang.radix_cache import KVTierRadixCache
 
@@ -198,17 +201,6 @@ class Engine:
 
 
 @dataclasses.dataclass
-class Arrival:
-    """A request to serve: its tokens, new tokens to generate, and when it arrives (seconds from the run's start;
-    the caller may also submit it directly)."""
-
-    tokens: list
-    max_new_tokens: int
-    at_s: float = 0.0
-    tag: object = None  # the workload's (a client, a round)
-
-
-@dataclasses.dataclass
 class Record:
     """What happened to one request."""
 
@@ -244,11 +236,20 @@ class BatchServer:
         engine: the mode's pools and tree cache.
         clock: seconds (default ``time.perf_counter``).
         on_step: called after each step with (the batch run or None, this server).
+        verify_every: check loaded KV against stored KV on one page in this many (0: off). A page is sampled by
+            its token prefix: when a request's KV is stored (checkpointed or released), each sampled page's device
+            bytes are digested under its prefix; when a request's host hit has been loaded (after its prefill
+            batch's forward), each sampled loaded page's device bytes must equal one of the digests stored under
+            its prefix (``verified_pages``, ``loaded_mismatches``).
     """
 
     def __init__(self, engine: Engine, *, clock: Callable[[], float] = time.perf_counter,
-                 on_step: Optional[Callable] = None) -> None:
+                 on_step: Optional[Callable] = None, verify_every: int = 0) -> None:
         self.engine, self.clock, self.on_step = engine, clock, on_step
+        self.verify_every = verify_every
+        self._stored_digests: dict[int, set] = {}  # sampled page's prefix key -> digests of its stored KV
+        self._loaded_now: list[Req] = []  # requests whose host hit the current prefill batch loads
+        self.verified_pages = self.loaded_mismatches = 0
         engine.activate()
         self.cache, self.model = engine.cache, engine.model
         cfg = engine.cfg
@@ -261,6 +262,7 @@ class BatchServer:
         self.chunked_req: Optional[Req] = None
         self.last_batch: Optional[ScheduleBatch] = None
         self.records: dict[str, Record] = {}
+        self.finished: list[Record] = []  # in the order they finished
         self.steps = self.prefill_batches = self.decode_batches = 0
         self._rid = 0
         self._t0 = self.clock()
@@ -274,14 +276,14 @@ class BatchServer:
     def reset_clock(self) -> None:
         self._t0 = self.clock()
 
-    def submit(self, arrival: Arrival, at_s: Optional[float] = None) -> str:
-        """Queue a request now (its arrival time: ``at_s``, default now); returns its id."""
+    def submit(self, arrival: Arrival) -> str:
+        """Queue a request now; returns its id."""
         self._rid += 1
         rid = f"{self.engine.mode}-{self._rid}"
         sp = SamplingParams(temperature=0, max_new_tokens=arrival.max_new_tokens)
         sp.normalize(None)
         req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", arrival.tokens), sampling_params=sp)
-        self.records[rid] = Record(arrival.tag, len(arrival.tokens), self.now() if at_s is None else at_s)
+        self.records[rid] = Record(arrival.tag, len(arrival.tokens), self.now())
         self.waiting.append(req)
         return rid
 
@@ -290,40 +292,31 @@ class BatchServer:
         return bool(self.waiting or not self.running.is_empty() or self.chunked_req is not None
                     or (self.last_batch is not None and not self.last_batch.is_empty()))
 
-    def run(self, arrivals: list[Arrival], *, ready: Optional[Callable[[], list[Arrival]]] = None,
-            timeout_s: float = 3600.0, max_steps: int = 1 << 30) -> list[Record]:
-        """Serve ``arrivals`` at their times (seconds from now), and whatever ``ready()`` hands over after each step
-        (closed-loop clients: their next requests, arriving when handed over), until none is left; the records of
-        the requests served, in the order they finished."""
-        pending = sorted(arrivals, key=lambda a: a.at_s)
+    def run(self, feed: Union[Feed, list[Arrival]], *, timeout_s: float = 3600.0) -> list[Record]:
+        """Serve what ``feed`` sends (a list: every request now) until it is done and nothing is in flight; the
+        records of the requests that finished, in the order they finished."""
+        if isinstance(feed, list):
+            feed = _Given(feed)
         self.reset_clock()
-        done_before = {rid for rid, r in self.records.items() if r.finished_s is not None}
-        i = steps = 0
+        first = seen = len(self.finished)
         while True:
             now = self.now()
-            while i < len(pending) and pending[i].at_s <= now:
-                self.submit(pending[i], at_s=pending[i].at_s)
-                i += 1
-            if ready is not None:
-                for a in ready():
-                    self.submit(a)
+            for a in feed.take(now, self.finished[seen:]):
+                self.submit(a)
+            seen = len(self.finished)
             if not self.busy:
-                if i == len(pending) and (ready is None or not self._more_coming(ready)):
+                if feed.done():
                     break
-                if i < len(pending):
-                    time.sleep(max(0.0, min(pending[i].at_s - self.now(), 0.05)))
+                due = feed.next_s()
+                if due is None:
+                    raise RuntimeError("the feed waits for a request to finish, and none is in flight")
+                time.sleep(max(0.0, min(due - self.now(), 0.05)))
                 continue
             self.step()
-            steps += 1
-            if steps >= max_steps or now > timeout_s:
+            if now > timeout_s:
                 raise TimeoutError(f"{self.engine.mode}: {len(self.waiting)} waiting, "
-                                   f"{self.running.batch_size()} running after {steps} steps and {now:.0f} s")
-        finished = [r for rid, r in self.records.items() if r.finished_s is not None and rid not in done_before]
-        return sorted(finished, key=lambda r: r.finished_s)
-
-    @staticmethod
-    def _more_coming(ready) -> bool:
-        return bool(getattr(ready, "more", lambda: False)())
+                                   f"{self.running.batch_size()} running after {now:.0f} s")
+        return self.finished[first:]
 
     # --- one step ---
 
@@ -428,6 +421,8 @@ class BatchServer:
                 rec.admitted_s = now
                 device, host = matched.get(req.rid, (req.prefix_len, 0))
                 rec.device_hit, rec.host_hit = device, getattr(req, "host_loaded_length", 0) or 0
+                if rec.host_hit and self.verify_every:
+                    self._loaded_now.append(req)
         batch = ScheduleBatch.init_new(can_run, self.engine.req_to_token_pool, self.engine.allocator, self.cache,
                                        self.model_config, False, SpeculativeAlgorithm.NONE,
                                        chunked_req=self.chunked_req)
@@ -496,6 +491,10 @@ class BatchServer:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         now = self.now()
+        for req in self._loaded_now:
+            rec = self.records[req.rid]
+            self._check_loaded(req, rec.device_hit, rec.device_hit + rec.host_hit)
+        self._loaded_now = []
         if batch.forward_mode.is_extend():
             self._prefill_results(batch, next_ids, now)
         else:
@@ -521,6 +520,7 @@ class BatchServer:
             if req.finished():
                 self._finish(req, now)
             else:
+                self._digest_stored(req)
                 checkpoint_kv_cache(req, self.cache)
 
     def _decode_results(self, batch: ScheduleBatch, next_ids: list, now: float) -> None:
@@ -533,6 +533,58 @@ class BatchServer:
                 self._finish(req, now)
 
     def _finish(self, req: Req, now: float) -> None:
+        self._digest_stored(req)
         release_kv_cache(req, self.cache, checkpoint=True)
         rec = self.records[req.rid]
         rec.finished_s, rec.output = now, list(req.output_ids)
+        self.finished.append(rec)
+
+
+    # --- loaded KV against stored KV (verify_every) ---
+
+    def _pages(self, req: Req, first: int, end: int):
+        """(prefix key, slots) of the sampled whole pages of ``req`` within tokens ``first..end``."""
+        P = self.engine.cfg.page_size
+        ids = np.asarray(req.get_fill_ids(), dtype=np.int64)
+        row = self.engine.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        for p in range(-(-first // P), end // P):
+            key = xxhash.xxh3_64_intdigest(ids[:(p + 1) * P].tobytes())
+            if key % self.verify_every == 0:
+                yield key, row[p * P:(p + 1) * P].to(torch.int64)
+
+    def _digest(self, slots: torch.Tensor) -> int:
+        pool = self.engine.kv_pool
+        bufs = (list(pool.k_buffer) + list(pool.v_buffer) if getattr(pool, "k_buffer", None) is not None
+                else list(pool.kv_buffer))
+        rows = torch.stack([b[slots.to(b.device)] for b in bufs]).contiguous()
+        return xxhash.xxh3_64_intdigest(rows.view(torch.uint8).cpu().numpy().tobytes())
+
+    def _digest_stored(self, req: Req) -> None:
+        if self.verify_every:
+            for key, slots in self._pages(req, 0, req.kv.kv_committed_len):
+                self._stored_digests.setdefault(key, set()).add(self._digest(slots))
+
+    def _check_loaded(self, req: Req, first: int, end: int) -> None:
+        for key, slots in self._pages(req, first, end):
+            want = self._stored_digests.get(key)
+            if want is not None:
+                self.verified_pages += 1
+                self.loaded_mismatches += self._digest(slots) not in want
+
+
+class _Given:
+    """A feed of the given requests, all sent at once."""
+
+    def __init__(self, arrivals: list[Arrival]) -> None:
+        self.arrivals = arrivals
+
+    def take(self, now_s: float, finished: list) -> list[Arrival]:
+        out, self.arrivals = self.arrivals, []
+        return out
+
+    def done(self) -> bool:
+        return not self.arrivals
+
+    def next_s(self) -> Optional[float]:
+        return 0.0 if self.arrivals else None
+
