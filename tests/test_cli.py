@@ -290,19 +290,37 @@ def test_config_check_prints_the_host_share_arithmetic(tmp_path):
         assert reserve == 10.0 and "by SGLang's rule" in line
 
 
-def test_config_check_of_a_typo_imports_no_torch(tmp_path):
-    """A one-line typo took 3-4 s of CPU (torch), ~10 s beside SGLang."""
+@pytest.mark.parametrize("text", ["cpu_cach_gb: 4\n", "cpu_cache_gb: 0.01\n"], ids=["typo", "valid"])
+def test_config_check_imports_no_torch(tmp_path, text):
+    """A one-line typo took 3-4 s of CPU (torch), ~10 s beside SGLang (whose rule a valid file is checked by)."""
     import time
 
     f = tmp_path / "kvtier.yaml"
-    f.write_text("cpu_cach_gb: 4\n")
+    f.write_text(text)
     code = ("import sys; from kvtier import cli; rc = cli.main(['config', 'check', sys.argv[1]]); "
             "print(rc, sorted(m for m in ('torch', 'numba', 'sglang', 'triton') if m in sys.modules))")
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", code, str(f)], check=False, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code, str(f)], check=False, capture_output=True, text=True,
+                         timeout=60)
     took = time.monotonic() - t0
-    assert out.stdout.strip() == "1 []" and "unknown key 'cpu_cach_gb'" in out.stderr, out.stdout + out.stderr
-    print(f"config check of a typo: {took:.2f} s")
+    want = "1 []" if "cach_" in text else "0 []"
+    assert out.stdout.strip().splitlines()[-1] == want, out.stdout + out.stderr
+    assert ("unknown key 'cpu_cach_gb'" in out.stderr) == ("cach_" in text)
+    print(f"config check ({text.strip()}): {took:.2f} s")
+
+
+def test_config_check_follows_sglangs_rule():
+    """Its measure of available memory and its reserve are SGLang's (read without importing SGLang)."""
+    base = pytest.importorskip("sglang.srt.mem_cache.pool_host.base")
+    from sglang.srt.mem_cache.host_memory import available_host_memory_bytes
+
+    from kvtier.commands.config_check import SGLANG_RESERVE_BYTES, _sglang_rule
+
+    assert SGLANG_RESERVE_BYTES == base.HICACHE_HOST_MEMORY_RESERVE_BYTES
+    available, reserve = _sglang_rule()
+    drift = 512 << 20  # the machine's memory moves between two readings
+    assert abs(available - available_host_memory_bytes(allow_cgroup_fallback=True)) < drift
+    assert abs(available - reserve - base.host_memory_budget_bytes(1 << 30)) < drift  # one rank outside a server
 
 
 # --- CLI odds ---

@@ -4,6 +4,7 @@ hashes; metrics on with --enable-metrics."""
 
 from __future__ import annotations
 
+import atexit
 import socket
 import time
 
@@ -51,6 +52,9 @@ def _publish_and_receive(events: list) -> list:
     finally:
         sub.close(linger=0)
         pub.shutdown()
+        # SGLang registers shutdown with atexit as well; a second one at exit finds its stop marker unread (the
+        # thread is gone), waits 1 s and warns "Queue still has 1 items": once per publisher, after the summary
+        atexit.unregister(pub.shutdown)
 
 
 def _hashes(events, kind: str, medium: str) -> list:

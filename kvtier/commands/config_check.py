@@ -8,8 +8,7 @@ store, room for ``ssd_cache_gb``), and the remote tier (its client installed, th
 ``offline`` leaves the master unchecked). Prints every key as it resolves, what follows from them and one line per
 check, then one verdict: the last line of stdout with exit status 0, or one line on stderr with exit status 1.
 
-Imports neither torch nor numba: only SGLang's own rule (with SGLang installed, once the file is valid) imports
-SGLang, and torch with it.
+Imports neither torch, numba nor SGLang: SGLang's measure of available memory is read from its file.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import ipaddress
 import os
 import socket
 import sys
+import warnings
 
 from kvtier._checks import (
     directory_problem,
@@ -35,6 +35,8 @@ __all__ = ["KVTIER_RESERVE_GIB", "MASTER_WAIT_S", "Finding", "available_memory_b
 
 GIB = 1 << 30
 KVTIER_RESERVE_GIB = 2.0  # kvtier.tier.host_pool.DEFAULT_RESERVE_GB, without importing torch (a test keeps them equal)
+# sglang.srt.mem_cache.pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES (a test keeps them equal)
+SGLANG_RESERVE_BYTES = 10 * GIB
 MASTER_WAIT_S = 5.0  # the longest wait for the master's answer (the tier's own check waits as long)
 SSD_FILE_NAME = "kvtier_blocks.bin"  # kvtier.storage.ssd_store.FILE_NAME (a test keeps them equal)
 
@@ -166,18 +168,24 @@ def host_memory(config: TierConfig) -> list[Finding]:
 
 
 def _sglang_rule() -> tuple[int, int] | None:
-    """(available bytes, reserve bytes) by SGLang's HiCache rule, or None without SGLang. Imports SGLang (and
-    torch with it): only where it is installed."""
-    if importlib.util.find_spec("sglang") is None:
+    """(available bytes, reserve bytes) by SGLang's HiCache rule, or None without SGLang. SGLang's measure is its
+    own function, read from its file: importing the sglang package imports torch and takes seconds."""
+    spec = importlib.util.find_spec("sglang")  # finds the package without importing it
+    if spec is None or spec.origin is None:
         return None
+    path = os.path.join(os.path.dirname(spec.origin), "srt", "mem_cache", "host_memory.py")
     try:
-        from sglang.srt.mem_cache.host_memory import available_host_memory_bytes
-        from sglang.srt.mem_cache.pool_host.base import (
-            HICACHE_HOST_MEMORY_RESERVE_BYTES,
-        )
-    except ImportError:
-        return None
-    return int(available_host_memory_bytes(allow_cgroup_fallback=True)), int(HICACHE_HOST_MEMORY_RESERVE_BYTES)
+        source = importlib.util.spec_from_file_location("kvtier_sglang_host_memory", path)
+        module = importlib.util.module_from_spec(source)
+        source.loader.exec_module(module)
+        measure = module.available_host_memory_bytes
+    except (OSError, ImportError, AttributeError):  # another layout of SGLang: through its package, slowly
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its platform warnings (no CUDA here, ...) are not this check's
+            from sglang.srt.mem_cache.host_memory import (
+                available_host_memory_bytes as measure,
+            )
+    return int(measure(allow_cgroup_fallback=True)), SGLANG_RESERVE_BYTES
 
 
 # --- SSD directories ---
