@@ -127,6 +127,54 @@ def test_a_master_not_reachable_at_start_is_a_clear_error_unless_not_required():
     t.destroy()
 
 
+_BUILD_WHILE_STOPPED = textwrap.dedent("""
+    import sys, threading, time
+    sys.path.insert(0, {root!r})
+    from kvtier.storage.mooncake_store import RemoteStoreError
+    from tests.test_tier_remote import make_remote_tier
+    from tests.tier_helpers import make_tier
+    make_tier().destroy()  # the index's code loaded: the builds below time the remote tier only
+    worst, stop = [0.0], threading.Event()
+
+    def beat():
+        last = time.monotonic()
+        while not stop.is_set():
+            time.sleep(0.005)
+            now = time.monotonic()
+            worst[0], last = max(worst[0], now - last - 0.005), now
+    threading.Thread(target=beat, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        make_remote_tier({master!r})
+        print("built", flush=True)
+    except RemoteStoreError as e:
+        print("error", e, flush=True)
+    t = make_remote_tier({master!r}, remote_required=False)
+    print("remote", t.remote is not None, "seconds", time.monotonic() - t0, "stall", worst[0], flush=True)
+""")
+
+
+def test_a_stopped_master_at_start_is_a_clear_error_without_freezing_the_process(mooncake_master):
+    """Mooncake's set-up holds the GIL while it retries a master that accepts connections but never answers (20
+    tries of 30 s): building a tier while the master was stopped froze every thread of the process for minutes. A
+    master that does not answer is now an error within the probe's timeout (no remote tier: remote_required false),
+    and the process's other threads run meanwhile."""
+    mooncake_master.pause()
+    try:
+        r = subprocess.run([sys.executable, "-c", _BUILD_WHILE_STOPPED.format(root=ROOT, master=mooncake_master.addr)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("building a tier while the master was stopped froze the process")
+    finally:
+        mooncake_master.resume()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"error kvtier: the Mooncake master at {mooncake_master.addr} accepts connections but did not answer" \
+        in r.stdout, r.stdout
+    words = r.stdout.split()
+    remote, seconds, stall = words[-5], float(words[-3]), float(words[-1])
+    assert remote == "False" and seconds < 2 * TIMEOUT + 3 and stall < 0.5, r.stdout
+
+
 def test_a_killed_master_leaves_the_local_tiers_serving_and_the_tier_reconnects(mooncake_master):
     a = make_remote_tier(mooncake_master.addr)
     store_and_put(a, prompt(1, 3))

@@ -33,6 +33,7 @@ from kvtier.storage.mooncake_store import MooncakeStore, RemoteStoreError
 from kvtier.tier.admission import CostAdmission, lower_read_blocks
 from kvtier.tier.block_holds import BlockHolds
 from kvtier.tier.host_pool import HostBlockPool
+from kvtier.tier.master_probe import check_master_answers
 from kvtier.tier.remote_tier import RemoteJob, RemoteTier
 from kvtier.tier.ssd_link import InFlight, in_flight
 from kvtier.tier.ssd_tier import signed64
@@ -86,12 +87,14 @@ class RemoteLink:
     def open(cls, config: TierConfig, pool: HostBlockPool, holds: BlockHolds, block_tokens: int,
              identity: Mapping) -> Optional["RemoteLink"]:
         """The remote tier of ``config``, connected, with the pool registered; None when the master cannot be
-        reached and ``remote_required`` is false (a warning says so).
+        reached or does not answer (:func:`~kvtier.tier.master_probe.check_master_answers`: Mooncake's set-up would
+        hold the GIL for minutes) and ``remote_required`` is false (a warning says so).
 
         Raises:
             kvtier.storage.mooncake_store.RemoteStoreError: the store cannot be used and ``remote_required``.
         """
         try:
+            check_master_answers(config.remote_master, min(5.0, max(1.0, config.remote_timeout_s)))
             store = MooncakeStore(config.remote_master, protocol=config.remote_protocol, device=config.remote_device,
                                   local_hostname=config.remote_local_hostname,
                                   metadata_server=config.remote_metadata_server,
