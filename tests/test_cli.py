@@ -228,10 +228,17 @@ def test_config_check_asks_the_master(tmp_path):
     assert _passed(_check(f, "--offline")).endswith("(remote_master not checked)")
     master = Master(str(tmp_path))
     try:
-        f.write_text(f"cpu_cache_gb: 0.01\nremote_backend: mooncake\nremote_master: {master.addr}\n")
+        f.write_text(f"cpu_cache_gb: 0.01\nremote_backend: mooncake\nremote_master: {master.addr}\n"
+                     "remote_timeout_s: 1\n")
         r = _check(f)
         assert _passed(r).endswith("every check on this host passed")
-        assert f"ok         remote_master: {master.addr} accepts connections" in r.stdout
+        assert f"ok         remote_master: {master.addr} answers" in r.stdout
+        master.pause()  # stopped: the kernel still accepts its connections
+        try:
+            line = _refused(_check(f))
+        finally:
+            master.resume()
+        assert f"remote_master: {master.addr} accepts connections but did not answer within 1 s" in line
     finally:
         master.kill()
 
@@ -321,6 +328,17 @@ def test_config_check_follows_sglangs_rule():
     drift = 512 << 20  # the machine's memory moves between two readings
     assert abs(available - available_host_memory_bytes(allow_cgroup_fallback=True)) < drift
     assert abs(available - reserve - base.host_memory_budget_bytes(1 << 30)) < drift  # one rank outside a server
+
+
+def test_the_constants_config_check_and_doctor_name_without_importing_them_are_the_tiers():
+    from kvtier.commands import config_check, doctor
+    from kvtier.sglang import SUPPORTED_SGLANG_VERSION
+    from kvtier.storage.ssd_store import FILE_NAME
+    from kvtier.tier.host_pool import DEFAULT_RESERVE_GB
+    from kvtier.tier.master_probe import NOT_A_REQUEST
+
+    assert config_check.KVTIER_RESERVE_GIB == DEFAULT_RESERVE_GB and config_check.SSD_FILE_NAME == FILE_NAME
+    assert config_check.NOT_A_REQUEST == NOT_A_REQUEST and doctor.SGLANG == SUPPORTED_SGLANG_VERSION
 
 
 # --- CLI odds ---

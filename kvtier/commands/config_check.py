@@ -38,6 +38,7 @@ KVTIER_RESERVE_GIB = 2.0  # kvtier.tier.host_pool.DEFAULT_RESERVE_GB, without im
 # sglang.srt.mem_cache.pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES (a test keeps them equal)
 SGLANG_RESERVE_BYTES = 10 * GIB
 MASTER_WAIT_S = 5.0  # the longest wait for the master's answer (the tier's own check waits as long)
+NOT_A_REQUEST = b"\0" * 64  # kvtier.tier.master_probe.NOT_A_REQUEST: no valid header, the master drops the connection
 SSD_FILE_NAME = "kvtier_blocks.bin"  # kvtier.storage.ssd_store.FILE_NAME (a test keeps them equal)
 
 
@@ -281,18 +282,27 @@ def remote_tier(config: TierConfig, *, offline: bool) -> list[Finding]:
 
 
 def master_answers(master: str, timeout_s: float) -> Finding:
-    """Whether a TCP connection to the master opens within ``timeout_s`` (what the tier checks at start)."""
+    """Whether the master answers within ``timeout_s``: a connection opens, and bytes that are no request make it
+    close the connection, as a live ``mooncake_master`` does at once (the tier's own probe,
+    :mod:`kvtier.tier.master_probe`; the kernel accepts a stopped master's connections, so a connect cannot tell)."""
     host, port = split_host_port(master)
+    start = f"start mooncake_master there (--rpc_port={port}), or check with --offline"
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
+        conn = socket.create_connection((host, port), timeout=timeout_s)
     except TimeoutError:
-        return Finding("fail", f"remote_master: {master} did not answer within {timeout_s:g} s: start "
-                               f"mooncake_master there (--rpc_port={port}), or check with --offline")
+        return Finding("fail", f"remote_master: {master} did not answer within {timeout_s:g} s: {start}")
     except OSError as e:
-        return Finding("fail", f"remote_master: {master} is not reachable ({e.strerror or e}): start "
-                               f"mooncake_master there (--rpc_port={port}), or check with --offline")
-    return Finding("ok", f"remote_master: {master} accepts connections")
+        return Finding("fail", f"remote_master: {master} is not reachable ({e.strerror or e}): {start}")
+    with conn:
+        try:
+            conn.sendall(NOT_A_REQUEST)
+            conn.recv(1)  # a master closes the connection: b"", or a reset
+        except TimeoutError:
+            return Finding("fail", f"remote_master: {master} accepts connections but did not answer within "
+                                   f"{timeout_s:g} s: a stopped or hung mooncake_master, or no mooncake_master")
+        except OSError:
+            pass
+    return Finding("ok", f"remote_master: {master} answers")
 
 
 def _loopback(host: str) -> bool:
