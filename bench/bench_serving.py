@@ -449,6 +449,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="run the plan on this device (e.g. the smoke plan on cuda)")
     ap.add_argument("--swe-prompts", type=int, default=None, help="swe prompts (the plan's by default)")
     ap.add_argument("--qps", default=None, help="swe pass-2 rates, comma-separated ('inf': all at once)")
+    ap.add_argument("--multiturn", default=None, help="CLIENTS,ROUNDS,TURN_TOKENS (the plan's by default)")
+    ap.add_argument("--distinct", type=int, default=None, help="distinct prompts (the plan's by default)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "serving.json"))
     args = ap.parse_args(argv)
     from kvtier.sglang.batch_server import CUDA_MODES, MODES
@@ -462,6 +464,10 @@ def main(argv=None) -> int:
         plan.swe_prompts = args.swe_prompts
     if args.qps:
         plan.swe_qps = tuple(float(q) for q in args.qps.split(","))
+    if args.multiturn:
+        plan.mt_clients, plan.mt_rounds, plan.mt_turn = (int(x) for x in args.multiturn.split(","))
+    if args.distinct:
+        plan.distinct_prompts = args.distinct
     if plan.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the gpu plan needs CUDA (--plan smoke runs on a CPU)")
     modes = args.modes.split(",") if args.modes else [m for m in MODES if m != "radix" and (

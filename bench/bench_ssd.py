@@ -9,12 +9,15 @@ For each directory (a disk, and a RAM-backed one for the software's own ceiling)
   MiB) from a CPU pool (durable batches: headers and payloads, sync, journal records, sync), then one read job into
   other CPU blocks (header, checksum, chain hash, namespace and tokens checked per block), on the same number of IO
   threads; once per CPU pool layout (``--layouts``); the bytes read back are compared with those written;
-* recovery: the SSD tier's restart path (open the store, replay its journal: one sequential read, fill the slot
-  index) over ``--recovery-blocks`` records, per million blocks (median of ``--reps``).
+* recovery: the SSD tier's restart path (open the store, recover what it holds, fill the slot index) over
+  ``--recovery-blocks`` held blocks, per million blocks (median of ``--reps``): from the journal (one sequential
+  read) and from the slot headers (the journal removed: every header read, and the journal rebuilt);
+  ``--only-recovery`` measures these alone and merges them into ``--out``.
 Each repetition runs every raw pattern and every layout once, in a shuffled order (the disk's speed drifts, and
 jumps between states on the CPU machine's virtual disk); figures are medians of ``--reps``, each layout's over the
 raw pattern with the best median, and a directory's ``write_over_raw`` / ``read_over_raw`` are the slower layout's. Summary: ``ssd_write_over_raw``,
-``ssd_read_over_raw`` (the disk), ``ram_write_over_raw``, ``ram_read_over_raw``, ``recovery_s_per_million_blocks``.
+``ssd_read_over_raw`` (the disk), ``ram_write_over_raw``, ``ram_read_over_raw``, ``recovery_s_per_million_blocks``,
+``recovery_headers_s_per_million_blocks``.
 
 Run: ``python bench/bench_ssd.py --dir /var/tmp/kvtier-ssd --ram-dir /dev/shm/kvtier-ssd --out bench/results/ssd_cpu.json``
 """
@@ -42,11 +45,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from kvtier.storage import SsdStore, fingerprint  # noqa: E402
+from kvtier.storage import Block, SsdStore, fingerprint  # noqa: E402
 from kvtier.storage.ssd_store import FILE_NAME  # noqa: E402
 from kvtier.storage.aligned_io import aligned as _aligned  # noqa: E402
 from kvtier.storage.block_format import ALIGN, padded  # noqa: E402
-from kvtier.storage.journal import BLOCK, Record  # noqa: E402
 from kvtier.tier.slot_index import SlotIndex  # noqa: E402
 from kvtier.tier.ssd_tier import SsdTier  # noqa: E402
 from kvtier.tier import HostBlockPool  # noqa: E402
@@ -181,37 +183,59 @@ def tier_bandwidth(directory: str, nbytes: int, threads: int, layout: str) -> di
     return {"direct": direct, "layout": layout, "blocks": n, "write_gbps": w, "read_gbps": r}
 
 
-def recovery(directory: str, n: int) -> dict:
-    """Seconds of the SSD tier's restart path over a store whose journal holds ``n`` block records, per million:
-    open the store, :meth:`SsdStore.recover_hashes`, fill a :class:`SlotIndex` (4 KiB blocks, so that ``n`` slots fit
-    the disk; a record's size does not depend on its block's)."""
+def recovery(directory: str, n: int, io_threads: int) -> dict:
+    """Seconds of the SSD tier's restart path over a store of ``n`` held blocks (4 KiB each, so that ``n`` slots fit
+    the disk; a record's and a header's size do not depend on its block's), per million: open the store (with a
+    trusted journal, a replay: one sequential read; ``headers``: the journal removed, every slot's header read,
+    ``4 x io_threads`` at once, and the journal rebuilt from them), :meth:`SsdStore.recover_hashes`, fill a
+    :class:`SlotIndex`."""
     directory = os.path.join(directory, "recovery")
     os.makedirs(directory, exist_ok=True)
     kw = dict(capacity_bytes=n * (ALIGN + ALIGN), block_bytes=ALIGN, fingerprint=fingerprint(model="bench-recovery"),
-              tokens_per_block=16, wipe_mismatch=True)
+              tokens_per_block=16, wipe_mismatch=True, io_threads=io_threads)
     toks = np.arange(TOKENS, dtype=np.int64)
+    data = np.zeros(ALIGN, dtype=np.uint8)
     with SsdStore(directory, **kw) as s:
-        s.files[0].journal.rewrite(Record(BLOCK, i, 0, i * 0x9E3779B97F4A7C15 % 2**64, ALIGN, i, toks)
-                                   for i in range(n))
-    t0 = time.perf_counter()
-    s = SsdStore(directory, **kw)
-    t1 = time.perf_counter()
-    slots, hashes = s.recover_hashes()
-    t2 = time.perf_counter()
-    held = SlotIndex(s.num_slots).recover(slots, hashes)
-    t3 = time.perf_counter()
-    s.close()
-    size = os.path.getsize(os.path.join(directory, FILE_NAME + ".journal"))
+        for a in range(0, n, 4096):
+            s.put(range(a, min(a + 4096, n)),
+                  [Block(0, i * 0x9E3779B97F4A7C15 % 2**64, toks, data) for i in range(a, min(a + 4096, n))])
+    out = {}
+    for source in ("journal", "headers"):
+        if source == "headers":
+            os.unlink(os.path.join(directory, FILE_NAME + ".journal"))
+        t0 = time.perf_counter()
+        s = SsdStore(directory, **kw)
+        t1 = time.perf_counter()
+        slots, hashes = s.recover_hashes()
+        t2 = time.perf_counter()
+        held = SlotIndex(s.num_slots).recover(slots, hashes)
+        t3 = time.perf_counter()
+        s.close()
+        assert held == n, (source, held, n)
+        out[source] = {"records": n, "open_s": t1 - t0, "recover_hashes_s": t2 - t1, "index_s": t3 - t2,
+                       "restart_s": t3 - t0, "s_per_million_blocks": (t3 - t0) / n * 1e6}
+    out["journal"]["journal_bytes"] = os.path.getsize(os.path.join(directory, FILE_NAME + ".journal"))
     shutil.rmtree(directory)
-    assert held == n
-    return {"records": n, "journal_bytes": size, "open_s": t1 - t0, "recover_hashes_s": t2 - t1, "index_s": t3 - t2,
-            "restart_s": t3 - t0, "s_per_million_blocks": (t3 - t0) / n * 1e6}
+    return out
 
 
-def median_recovery(directory: str, n: int, reps: int) -> dict:
-    """The median of ``reps`` :func:`recovery` runs, with every run's seconds per million."""
-    runs = sorted((recovery(directory, n) for _ in range(reps)), key=lambda r: r["s_per_million_blocks"])
-    return {**runs[len(runs) // 2], "s_per_million_blocks_runs": [r["s_per_million_blocks"] for r in runs]}
+def median_recovery(directory: str, n: int, reps: int, io_threads: int) -> dict:
+    """The median of ``reps`` :func:`recovery` runs per source, with every run's seconds per million."""
+    runs = [recovery(directory, n, io_threads) for _ in range(reps)]
+    out = {}
+    for source in ("journal", "headers"):
+        rows = sorted((r[source] for r in runs), key=lambda r: r["s_per_million_blocks"])
+        out[source] = {**rows[len(rows) // 2], "s_per_million_blocks_runs": [r["s_per_million_blocks"] for r in rows]}
+    return out
+
+
+def add_recovery(out: dict, directory: str, args) -> None:
+    """``out``'s ``recovery`` (from the journal) and ``recovery_headers`` sections and their seconds per million."""
+    rec = median_recovery(directory, args.recovery_blocks, args.reps, args.io_threads)
+    progress.step(f"{directory}: recovery")
+    out["recovery"], out["recovery_headers"] = rec["journal"], rec["headers"]
+    out["recovery_s_per_million_blocks"] = rec["journal"]["s_per_million_blocks"]
+    out["recovery_headers_s_per_million_blocks"] = rec["headers"]["s_per_million_blocks"]
 
 
 def measure(directory: str, args) -> dict:
@@ -243,16 +267,14 @@ def measure(directory: str, args) -> dict:
     worst = lambda k: min(m[k] for m in out["layouts"].values())  # noqa: E731
     out["store_write_gbps"] = worst("write_gbps")  # the slower layout's: what the bars take
     out["store_read_gbps"] = worst("read_gbps")
-    out["recovery"] = median_recovery(directory, args.recovery_blocks, args.reps)
-    progress.step(f"{directory}: recovery")
-    out["recovery_s_per_million_blocks"] = out["recovery"]["s_per_million_blocks"]
+    add_recovery(out, directory, args)
     out["write_over_raw"] = out["store_write_gbps"] / out["raw_write_gbps"]
     out["read_over_raw"] = out["store_read_gbps"] / out["raw_read_gbps"]
     lines = ", ".join(f"{k} write {m['write_gbps']:.3f} ({m['write_over_raw']:.3f}) read {m['read_gbps']:.3f} "
                       f"({m['read_over_raw']:.3f})" for k, m in out["layouts"].items())
     print(f"{directory}: raw write {out['raw_write_gbps']:.3f} ({best['write']}) read {out['raw_read_gbps']:.3f} "
           f"({best['read']}) GB/s; tier {lines}; recovery {out['recovery_s_per_million_blocks']:.2f} s per 1M "
-          f"blocks", flush=True)
+          f"blocks from the journal, {out['recovery_headers_s_per_million_blocks']:.1f} from the headers", flush=True)
     return out
 
 
@@ -265,9 +287,13 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default="layer_first,page_first", type=lambda v: v.split(","),
                     help="CPU pool layouts to move blocks from and to (comma separated)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--recovery-blocks", type=int, default=200_000, help="journal records for the recovery time")
+    ap.add_argument("--recovery-blocks", type=int, default=200_000, help="blocks held for the recovery time")
+    ap.add_argument("--only-recovery", action="store_true",
+                    help="measure the recovery alone (on --dir) and merge it into --out")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "ssd_cpu.json"))
     args = ap.parse_args(argv)
+    if args.only_recovery:
+        return merge_recovery(args)
     progress.plan(((len(RAW_PATTERNS) + len(args.layouts)) * args.reps + 1) * (2 if args.ram_dir else 1))
     res = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "block_bytes": BLOCK_BYTES,
            "args": vars(args), "disk": measure(args.dir, args)}
@@ -277,6 +303,7 @@ def main(argv=None) -> int:
     d = res["disk"]
     res["summary"] = {"ssd_write_over_raw": d["write_over_raw"], "ssd_read_over_raw": d["read_over_raw"],
                       "recovery_s_per_million_blocks": d["recovery_s_per_million_blocks"],
+                      "recovery_headers_s_per_million_blocks": d["recovery_headers_s_per_million_blocks"],
                       "raw_write_gbps": d["raw_write_gbps"], "raw_read_gbps": d["raw_read_gbps"]}
     if "ram" in res:
         res["summary"].update(ram_write_over_raw=res["ram"]["write_over_raw"],
@@ -284,6 +311,23 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res["summary"], indent=1))
+    return 0
+
+
+def merge_recovery(args) -> int:
+    """``--only-recovery``: the recovery sections of ``--out``'s disk measurement, measured again."""
+    progress.plan(1)
+    with open(args.out) as f:
+        res = json.load(f)
+    add_recovery(res["disk"], args.dir, args)
+    d = res["disk"]
+    res["summary"].update(recovery_s_per_million_blocks=d["recovery_s_per_million_blocks"],
+                          recovery_headers_s_per_million_blocks=d["recovery_headers_s_per_million_blocks"])
+    res["recovery_args"] = {"dir": args.dir, "blocks": args.recovery_blocks, "reps": args.reps,
+                            "io_threads": args.io_threads}
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps({k: v for k, v in res["summary"].items() if k.startswith("recovery")}, indent=1))
     return 0
 
 

@@ -350,12 +350,15 @@ def ssd_table() -> str:
                 body.append([f"{machine}, {label}{old}", f"{d['raw_write_gbps']:.2f}", f"{d['raw_read_gbps']:.2f}",
                              f"{d['store_write_gbps']:.2f}", f"{d['write_over_raw']:.3f}",
                              f"{d['store_read_gbps']:.2f}", f"{d['read_over_raw']:.3f}",
-                             f"{d['recovery_s_per_million_blocks']:.2f}"])
+                             f"{d['recovery_s_per_million_blocks']:.2f}",
+                             f"{d['recovery_headers_s_per_million_blocks']:.1f}"
+                             if "recovery_headers_s_per_million_blocks" in d else "-"])
     return _table(["SSD tier's data path (`SsdTier` over `kvtier/storage`), 2.25 MiB blocks between a CPU pool and "
                    "the disk, the slower pool layout; medians, raw (its best request pattern) and tier runs shuffled",
                    "raw O_DIRECT write GB/s",
                    "raw read GB/s", "tier write GB/s", "over raw", "tier read GB/s", "over raw",
-                   "recovery, s per million blocks"], body)
+                   "recovery from the journal, s per million blocks",
+                   "from the slot headers (the journal missing or not trusted)"], body)
 
 
 def _ttft_rows(rows: list, key: Callable[[dict], tuple], groups: list) -> tuple[list, list]:
@@ -567,14 +570,59 @@ def observe_table() -> str:
           "–"]])
 
 
+# --- serving under load ------------------------------------------------------------------------------------------
+
+# FlexKV's serving table (Qwen3-8B on one H20, 120 SWE-bench-Lite prompts, pass 2 at qps 2.0, concurrency 24, 32 new
+# tokens): TTFT avg / p50 / p90 / p99 s, E2E p50 s, req/s
+FLEXKV_TABLE = (("FlexKV's table: SGLang, no host tier (H20)", 6.86, 8.04, 9.88, 10.89, 8.15, 1.86),
+                ("FlexKV's table: SGLang HiCache (H20)", 0.04, 0.04, 0.06, 0.06, 0.23, 2.02),
+                ("FlexKV's table: FlexKV (H20)", 0.05, 0.05, 0.07, 0.08, 0.24, 2.02))
+
+
+def _serving_runs() -> list[tuple[str, dict]]:
+    names = sorted(f for f in os.listdir(os.path.join(ROOT, "bench", "results")) if re.fullmatch(r"serving_\w+\.json", f))
+    return [(n[len("serving_"):-len(".json")], _load(n)) for n in names]
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v / 1e3:.3f}"
+
+
+def serving_table() -> str:
+    rows = [[label, *[f"{x:.2f}" for x in cells[:5]], f"{cells[5]:.2f}", "-", "-"] for label, *cells in FLEXKV_TABLE]
+    notes = []
+    for card, res in _serving_runs():
+        swe = res.get("swe") or {}
+        plan = res["plan"]
+        notes.append(f"{card.upper()}: Qwen3-8B shapes with {plan['layers']} of its 36 layers (random weights), "
+                     f"{swe.get('prompts')} prompts, device pool {swe.get('kv_tokens')} tokens, host pools "
+                     f"{swe.get('host_gb', 0):.1f} GiB")
+        for qps in sorted({r["qps"] for r in swe.get("runs", [])}):
+            for mode in res["modes"]:
+                runs = [r for r in swe["runs"] if r["mode"] == mode and r["qps"] == qps]
+                if not runs:
+                    continue
+                med = lambda k: sorted(r[k] for r in runs)[len(runs) // 2]  # noqa: E731
+                rate = "all at once" if qps == float("inf") else f"qps {qps:g}"
+                rows.append([f"{card.upper()} {mode}, {rate} ({len(runs)} runs)", _ms(med("ttft_avg_ms")),
+                             _ms(med("ttft_p50_ms")), _ms(med("ttft_p90_ms")), _ms(med("ttft_p99_ms")),
+                             _ms(med("e2e_p50_ms")), f"{med('req_per_s'):.2f}", f"{med('output_tok_per_s'):.1f}",
+                             f"{med('hit_rate'):.2f}"])
+        for mode, err in (swe.get("errors") or {}).items():
+            rows.append([f"{card.upper()} {mode}", "failed: " + err.strip().splitlines()[-1][:80], *["-"] * 7])
+    table = _table(["swe pass 2 (FlexKV's workload; 24 in flight, 32 new tokens)", "TTFT avg s", "p50", "p90",
+                    "p99", "E2E p50 s", "req/s", "output tok/s", "hit rate"], rows)
+    return table + ("\n\n" + "; ".join(notes) if notes else "")
+
+
 # --- files -------------------------------------------------------------------------------------------------------
 
 TABLES = {"headline": headline_table, "transfer": transfer_table, "index": index_table, "layerwise": layerwise_table,
           "fragmentation": fragmentation_table, "ssd": ssd_table, "ssd_tier": ssd_tier_table, "remote": remote_table,
-          "e2e": e2e_table, "observe": observe_table}
+          "e2e": e2e_table, "observe": observe_table, "serving": serving_table}
 
 # Which file holds which tables: the README the headline, bench/results/README.md every detailed one.
-FILES = {"README.md": ("headline",),
+FILES = {"README.md": ("headline", "serving"),
          os.path.join("bench", "results", "README.md"): tuple(n for n in TABLES if n != "headline")}
 
 
