@@ -5,6 +5,7 @@ between probe and get, forged values, and the key scheme. Every wait is bounded 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -325,6 +327,31 @@ def test_a_tier_whose_master_did_not_answer_last_is_destroyed_without_waiting_fo
     mooncake_master.resume()
     b.remote.medium.store.close()  # the test's own clean-up, the master answering again
     a.destroy()
+
+
+def test_a_client_left_at_destroy_is_never_closed_by_its_destructor(mooncake_master):
+    """A tier destroyed while its master hangs leaves its Mooncake client unclosed; once the tier was dropped, the
+    client's destructor closed it, holding the GIL while it waited for the master: every thread of the process
+    stopped (16 s in bench_remote_stalls at 4fdb9ea, in the next phase, which had no remote tier at all). The client
+    is kept referenced to the process's exit."""
+    b = make_remote_tier(mooncake_master.addr, seed=1)
+    mooncake_master.pause()
+    try:
+        b.destroy()  # the master does not answer: the client is left
+    finally:
+        mooncake_master.resume()
+    mooncake_master.kill()  # gone: the probe destroy left behind returns, and a close would wait for the master
+    for t in threading.enumerate():
+        if t.name == "kvtier-remote-close-probe":
+            t.join(60)
+    store = weakref.ref(b.remote.medium.store)
+    t0 = time.monotonic()
+    gc.collect()
+    before = time.monotonic() - t0  # a collection of this process's heap, the tier still referenced
+    del b
+    t0 = time.monotonic()
+    gc.collect()
+    assert store() is not None and time.monotonic() - t0 < before + 0.5
 
 
 def test_destroy_does_not_wait_for_a_probe_given_up_on(mooncake_master):
