@@ -20,8 +20,9 @@ index, allocation, finalize and the remote tier all run), ``remote_timeout_s`` `
   lookups that fetch what peers put, waits on half of the fetches, loads, polls, stats, a reset every 20 rounds),
   each call timed, while a heartbeat thread sleeps 5 ms at a time and records how late it wakes, split by the
   kernel's own account of the thread (``/proc/self/task/<tid>/schedstat``) into time spent runnable but not running
-  (the cores busy) and the rest (waiting for the GIL or a lock). Phases alternate without and with the remote tier (``--phases``, ABBA
-  order), each ``--phase-s`` seconds, the same chaos schedule in each pair; the remote tier is built and destroyed
+  (the cores busy) and the rest (waiting for the GIL or a lock). Phases alternate without and with the remote tier
+  (``--phases``, ABBA order; ``--order``: modes given, ``on:nice=N`` puts from threads N nicer), each ``--phase-s``
+  seconds, the same chaos schedule in each pair; the remote tier is built and destroyed
   between phases with the master and peers running (building it is not an engine call). Target: the heartbeat's
   worst stall with the remote tier <= 2x without it. Each phase's ``destroy`` is timed apart, with the heartbeat's
   worst stall during it (Mooncake's close holds the GIL while it joins the client's threads).
