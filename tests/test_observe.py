@@ -93,7 +93,7 @@ def test_metrics_are_scraped_over_http_with_the_counts_of_a_store_load_sequence(
 
 
 def test_ssd_series_appear_with_an_ssd_tier(tmp_path):
-    tier = make_ssd_tier(tmp_path, num_blocks=4)
+    tier = make_ssd_tier(tmp_path, num_blocks=6)  # the SSD write queue holds half the pool: the 3 blocks
     obs = attach(tier, dataclasses.replace(tier.config, metrics_port=0))
     try:
         toks = _tokens(3 * P)

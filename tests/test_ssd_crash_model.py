@@ -60,7 +60,10 @@ class CrashMachine(RuleBasedStateMachine):
         self.m = Medium(self.dir, slots, cpu_blocks=WRITE_BLOCKS + READ_BLOCKS)
 
     def _step(self) -> None:
+        """A rule's end: the write thread's queued records run now, so that no IO of this rule's interleaves with
+        the next rule's (a kill or an error then lands on the same step in every replay)."""
         steps_taken[0] += 1
+        self.m.tier.wait_idle()
         self.acked -= self.m.evicted
         self.m.evicted.clear()
 
@@ -109,7 +112,7 @@ class CrashMachine(RuleBasedStateMachine):
 
     @rule(h=st.sampled_from(UNIVERSE))
     def start_read(self, h: int) -> None:
-        """A read (a promotion) of ``h`` starts and stays in flight, its slot locked, while other rules run."""
+        """A read (a promotion) of ``h`` starts and stays unfinished, its slot locked, while other rules run."""
         if len(self.reading) == READ_BLOCKS or h in {r[0] for r in self.reading}:
             return
         slots = self.m.tier.match(np.array([h], dtype=np.uint64))
@@ -117,6 +120,7 @@ class CrashMachine(RuleBasedStateMachine):
             return
         block = WRITE_BLOCKS + min({0, 1} - {r[2] for r in self.reading})
         job = self.m.tier.read(slots, np.array([h], dtype=np.uint64), 0, tokens(h)[None], np.array([block]))
+        job.wait()  # its IO is done (no later rule races it); the slot stays locked until finish_read
         self.reading.append((h, job, block - WRITE_BLOCKS))
         note(f"start read {h}")
 

@@ -160,7 +160,7 @@ def test_a_crash_after_a_wipe_leaves_no_journal_of_the_old_file(tmp_path, monkey
     with store(tmp_path, 64) as s:
         s.put(list(range(64)), [block(100 + i) for i in range(64)])
 
-    def crash(self, live, first_seq=None):
+    def crash(self, live, first_seq=None, new_generation=False):
         raise Killed()
     monkeypatch.setattr(block_file.Journal, "rewrite", crash)
     with pytest.raises(Killed):

@@ -27,7 +27,7 @@ ID = {"model": "tiny-test", "tp_rank": 0, "tp_size": 1}
 P = TINY.page_size  # tokens per page = per block here
 
 
-def make_ssd_tier(ssd_dir, *, layout: str = "layer_first", num_blocks: int = 8, seed: int = 0, identity=ID,
+def make_ssd_tier(ssd_dir, *, layout: str = "layer_first", num_blocks: int = 12, seed: int = 0, identity=ID,
                   ssd_slots: int = 64, geo=TINY, **cfg) -> KVTier:
     """A tier over a small random KV pool (64 pages), CPU blocks of one page, an SSD tier of ``ssd_slots`` slots."""
     kv = make_kv(geo, 64 * geo.page_size, "cpu", torch.Generator().manual_seed(seed))
@@ -342,9 +342,9 @@ def test_an_allocation_takes_the_blocks_writes_gave_back_since_the_calls_drain(t
     """Writes that finished between a call's drain and its allocation gave back more blocks than were missing: the
     allocation asked the index to evict a negative count and raised (a store or a promotion crashed, and a
     promotion left its prefix locked)."""
-    t = make_ssd_tier(tmp_path, num_blocks=8, ssd_write_policy="write_back")
-    t.wait(t.store(prompt(1, 6), None, page_slots(0, 6, P)))
-    t.evict(6)  # write_back: the six are written now and held until durable
+    t = make_ssd_tier(tmp_path, num_blocks=12, ssd_write_policy="write_back")
+    t.wait(t.store(prompt(1, 10), None, page_slots(0, 10, P)))
+    t.evict(6)  # write_back: six are written now (the queue holds half the pool) and held until durable
     for job in t.ssd._writes:
         job.wait()  # durable, not yet drained
     assert t.pool.num_free == 2

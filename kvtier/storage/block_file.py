@@ -160,12 +160,12 @@ class BlockFile:
             sealed = None if self._seal is None else self._seal.journal_seq
             resealed = created
             if created:
-                j.rewrite([], first_seq=1)
+                j.rewrite([], first_seq=1, new_generation=True)
                 slots, hashes = np.empty(0, np.int64), np.empty(0, np.uint64)
             else:
                 if j.valid:
                     slots, hashes = j.replay_hashes()
-                why = j.problem(sealed)
+                why = j.problem(sealed, None if self._seal is None else self._seal.generation)
                 if why is None:
                     resealed = j.cut_torn_tail() > 0 or self._seal is None  # else the seal names a page it holds
                 else:
@@ -173,7 +173,7 @@ class BlockFile:
                                    self.path, why)
                     found = self.scan()
                     j.rewrite([_record(slot, h) for slot, h in found],
-                              first_seq=max(sealed or 0, j.last_seq if j.valid else 0) + 1)
+                              first_seq=max(sealed or 0, j.last_seq if j.valid else 0) + 1, new_generation=True)
                     slots = np.array([slot for slot, _ in found], dtype=np.int64)
                     hashes = np.array([h.chain_hash for _, h in found], dtype=np.uint64)
                     resealed = True
@@ -355,9 +355,9 @@ class BlockFile:
         """Append the journal records of slots whose headers and payloads are durable; :meth:`commit` calls it
         between its two syncs."""
         if self.journal is not None and entries:
-            self.journal.append(_record(slot, h) for slot, h in entries)
-            self._named[[slot for slot, _ in entries]] = True
+            self._named[[slot for slot, _ in entries]] = True  # first: a failed append may still have landed
             self._recovered = None
+            self.journal.append(_record(slot, h) for slot, h in entries)
 
     def free(self, slots: list[int]) -> None:
         """Mark slots empty, in their headers and the journal (durable with :meth:`sync`)."""
@@ -380,7 +380,7 @@ class BlockFile:
         if self.journal is None:
             return
         count = 0 if self._seal is None else self._seal.count + 1
-        self._seal = Seal(count, self.journal.last_seq)
+        self._seal = Seal(count, self.journal.last_seq, self.journal.generation)
         pack_seal(self._head, self._seal)
         write_all(self._fd, self._head, 0)
         os.fdatasync(self._fd)
@@ -476,7 +476,12 @@ class BlockFile:
         header = _aligned(ALIGN)
         out = []
         for slot in range(first, end):
-            read_all(self._fd, header, self._slot_offset(slot))
+            try:
+                read_all(self._fd, header, self._slot_offset(slot))
+            except OSError as e:  # a bad sector: that slot is empty, the others are read
+                logger.warning("kvtier: %s: slot %d's header could not be read (%s): the slot is empty", self.path,
+                               slot, e.strerror)
+                continue
             h = unpack_block_header(header)
             if h is not None and h.fingerprint == self.fingerprint:
                 out.append((slot, h))

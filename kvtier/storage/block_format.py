@@ -37,7 +37,7 @@ _SEAL_MAGIC = b"KVTSEAL1"
 _BLOCK_FIXED = struct.Struct("<8sI16sqQQQI")
 _FILE_FIXED = struct.Struct("<8sI16sQQ")  # magic, version, fingerprint, slot payload bytes, slots
 _STORE_ID = struct.Struct("<16s")  # version 2: after the fixed fields
-_SEAL = struct.Struct("<8sQQ")  # magic, write count, journal page sequence number
+_SEAL = struct.Struct("<8sQQ16s")  # magic, write count, journal page sequence number, journal generation
 _CHECK = struct.Struct("<Q")
 MAX_TOKENS = (ALIGN - _BLOCK_FIXED.size - _CHECK.size) // 8
 
@@ -82,10 +82,12 @@ class FileHeader(NamedTuple):
 
 
 class Seal(NamedTuple):
-    """A seal of the head page: the ``count``-th written, naming journal page ``journal_seq`` as durable."""
+    """A seal of the head page: the ``count``-th written, naming journal page ``journal_seq`` of the journal of
+    ``generation`` as durable."""
 
     count: int
     journal_seq: int
+    generation: bytes
 
 
 def pack_block_header(h: BlockHeader) -> bytes:
@@ -145,7 +147,7 @@ def unpack_file_header(buf) -> Optional[FileHeader]:
 def pack_seal(page, seal: Seal) -> None:
     """Write ``seal`` into its sector of the head page ``page`` (a uint8 array of 4 KiB): sectors 1 and 2 take the
     seals in turn, so the one written before stays whole whatever a torn write of the page leaves."""
-    body = _SEAL.pack(_SEAL_MAGIC, seal.count, seal.journal_seq)
+    body = _SEAL.pack(_SEAL_MAGIC, seal.count, seal.journal_seq, seal.generation)
     at = SECTOR * (1 + seal.count % 2)
     raw = (body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))).ljust(SECTOR, b"\0")
     page[at:at + SECTOR] = np.frombuffer(raw, dtype=np.uint8)
@@ -159,8 +161,8 @@ def unpack_seals(buf) -> Optional[Seal]:
         sector = mv[at:at + SECTOR]
         if len(sector) < _SEAL.size + _CHECK.size or bytes(sector[:8]) != _SEAL_MAGIC:
             continue
-        _, count, seq = _SEAL.unpack_from(sector)
+        _, count, seq, generation = _SEAL.unpack_from(sector)
         (check,) = _CHECK.unpack_from(sector, _SEAL.size)
         if xxhash.xxh3_64_intdigest(sector[:_SEAL.size]) == check and (best is None or count > best.count):
-            best = Seal(count, seq)
+            best = Seal(count, seq, generation)
     return best

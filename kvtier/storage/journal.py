@@ -25,7 +25,9 @@ disk full (another program took the rest) writes into pages the reserve gives ba
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import struct
 from typing import Iterable, NamedTuple, Optional
@@ -38,6 +40,8 @@ from kvtier.storage.aligned_io import aligned as _aligned, read_all, write_all a
 from kvtier.storage.block_format import ALIGN
 from kvtier.storage.reserve import Reserve
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["Journal", "Record", "Replay", "PageHealth", "BLOCK", "FREE", "head_tokens", "reserve_bytes"]
 
 BLOCK, FREE = 1, 2
@@ -49,7 +53,9 @@ _HEAD_MAGIC = b"KVTJRNL3"
 _FIXED = struct.Struct("<IHHqqQQQI4x")  # magic, version, kind, slot, namespace, chain, payload len, checksum, ntok
 _FIELDS = [("magic", "<u4"), ("version", "<u2"), ("kind", "<u2"), ("slot", "<i8"), ("ns", "<i8"), ("chain", "<u8"),
            ("plen", "<u8"), ("pcheck", "<u8"), ("ntok", "<u4"), ("pad", "<u4")]
-_HEAD = struct.Struct("<8sI16s16sIQ")  # magic, version, fingerprint, store id, tokens per record, first page's seq
+# magic, version, fingerprint, store id, tokens per record, first page's seq, the seq its rewrite's records reach,
+# generation (16 random bytes drawn when the journal is rebuilt from the headers; compactions keep it)
+_HEAD = struct.Struct("<8sI16s16sIQQ16s")
 _CHECK = struct.Struct("<Q")
 _SEQ = struct.Struct("<Q")
 _BODY = ALIGN - _SEQ.size - _CHECK.size  # a page's record bytes (then its sequence number, then its checksum)
@@ -128,6 +134,8 @@ class Journal:
         self.valid = False
         self.invalid_reason: Optional[str] = "missing"
         self.first_seq = 1  # the sequence number of the first record page
+        self.must_reach = 0  # the sequence number of the last page the rewrite that made this file wrote
+        self.generation = bytes(16)
         self.pages = 0  # record pages in the file (compaction counts them)
         self.end = ALIGN
         self.health: Optional[PageHealth] = None  # of the last replay
@@ -136,14 +144,19 @@ class Journal:
         self._fd = -1
         if os.path.exists(path):
             with open(path, "rb") as f:
-                head = _read_head(f.read(ALIGN))
+                buf = f.read(ALIGN)
+            head = _read_head(buf) if len(buf) == ALIGN else None  # a head page cut short is no head
             self.invalid_reason = self._head_problem(head)
             self.valid = self.invalid_reason is None
             if head is not None and self.valid:
-                self.first_seq = head.first_seq
+                self.first_seq, self.must_reach, self.generation = head.first_seq, head.must_reach, head.generation
         if self.valid:
             self._fd = self._open(path)
-            self.end = os.fstat(self._fd).st_size // ALIGN * ALIGN
+            try:
+                self.end = max(ALIGN, os.fstat(self._fd).st_size // ALIGN * ALIGN)
+            except BaseException:
+                self.close()
+                raise
             self.pages = (self.end - ALIGN) // ALIGN
         self._reserve: Optional[Reserve] = None
         if num_slots is not None and not read_only:
@@ -167,8 +180,9 @@ class Journal:
         """Bytes the reserve holds: the most the journal can take, less what it takes now."""
         return reserve_bytes(self.num_slots, self.tokens) - (self.end if self.valid else 0)
 
-    def _head(self, first_seq: int) -> np.ndarray:
-        body = _HEAD.pack(_HEAD_MAGIC, _VERSION, self.fingerprint, self.store_id, self.tokens, first_seq)
+    def _head(self, first_seq: int, must_reach: int, generation: bytes) -> np.ndarray:
+        body = _HEAD.pack(_HEAD_MAGIC, _VERSION, self.fingerprint, self.store_id, self.tokens, first_seq, must_reach,
+                          generation)
         page = _aligned(ALIGN)
         page[:len(body) + _CHECK.size] = np.frombuffer(body + _CHECK.pack(xxhash.xxh3_64_intdigest(body)),
                                                        dtype=np.uint8)
@@ -225,17 +239,29 @@ class Journal:
         self._writable()
         buf = self._pages(records, self.next_seq)
         try:
-            _write_all(self._fd, buf, self.end)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            self._make_room(buf.size)
-            buf = self._pages(records, self.next_seq)  # a compaction renumbered the pages before them
-            _write_all(self._fd, buf, self.end)
+            try:
+                _write_all(self._fd, buf, self.end)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                self._cut_back()
+                self._make_room(buf.size)
+                buf = self._pages(records, self.next_seq)  # a compaction renumbered the pages before them
+                _write_all(self._fd, buf, self.end)
+        except BaseException:
+            self._cut_back()  # no intact page of a failed append stays past the end (a later append would not
+            raise             # overwrite it all, and a replay would take its records)
         self.end += buf.size
         self.pages += buf.size // ALIGN
         if self.bound_pages is not None and self.pages > self.bound_pages:  # mostly superseded records
             self._compact()
+
+    def _cut_back(self) -> None:
+        """Cut the file back to :attr:`end` (what a failed write put past it goes), as far as the disk lets."""
+        try:
+            os.ftruncate(self._fd, self.end)
+        except OSError:
+            logger.warning("kvtier: journal %s could not be cut back after a failed append", self.path)
 
     def _make_room(self, nbytes: int) -> None:
         """Room for ``nbytes`` more on a full disk: pages the reserve gives back when it holds that many, else what
@@ -265,11 +291,12 @@ class Journal:
         does not trust (:meth:`problem`): it rebuilds the journal from the headers."""
         first = self.next_seq
         pages = self._pages(live, first) if live else _aligned(0)
+        reach = first + pages.size // ALIGN - 1
         _write_all(self._fd, pages, ALIGN)
-        _write_all(self._fd, self._head(first), 0)
+        _write_all(self._fd, self._head(first, reach, self.generation), 0)
         os.fdatasync(self._fd)
         os.ftruncate(self._fd, ALIGN + pages.size)
-        self.first_seq = first
+        self.first_seq, self.must_reach = first, reach
         self.end = ALIGN + pages.size
         self.pages = pages.size // ALIGN
         self._refill()
@@ -295,22 +322,28 @@ class Journal:
         live = self._live(("chain",))
         return live["slot"], live["chain"]
 
-    def problem(self, sealed_seq: Optional[int]) -> Optional[str]:
+    def problem(self, sealed_seq: Optional[int], sealed_generation: Optional[bytes] = None) -> Optional[str]:
         """Why the last replay may have missed records (None: it did not): the head, a damaged page before the last
-        intact one, pages out of sequence, or an end before page ``sealed_seq``, which the block file's seal names as
-        durable (None: no seal was written)."""
+        intact one, pages out of sequence, an end before the last page of the rewrite that made the file (its head
+        names it), or before page ``sealed_seq``, which the block file's seal names as durable, or another generation
+        than the seal's (a journal from before a rebuild; None, None: no seal was written)."""
         if not self.valid:
             return self.invalid_reason
         h = self.health
         if h is None:
             raise RuntimeError("problem() reads the health of a replay: replay first")
+        last = self.first_seq + h.last_intact
         if h.first_bad < h.last_intact:
             return f"its page {h.first_bad + 1} of {h.pages} is damaged"
         if h.out_of_order:
             return "its pages are out of sequence (a compaction torn by a crash, or pieces of two copies)"
-        if sealed_seq is not None and self.first_seq + h.last_intact < sealed_seq:
-            return (f"it ends at page {self.first_seq + h.last_intact}, before page {sealed_seq}, which the block "
-                    f"file names as durable (cut short or rolled back)")
+        if sealed_generation is not None and sealed_generation != self.generation:
+            return "it is of another generation than the block file's seal (a copy from before a rebuild)"
+        if last < self.must_reach:
+            return f"it ends at page {last}, before page {self.must_reach}, where its last compaction ended (cut short)"
+        if sealed_seq is not None and last < sealed_seq:
+            return (f"it ends at page {last}, before page {sealed_seq}, which the block file names as durable (cut "
+                    f"short or rolled back)")
         return None
 
     def cut_torn_tail(self) -> int:
@@ -364,40 +397,49 @@ class Journal:
         self.health = PageHealth(self.pages, first_bad, last_intact, out_of_order, whole)
         return {k: np.concatenate(v) for k, v in parts.items()}
 
-    def rewrite(self, live: Iterable[Record], first_seq: Optional[int] = None) -> None:
+    def rewrite(self, live: Iterable[Record], first_seq: Optional[int] = None, new_generation: bool = False) -> None:
         """Replace the journal with ``live`` records only, its pages numbered from ``first_seq`` (default: on from
-        this journal's last page): a new file, synced, renamed over this one; its room comes out of the reserve,
-        which :func:`reserve_bytes` sizes for it."""
+        this journal's last page), its head naming where they end: a new file, synced, renamed over this one; its
+        room comes out of the reserve, which :func:`reserve_bytes` sizes for it. ``new_generation``: the records were
+        rebuilt from the headers (a journal copy from before is of another generation)."""
         self._writable()
         first = (self.next_seq if self.valid else 1) if first_seq is None else first_seq
+        generation = os.urandom(16) if new_generation or not self.valid else self.generation
         tmp = self.path + ".tmp"
         records = list(live)
+        pages = self._pages(records, first) if records else _aligned(0)
+        reach = first + pages.size // ALIGN - 1
         if self._reserve is not None:
-            self._reserve.release(ALIGN * (1 + -(-len(records) // self.per_page)))
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._reserve.release(ALIGN + pages.size)
         try:
-            _write_all(fd, self._head(first), 0)
-            if records:
-                _write_all(fd, self._pages(records, first), ALIGN)
-            os.fsync(fd)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_all(fd, self._head(first, reach, generation), 0)
+                if records:
+                    _write_all(fd, pages, ALIGN)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
         except BaseException:
-            os.close(fd)
-            os.unlink(tmp)  # a full disk keeps no half copy
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # a failed copy leaves nothing behind; the journal stays as it was
+            self._refill()
             raise
-        os.close(fd)
-        os.replace(tmp, self.path)
+        # the new file is the journal from here on, whatever fails next
+        old, self._fd = self._fd, -1
+        self.end, self.pages = ALIGN + pages.size, pages.size // ALIGN
+        self.valid, self.invalid_reason = True, None
+        self.first_seq, self.must_reach, self.generation = first, reach, generation
+        self.health = PageHealth(self.pages, self.pages, self.pages - 1, False, self.pages)
+        if old >= 0:
+            os.close(old)
+        self._fd = self._open(self.path)
         dfd = os.open(os.path.dirname(self.path), os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-        if self._fd >= 0:
-            os.close(self._fd)
-        self._fd = self._open(self.path)
-        self.end = os.fstat(self._fd).st_size
-        self.valid, self.invalid_reason = True, None
-        self.first_seq, self.pages = first, (self.end - ALIGN) // ALIGN
-        self.health = PageHealth(self.pages, self.pages, self.pages - 1, False, self.pages)
         self._refill()
 
     def page_health(self) -> tuple[int, int]:
@@ -438,17 +480,19 @@ class _Head(NamedTuple):
     store_id: bytes
     tokens: int
     first_seq: int
+    must_reach: int
+    generation: bytes
 
 
 def _read_head(buf: bytes) -> Optional[_Head]:
     """The head in ``buf`` (a journal's first bytes), or None when it is not a whole one of this version."""
     if len(buf) < _HEAD.size + _CHECK.size or buf[:8] != _HEAD_MAGIC:
         return None
-    magic, version, fp, store_id, tokens, first_seq = _HEAD.unpack_from(buf)
+    magic, version, fp, store_id, tokens, first_seq, must_reach, generation = _HEAD.unpack_from(buf)
     (check,) = _CHECK.unpack_from(buf, _HEAD.size)
     if version != _VERSION or xxhash.xxh3_64_intdigest(buf[:_HEAD.size]) != check:
         return None
-    return _Head(fp, store_id, tokens, first_seq)
+    return _Head(fp, store_id, tokens, first_seq, must_reach, generation)
 
 
 def head_tokens(path: str) -> Optional[int]:

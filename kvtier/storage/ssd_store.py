@@ -48,6 +48,7 @@ class Block(NamedTuple):
 
 # Tuned constants: docs/DESIGN.md, "Tuned constants".
 RUN_BYTES = 16 << 20  # one request reads or writes at most this many bytes of consecutive slots
+_DUPLICATE_READS = 64  # slots of a hash recorded twice read back at a time at start
 MAX_RUN = 256  # and at most this many slots (two buffers each: under the kernel's IOV_MAX of 1024)
 
 
@@ -134,6 +135,14 @@ class SsdStore:
             for f in self.files:
                 f.close()
             raise
+        try:
+            self._start(fingerprint, per_dir, io_threads, block_bytes)
+        except BaseException:  # the files opened are closed (and unlocked): a retry in this process can open them
+            run_all(*(f.close for f in self.files))
+            raise
+
+    def _start(self, fingerprint: bytes, per_dir: int, io_threads: int, block_bytes: int) -> None:
+        """The IO threads' buffers and pools."""
         self.fingerprint = fingerprint
         self.num_slots = per_dir * len(self.files)
         self._threads = io_threads
@@ -247,9 +256,12 @@ class SsdStore:
                 concurrent.futures.wait(futures)
             if committing is not None and _settle(committing[1], raise_error=False) and on_durable is not None:
                 on_durable(committing[0])  # the batch before the failed one became durable all the same
-            with contextlib.suppress(OSError):  # what became durable is acknowledged: sealed if the disk still can
+            try:  # what became durable is acknowledged only once sealed
                 for f in touched:
                     f.seal()
+            except OSError:
+                if on_durable is not None:
+                    on_durable(0)
             if isinstance(e, _Skipped):  # the write that failed first says why
                 raise errors[0] from None
             raise
@@ -364,19 +376,25 @@ class SsdStore:
 
     def _duplicates(self, slots: np.ndarray, hashes: np.ndarray, twice: set) -> list[int]:
         """The slots to free among those of the chain hashes in ``twice``: every one but the first whose block reads
-        back whole under that hash (all of them when none does); freed durably before returning."""
+        back whole under that hash (all of them when none does), read a few at a time; freed durably before
+        returning. A read that fails with an IO error frees nothing of its hash (a read of the block decides later,
+        as for any record)."""
         cand = [(int(s), int(h)) for s, h in zip(slots.tolist(), hashes.tolist()) if h in twice]
-        outs = [aligned(padded(self.block_bytes)) for _ in cand]
-        got = self.read([s for s, _ in cand], outs, accept=lambda i, hd: hd.chain_hash == cand[i][1])
-        kept: set = set()
-        drop = []
-        for (slot, h), hd in zip(cand, got.headers):
-            if hd is not None and h not in kept:
-                kept.add(h)
-            else:
-                drop.append(slot)
-        self.free(drop)
-        self.sync()
+        whole: dict[int, int] = {}  # hash -> the first slot that reads back whole
+        unsure: set = set()  # hashes a read of which failed with an IO error
+        outs = [aligned(padded(self.block_bytes)) for _ in range(min(len(cand), _DUPLICATE_READS))]
+        for a in range(0, len(cand), _DUPLICATE_READS):
+            part = cand[a:a + _DUPLICATE_READS]
+            got = self.read([s for s, _ in part], outs[:len(part)], accept=lambda i, hd: hd.chain_hash == part[i][1])
+            for i, ((slot, h), hd) in enumerate(zip(part, got.headers)):
+                if hd is not None:
+                    whole.setdefault(h, slot)
+                elif got.error is not None and i >= got.error_at:
+                    unsure.add(h)
+        drop = [slot for slot, h in cand if h not in unsure and whole.get(h) != slot]
+        if drop:
+            self.free(drop)
+            self.sync()
         return drop
 
     def adopt(self, slot: int, header: BlockHeader) -> None:

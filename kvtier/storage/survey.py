@@ -133,7 +133,8 @@ def survey_file(path: str, *, verify: bool = False) -> FileSurvey:
                 held = [(r.slot, _header(fh.fingerprint, r)) for r in j.replay().records()]
                 journal.pages, journal.damaged_pages = j.health.pages, j.health.pages - j.health.intact
                 seal = unpack_seals(head)
-                journal.problem = j.problem(None if seal is None else seal.journal_seq)
+                journal.problem = j.problem(None if seal is None else seal.journal_seq,
+                                            None if seal is None else seal.generation)
             if journal.problem is not None:  # a start rebuilds it from the headers
                 journal.state = "untrusted"
         if journal.state == "ok":

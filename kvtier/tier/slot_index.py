@@ -62,6 +62,10 @@ class SlotIndex:
     def lock(self, slots: np.ndarray) -> None:
         np.add.at(self._locks, slots, 1)
 
+    def locked(self, slot: int) -> bool:
+        """Whether a read still holds ``slot``."""
+        return bool(self._locks[int(slot)])
+
     def unlock(self, slots: np.ndarray) -> None:
         np.add.at(self._locks, slots, -1)
         if (self._locks[slots] < 0).any():

@@ -57,7 +57,7 @@ class IoJob:
     """A batch of blocks to write to or read from the SSD; its completion interface is the executors' (``done``,
     ``wait``, ``seconds``)."""
 
-    kind: str  # "write" | "read" | "free" | "adopt" (the last two: records of read slots, on the write thread)
+    kind: str  # "write" | "read" | "free" | "adopt" (records of read slots, on the write thread) | "mark"
     slots: np.ndarray  # int64, one per block
     hashes: np.ndarray  # uint64 chain hashes
     namespace: int  # signed namespace seed
@@ -267,11 +267,13 @@ class SsdTier:
                                    type(job.error).__name__, job.error)
                 elif job.other is None:
                     self.stats.blocks_corrupt += 1
-                    self._record(IoJob("free", np.array([slot]), np.empty(0, np.uint64), 0, np.empty((0, 0)),
-                                       np.empty(0, np.int64)))
+                    if not self.index.locked(slot):  # else the last read holding it records it (no write under a read)
+                        self._record(IoJob("free", np.array([slot]), np.empty(0, np.uint64), 0, np.empty((0, 0)),
+                                           np.empty(0, np.int64)))
                 else:
                     self.stats.blocks_stale += 1
-                    self._settle_stale(slot, job.other)
+                    if not self.index.locked(slot):
+                        self._settle_stale(slot, job.other)
             self.stats.blocks_read += ok
             self.stats.bytes_read += ok * self.block_bytes
             self.stats.seconds_read += job.io_seconds
@@ -287,6 +289,15 @@ class SsdTier:
 
     def _record(self, job: IoJob) -> None:
         self._writer.submit(job)
+
+    def wait_idle(self) -> None:
+        """Block until every job queued so far on the write and read threads has run (finished jobs still await
+        :meth:`finish`)."""
+        for worker in (self._writer, self._reader):
+            mark = IoJob("mark", np.empty(0, np.int64), np.empty(0, np.uint64), 0, np.empty((0, 0)),
+                         np.empty(0, np.int64))
+            worker.submit(mark)
+            mark.wait()
 
     def _removed(self, hashes: list[int]) -> None:
         if self.on_removed is not None:
@@ -322,6 +333,8 @@ class SsdTier:
         if job.kind == "write":
             self._run_write(job)
             return
+        if job.kind == "mark":
+            return
         try:  # a record of a read slot: nobody waits for it; a failure costs a miss after a restart, no more
             if job.kind == "adopt":
                 self.store.adopt(int(job.slots[0]), job.other)
@@ -342,6 +355,8 @@ class SsdTier:
         self.store.put(job.slots.tolist(), blocks, batch=self._batch, on_durable=durable)
 
     def _run_read(self, job: IoJob) -> None:
+        if job.kind == "mark":
+            return
         hashes = job.hashes.tolist()
 
         def same_block(i: int, h) -> bool:  # on the store's IO threads
