@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--whole", action="store_true", help="load the prefix whole, not layer by layer")
     demo.add_argument("--prompt-tokens", type=_prompt_tokens, default=None,
                       help="prompt length, at least 32 (default 512 CPU, 8192 GPU)")
-    config = sub.add_parser("config", help="kvtier config files", usage="kvtier config check [-h] [--offline] FILE")
+    config = sub.add_parser("config", help="kvtier config files", usage="kvtier config check [-h] [--offline] [--ranks N] FILE")
     config_sub = config.add_subparsers(dest="config_command", metavar="check")
     check = config_sub.add_parser("check", help="check a config file on this host and print what it resolves to",
                                   description="Check a kvtier config (YAML or JSON) as the server does at start, "
@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("file", help="the config file (.yaml, .yml or .json), as given in $KVTIER_CONFIG")
     check.add_argument("--offline", action="store_true",
                        help="leave the remote master unchecked (do not contact it)")
+    check.add_argument("--ranks", type=_positive, default=1,
+                       help="the server's ranks on this host (TP x PP x DP there), whose host pools share its memory "
+                            "(default 1)")
     sub.add_parser("doctor", help="what this machine gives kvtier, and a transfer round trip on it",
                    description="Versions (Python, torch and its CUDA, Triton, CuPy, Mooncake, SGLang), the GPU, "
                                "the pinned-memory limit and /dev/shm's size, then a store/load round trip of the "
@@ -101,7 +104,7 @@ def _main(argv: list | None) -> int:
             args.config_parser.error("name what to do: kvtier config check FILE")
         from kvtier.commands import config_check
 
-        return config_check.run(args.file, offline=args.offline)
+        return config_check.run(args.file, offline=args.offline, ranks=args.ranks)
     if args.command == "doctor":
         from kvtier.commands import doctor
 
@@ -115,6 +118,17 @@ def _main(argv: list | None) -> int:
 
         return run_bench.run(args.name, args.out, extra, listing=args.list)
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _positive(text: str) -> int:
+    """An int >= 1 (argparse reports a bad one with the command's usage)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def _prompt_tokens(text: str) -> int:

@@ -230,16 +230,22 @@ def test_config_check_and_the_factory_use_sglangs_share_of_host_memory(monkeypat
     from sglang.srt.mem_cache.pool_host import base as host_base
 
     from kvtier import cli
+    from kvtier.commands import config_check
 
-    monkeypatch.setattr(host_base, "available_host_memory_bytes", lambda **kw: (10 << 30) + 8 * (64 << 20))
+    available = (10 << 30) + 8 * (64 << 20)
+    monkeypatch.setattr(host_base, "available_host_memory_bytes", lambda **kw: available)
     monkeypatch.setattr(host_base, "ranks_per_host", lambda: 8)  # 64 MiB a rank
+    # config check reads SGLang's measure from its file (importing sglang takes seconds): the same figure here
+    monkeypatch.setattr(config_check, "_sglang_rule", lambda: (available, host_base.HICACHE_HOST_MEMORY_RESERVE_BYTES))
     cfg = tmp_path / "kvtier.yaml"
     cfg.write_text("cpu_cache_gb: 0.125\n")
-    assert cli.main(["config", "check", str(cfg)]) == 1
-    assert "a host pool of 0.125 GiB does not fit this host" in capsys.readouterr().err
+    assert cli.main(["config", "check", "--ranks", "8", str(cfg)]) == 1
+    assert ("8 ranks' host pools of 0.125 GiB do not fit this host (by SGLang's rule: 10.5 GiB available (its "
+            "measure: bounded by the cgroup limits) - 10 GiB reserve = 0.5 GiB for this host's ranks, / 8 ranks = "
+            "0.062 GiB a rank)") in capsys.readouterr().err
     cfg.write_text("page_size: 16\n")  # the default size, which the server shrinks
-    assert cli.main(["config", "check", str(cfg)]) == 0
-    assert "the default host pool of 16 GiB shrinks to 0.06 GiB a rank under SGLang" in capsys.readouterr().out
+    assert cli.main(["config", "check", "--ranks", "8", str(cfg)]) == 0
+    assert "under SGLang the default host pool of 16 GiB shrinks to 0.062 GiB a rank" in capsys.readouterr().out
     monkeypatch.setattr(host_base, "available_host_memory_bytes", lambda **kw: 9 << 30)  # below the reserve
     with pytest.raises(ValueError, match=r"this rank's share of host memory for a host pool is -0\.12 GiB"):
         ks.factory(_build_ctx())

@@ -51,7 +51,8 @@ class Finding:
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
+    """Bytes in GiB, to the MiB: 64 GiB, 0.125 GiB, 18.805 GiB."""
+    return f"{n / GIB:.3f}".rstrip("0").rstrip(".") + " GiB"
 
 
 def available_memory_bytes() -> int | None:
@@ -73,8 +74,8 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def run(path: str, *, offline: bool = False) -> int:
-    """Check ``path``; print as the module docstring says; the exit status."""
+def run(path: str, *, offline: bool = False, ranks: int = 1) -> int:
+    """Check ``path`` for ``ranks`` ranks on this host; print as the module docstring says; the exit status."""
     try:
         config = TierConfig.from_file(path)
     except ValueError as e:
@@ -87,7 +88,7 @@ def run(path: str, *, offline: bool = False) -> int:
     for line in derived(config):
         print(line)
     print("# checks on this host (those that need no GPU and no model)")
-    findings = host_findings(config, offline=offline)
+    findings = host_findings(config, offline=offline, ranks=ranks)
     for f in findings:
         print(f"{f.status.upper() if f.status == 'fail' else f.status:<9}  {f.text}")
     failed = [f.text for f in findings if f.status == "fail"]
@@ -123,9 +124,10 @@ def derived(config: TierConfig) -> list[str]:
     return out
 
 
-def host_findings(config: TierConfig, *, offline: bool = False) -> list[Finding]:
-    """Every check of ``config`` on this host, in the order the server meets them."""
-    out = host_memory(config)
+def host_findings(config: TierConfig, *, offline: bool = False, ranks: int = 1) -> list[Finding]:
+    """Every check of ``config`` on this host (``ranks``: the server's ranks on it), in the order the server meets
+    them."""
+    out = host_memory(config, ranks)
     if config.ssd_cache_gb > 0:
         out += ssd_directories(config)
     if config.remote_backend is not None:
@@ -136,36 +138,37 @@ def host_findings(config: TierConfig, *, offline: bool = False) -> list[Finding]
 # --- host memory ---
 
 
-def host_memory(config: TierConfig) -> list[Finding]:
-    """The host pool against what the server may pin: SGLang's rule where SGLang is installed (what is available,
-    bounded by the container's cgroup limits, less a 10 GiB reserve, shared by the host's ranks; a default pool
-    shrinks to the share), else kvtier's (what is available less 2 GiB)."""
+def host_memory(config: TierConfig, ranks: int = 1) -> list[Finding]:
+    """The host pools of ``ranks`` ranks against what the server may pin: SGLang's rule where SGLang is installed
+    (what is available, bounded by the container's cgroup limits, less a 10 GiB reserve, divided between the
+    host's ranks; a default pool shrinks to the share), else kvtier's (what is available less 2 GiB)."""
     pool = config.cpu_cache_bytes
     rule = _sglang_rule()
     if rule is not None:
         avail, reserve = rule
-        usable = avail - reserve
-        arithmetic = (f"by SGLang's rule: {gib(avail)} available (its measure: bounded by the cgroup limits) "
-                      f"- {gib(reserve)} reserve = {gib(max(usable, 0))} for this host's ranks")
+        arithmetic = f"by SGLang's rule: {gib(avail)} available (its measure: bounded by the cgroup limits)"
     else:
         avail = available_memory_bytes()
         if avail is None:
             return [Finding("unchecked", "cpu_cache_gb: this host's available memory is unknown")]
         reserve = int(KVTIER_RESERVE_GIB * GIB)
-        usable = avail - reserve
-        arithmetic = f"{gib(avail)} available - {gib(reserve)} reserve = {gib(max(usable, 0))} for this host's ranks"
-    if pool <= usable:
-        ranks = usable // pool
-        return [Finding("ok", f"cpu_cache_gb: a host pool of {gib(pool)} per rank fits, {arithmetic}: room for "
-                              f"{ranks} rank{'s' if ranks != 1 else ''}' pools")]
+        arithmetic = f"{gib(avail)} available"
+    host = max(avail - reserve, 0)
+    share = host // ranks
+    arithmetic += f" - {gib(reserve)} reserve = {gib(host)} for this host's ranks"
+    if ranks > 1:
+        arithmetic += f", / {ranks} ranks = {gib(share)} a rank"
+    if pool <= share:
+        room = f": room for {host // pool} ranks' pools" if ranks == 1 else ""
+        return [Finding("ok", f"cpu_cache_gb: a host pool of {gib(pool)} per rank fits ({arithmetic}){room}")]
     from kvtier.sglang import MIN_HOST_SHARE_BYTES
 
-    if rule is not None and "cpu_cache_gb" not in config.given_keys and usable >= MIN_HOST_SHARE_BYTES:
-        return [Finding("ok", f"cpu_cache_gb not set: the default host pool of {gib(pool)} shrinks to "
-                              f"{gib(usable)} for one rank under SGLang ({arithmetic}; more ranks share it); set "
-                              "cpu_cache_gb to choose")]
-    return [Finding("fail", f"cpu_cache_gb: a host pool of {gib(pool)} per rank does not fit this host "
-                            f"({arithmetic}): lower cpu_cache_gb, or check on the host that serves")]
+    if rule is not None and "cpu_cache_gb" not in config.given_keys and share >= MIN_HOST_SHARE_BYTES:
+        return [Finding("ok", f"cpu_cache_gb not set: under SGLang the default host pool of {gib(pool)} shrinks to "
+                              f"{gib(share)} a rank ({arithmetic}); set cpu_cache_gb to choose")]
+    many = f"{ranks} ranks' host pools of {gib(pool)}" if ranks > 1 else f"a host pool of {gib(pool)} per rank"
+    return [Finding("fail", f"cpu_cache_gb: {many} do{'' if ranks > 1 else 'es'} not fit this host ({arithmetic}): "
+                            "lower cpu_cache_gb, or check on the host that serves")]
 
 
 def _sglang_rule() -> tuple[int, int] | None:
