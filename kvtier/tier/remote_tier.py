@@ -493,7 +493,9 @@ class RemoteTier:
 
     def tick(self) -> None:
         """Abandon calls past their timeout (:meth:`watch`); while down, probe the master every
-        :data:`RETRY_S`; up again once it answers."""
+        :data:`RETRY_S`; up again once it answers. Nothing once closed."""
+        if self._prober is None:
+            return
         self.watch()
         h = self._health
         if h is not None and h.finished():
@@ -528,6 +530,7 @@ class RemoteTier:
             return
         if until is None:
             until = time.monotonic() + self.timeout_s
+        self.up = False  # closed: no put or probe starts (a call of another thread after destroy)
         if not self._stop_threads(until):
             logger.warning("kvtier: a remote call still runs at shutdown; the Mooncake client is not closed")
             LEFT_TO_EXIT.append(self.store)
