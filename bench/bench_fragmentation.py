@@ -15,8 +15,8 @@ and ``gemm_slowdown_pct`` (the worst GEMM slowdown beside what auto picks).
 
 Part 2, churn: a KVTier with a small pool serves a multi-turn workload (stores of every turn, loads of each
 conversation's history) under LRU eviction; after a warm-up that fills the pool, the run lengths of the host block ids
-each load and store sees (median, p10, and the distribution), and the hit rate (``bench/probes/churn_allocator.py``
-runs it with other allocators).
+each load and store sees (median, p10, and the distribution), and the hit rate (other allocators under the same
+churn: bench/results/README.md, "Fragmented host pools").
 
 Run: ``bash tests/gpu_sglang.sh exec python3 bench/bench_fragmentation.py --out $OUT/fragmentation_h200.json``
 (the GPU; ``--smoke``: toy sizes on the CPU through the Triton interpreter, seconds).

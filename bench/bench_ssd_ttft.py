@@ -10,8 +10,8 @@ of each request finish before the next one starts.
 
 ``--graphs`` (the default on a GPU): the engine replays CUDA graphs of its forward, captured before the timed
 requests for every shape they take (``TierEngine.capture_graphs``), and loads hits whole. Without graphs the
-harness's forward costs ~52 ms of host time for any number of new tokens (``bench/probes/forward_cost.py``), which
-no engine with fused kernels and graphs pays, and which hides what a hit saves.
+harness's forward costs tens of milliseconds of host time for any number of new tokens (bench/results/README.md,
+"SSD tier"), which no engine with fused kernels and graphs pays, and which hides what a hit saves.
 
 The figure of a cell is median(ssd TTFT) / median(recompute TTFT); a cell where admission refused the hit
 recomputes (ratio ~1).

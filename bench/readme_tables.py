@@ -45,7 +45,7 @@ def _row_if_committed(name: str, row: Callable[[dict], list]) -> list:
     return [] if res is None else [row(res)]
 
 
-# --- transfer kernels (bench_transfer.py, bench/probes/*) -------------------------------------------------------
+# --- transfer kernels (bench_transfer.py) -----------------------------------------------------------------------
 
 def _transfer_sizes(res: dict) -> list:
     """One layer of 64 MiB of Qwen3-8B: the rows of each method and page size."""
@@ -128,42 +128,6 @@ def _staged_table(res: dict) -> str:
     return _table(["staged path, GB/s", "store", "load", "store + load at once", "over the bound"], body)
 
 
-def _staged_probe_table() -> str:
-    """bench/probes/probe_staged.py's run (another process), if committed."""
-    probe = _load("probes/probe_staged_h200.json")
-    if probe is None:
-        return ""
-    g = probe["gbps"]
-    return _table([f"staged load alone, 1024 tokens, {probe['rounds']} alternating rounds, separate run "
-                   f"(`bench/probes/probe_staged.py`)", "load GB/s"],
-                  [["short last chunk (default)", g["default"]], ["without the short last chunk", g["no_short_tail"]],
-                   ["one contiguous copy-engine copy", g["copy_engine_contiguous"]]])
-
-
-def _cases_by_page(probe: dict, layout: str, layers, blocks: str) -> dict:
-    return {c["page"]: c for c in probe["cases"] if (c["layout"], c["layers"], c["blocks"]) == (layout, layers, blocks)}
-
-
-def _copy2d_table() -> str:
-    """bench/probes/probe_copy2d.py: 2-D copies per run of blocks against one copy per block or plane:
-    ``page_first`` from the first run, ``layer_first`` (groups of layers) from the latest."""
-    first, latest = _load("probes/probe_copy2d_h200.json"), _load("probes/probe_copy2d_groups_h200.json")
-    if first is None or latest is None:
-        return ""
-    body = []
-    for layout, layers, blocks, what in (("page_first", 0, "consecutive", "one layer of 16384 tokens"),
-                                         ("layer_first", "all", "consecutive", "all 36 layers of 1024 tokens"),
-                                         ("layer_first", "all", "random", "all 36 layers of 1024 tokens")):
-        now = _cases_by_page(first if layout == "page_first" else latest, layout, layers, blocks)
-        old = _cases_by_page(first, layout, layers, blocks)
-        for page in sorted(now):
-            body.append([f"{what}, `{layout}`, {blocks} blocks", page,
-                         *(f"{now[page]['gbps'][f'copy_2d_{d}']:g}" for d in DIRECTIONS),
-                         *(f"{old[page]['gbps'][f'rows_1d_{d}']:g}" for d in DIRECTIONS)])
-    return _table(["staged copies, separate runs (`bench/probes/probe_copy2d.py`), GB/s", "page",
-                   "2-D copy per run of blocks: store", "load", "one copy per block or plane: store", "load"], body)
-
-
 _GEOMETRY_LABELS = {"qwen3_8b": "Qwen3-8B", "tp_1x128": "TP-sharded 1x128", "mla_bf16": "MLA 576 bf16",
                     "mla_fp8": "MLA 576 fp8"}
 
@@ -188,31 +152,11 @@ def _cost_table(res: dict) -> str:
                     "runs and machines)", f"{res['overhead']['store_pages_check_false_us']} µs"]])
 
 
-def _overhead_probe_table() -> str:
-    """Host time per call from bench/probes/probe_overhead.py (another process), if committed."""
-    probe = _load("probes/probe_overhead_h200.json")
-    if probe is None:
-        return ""
-    us = probe["us"]
-    return _table(
-        ["host time per call, separate run (`bench/probes/probe_overhead.py`)", "µs"],
-        [["one layer of one page: `DirectCopy.launch` (built once)", us["direct_copy_launch_one_layer"]],
-         ["the same: `load_pages`", us["load_pages_one_layer"]],
-         ["the same: `load_pages` through torch stream and device contexts", us["load_pages_one_layer_context_path"]],
-         ["the same: `torch.index_select` of one page (peer)", us["torch_index_select_one_page"]],
-         ["the same, staged: `StagedCopy.launch` (planned once)", us["staged_copy_launch_one_layer"]],
-         ["the same, staged: `StagedTransfer.load`", us["staged_load_one_layer"]],
-         ["a 36-layer layerwise load of one page in the tier, direct",
-          probe["layerwise_issue_us"]["load_layerwise_1p"]],
-         ["the same, staged", probe["layerwise_issue_us_staged"]["load_layerwise_staged_1p"]]])
-
-
 def transfer_table() -> str:
     res = _load("transfer_h200.json")
     if res is None:
         return "_no results yet_"
-    return _join(_transfer_methods_table(res), _staged_table(res), _staged_probe_table(), _copy2d_table(),
-                 _latency_table(res), _cost_table(res), _overhead_probe_table())
+    return _join(_transfer_methods_table(res), _staged_table(res), _latency_table(res), _cost_table(res))
 
 
 # --- the headline (README.md) ----------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """GraphedForward: CUDA graphs of :meth:`PagedDecoder.forward`, one per shape, captured on request.
 
-The decoder runs its layers op by op (about 2,000 kernel launches for 36 layers), so on an H200 a forward of a few
-new tokens costs ~52 ms of host time whatever its GPU time (``bench/probes/forward_cost.py``), where an engine with
-fused kernels and CUDA graphs spends a fraction of that. A graph replays the same launches in one call.
+The decoder runs its layers op by op (about 2,000 kernel launches for 36 layers), so a forward of a few new tokens
+costs tens of milliseconds of host time whatever its GPU time (docs/DESIGN.md, "End-to-end harness"), where an engine
+with fused kernels and CUDA graphs spends a fraction of that. A graph replays the same launches in one call.
 
 Graphs belong to one KV pool. A shape is ``(start, new tokens)``: the prefix length already in the pool and the
 tokens computed. :meth:`capture` records one after a warm-up run that writes random KV into slots the caller lends

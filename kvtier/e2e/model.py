@@ -88,8 +88,8 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 def _sdpa_backends():
     """SDPA kernels whose forward is bit-reproducible: flash, memory-efficient and math. cuDNN's attention, which
-    torch picks first on Hopper, is not: on an H200 it gave logits differing by up to 0.05 between two runs of the
-    same inputs (bench/probes/probe_determinism.py), and greedy outputs that differ from run to run."""
+    torch picks first on Hopper, is not (docs/DESIGN.md, "End-to-end harness"): its greedy outputs can differ from run
+    to run."""
     from torch.nn.attention import SDPBackend
 
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
