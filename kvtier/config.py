@@ -19,7 +19,7 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
   contiguous region (one copy-engine copy, long sequential host reads for the direct kernel); the all-layer kernels run
   at the same speed in both layouts (bench/results/transfer_h200.json). ``page_first`` keeps a block contiguous, which
   an SSD tier will want for spilling whole blocks; its per-layer copies are a row per block (one 2-D copy-engine copy
-  per run: 54 GB/s from 64 KiB rows, 20 GB/s from 4 KiB rows, so page-1 layerwise loads take the direct kernel).
+  per run: the copy engine moves short rows slowly, so page-1 layerwise loads take the direct kernel).
 * ``transfer_mode`` (``"auto"`` | ``"direct"`` | ``"staged"``, default ``"auto"``): ``auto`` stores through the
   staged path (copy engine: leaves the SMs to the forward pass, and a store can overlap a load) and loads through
   it too when a whole load, or one layer of a layerwise load, moves >= 4 MiB (from there the copy outlasts its

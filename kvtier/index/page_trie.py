@@ -60,7 +60,7 @@ class InsertResult(NamedTuple):
 class _FastCall:
     """Call a jitted function through the entry point compiled for the argument types.
 
-    numba's dispatcher types every argument on every call (about 1 us for the state namedtuple); the
+    numba's dispatcher types every argument on every call (bench/results/index_notes.md); the
     types here only depend on a small key (token dtype, writability), so the entry point is looked up
     once per key. ``Dispatcher.compile`` loads from the on-disk cache like a normal call.
     """

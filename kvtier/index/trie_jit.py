@@ -73,11 +73,11 @@ NEED_HASH = -9
 F_TOUCH = 1   # tr_match flag: tick the matched path (LRU) and count a hit
 
 _HITS_MAX = 2147483647
-_PF = 32  # pages ahead the chain loop prefetches (8-64: about the same, none: +0.3 us per tail; docs/DESIGN.md)
+_PF = 32  # pages ahead the chain loop prefetches (docs/DESIGN.md, "Tuned constants")
 _FREE_PARENT = FREE_PARENT  # a numba global constant
 
 # Hot loops never pass the state namedtuple to a helper: each such call increments and decrements
-# the reference count of all its arrays (measured: 80 ns per call). Helpers take plain arrays.
+# the reference count of all its arrays (bench/results/index_notes.md). Helpers take plain arrays.
 
 
 @numba.njit(inline="always")
@@ -236,7 +236,7 @@ def tr_match(blob, q, ns_id, flags, blocks_out):
 
     Compiled without numba's reference counting (``_nrt=False``: nothing in here allocates), which
     saves an atomic increment and decrement per array argument and view, and the unboxing wrapper
-    wraps no array in a MemInfo (a 9-argument call costs ~96 ns instead of ~260). The state
+    wraps no array in a MemInfo (a call costs less than half: bench/results/index_notes.md). The state
     comes as its one buffer (``_state.blob_views``): one array to unbox instead of six.
     """
     i32, i64, i8, tokens, table, meta = blob_views(blob)

@@ -1,7 +1,7 @@
 """Many copy-engine copies in one driver call (CUDA 12.8 and later), through ctypes.
 
 A fragmented host pool turns one staged copy into a copy per run of blocks and row. Issued one by one
-(``cudaMemcpyAsync`` through CuPy, ~1-2 us of host time each, more for 2-D copies) thousands of them make the host,
+(``cudaMemcpyAsync`` through CuPy, microseconds of host time each, more for 2-D copies) thousands of them make the host,
 not PCIe, the bound. One batched call queues them all; the batch runs in stream order as a whole, its copies in no
 order among themselves (they never overlap here). Two calls:
 

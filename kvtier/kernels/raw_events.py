@@ -1,8 +1,8 @@
 """CUDA events recorded and waited on through raw handles (CuPy's runtime calls), for issue paths that run per layer.
 
 A layerwise staged load hands each layer's staging buffer between two streams with a few event records and stream
-waits; torch's ``Event.record`` and ``Stream.wait_event`` cost ~2 us of host time each on the H200 hosts
-(bench/results/probes/layerwise_issue_cached_h200.json), the runtime's own calls through CuPy a fraction of that.
+waits; torch's ``Event.record`` and ``Stream.wait_event`` cost the host several times what the runtime's own calls
+through CuPy do (bench/results/transfer_notes.md, "Host time per call").
 Without CuPy, callers keep torch events.
 """
 

@@ -1,12 +1,10 @@
 """Copy-engine rows issued from several threads: the issue of a long batch of rows split among streams.
 
-``cuMemcpyBatchAsync`` costs the host 0.45-1.05 us a row on the H200 hosts, about what the copy engine takes to write a
-32-64 KiB row to the host, so a store of scattered blocks (18,432 rows of 64 KiB at 8k tokens of Qwen3-8B KV in runs of
-one page) can be paced by its issue. Threads issuing at once wait on each other in the driver: 0.85 us a row from one
-thread, 0.45-0.67 overall from 2-4 (bench/results/probes/store_rows_threads_h200.json): alone on the copy engine, 1k
-tokens' rows took 3.1-3.3 ms from two threads in batches of 256 rows, 4.1-4.3 from one (one run 2.84), but inside the
-staged store two threads went fast or slow per measurement, so stores issue from one thread by default
-(``Tuning.store_row_threads``). The driver calls release the GIL.
+``cuMemcpyBatchAsync`` costs the host about what the copy engine takes to write a 32-64 KiB row to the host, so a store
+of scattered blocks (18,432 rows of 64 KiB at 8k tokens of Qwen3-8B KV in runs of one page) can be paced by its issue.
+Threads issuing at once wait on each other in the driver, and inside the staged store two threads go fast or slow from
+one measurement to the next, so stores issue from one thread by default (``Tuning.store_row_threads``; docs/DESIGN.md,
+"Tuned constants"). The driver calls release the GIL.
 
 :class:`RowIssuer` runs the split: the caller's thread issues the first part on the caller's stream, worker threads
 the others on their own streams, which wait for the caller's stream before their first copy and which the caller's

@@ -5,7 +5,7 @@ the host blocks, then the copy engine copies each run of consecutive host blocks
 Load (H2D) is the reverse. Chunks alternate between ``num_buffers`` staging buffers, so the gather of chunk c+1
 overlaps the copy of chunk c. The SMs only do device-to-device work (microseconds per chunk); PCIe is driven by
 the copy engines, one per direction, so a store and a load can run at the same time at close to twice the
-bandwidth of either (~101 GB/s on an H200 against ~55 one way).
+bandwidth of either (bench/results/README.md, "Transfer kernels").
 
 Copies follow the runs of consecutive block ids: a ``page_first`` run is a row per block (or one row of whole
 blocks when every layer moves), a ``layer_first`` run a row per layer (its pages' K and V). A chunk of one run is
@@ -42,7 +42,7 @@ from kvtier.kernels.tuning import DEFAULT_TUNING, Tuning, check_tuning
 # "Tuned constants").
 _CUDA_DEV_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
 
-try:  # cupy's raw memcpy issues a copy in ~1-2 us of host time, against ~5-8 us for torch's copy_ on views
+try:  # cupy's raw memcpy costs the host a fraction of torch's copy_ on views (bench/results/transfer_notes.md)
     import cupy as _cupy
 except Exception:  # pragma: no cover - cupy is an optional extra
     _cupy = None
@@ -122,10 +122,9 @@ def _shuffle(n: int) -> np.ndarray:
 def scattered_pieces(rows: Rows, piece: int, max_width: int) -> Rows:
     """``rows`` with each row wider than ``piece`` bytes and at most ``max_width`` wide cut into pieces of ``piece``
     bytes (the last one shorter where the width is not a multiple), and, where any row was cut, every row in a fixed
-    shuffled order (one per row count). The copy engine writes a store's 128-256 KiB ``layer_first`` rows, or the
-    same bytes as 64 KiB rows one after the other, 5-13% slower than one run of the same bytes; as 64 KiB rows in a
-    shuffled order, which seldom puts neighbouring host bytes one after the other, 2-5% slower (the copies queued
-    ahead: bench/results/probes/store_gather_interference_order_h200.json, _shuffle_h200.json)."""
+    shuffled order (one per row count). The copy engine writes neighbouring host bytes one after the other slower
+    than one run of the same bytes, and a shuffled order seldom puts them one after the other
+    (``Tuning.store_piece_bytes``; docs/DESIGN.md, "Transfer paths and policy")."""
     width = rows.width
     cut = (width > np.uint64(piece)) & (width <= np.uint64(max_width))
     if not cut.any():
@@ -222,8 +221,8 @@ def issue_chunks(d: StagingBuffers, work, to_host: bool, chunks: Iterable[ChunkI
 
     Each chunk's first step is issued up to ``len(d.buffers) - 1`` chunks ahead of the earlier chunks' second steps:
     a store's gather of chunk c + 1 is queued before the copies of chunk c, so the copy engine does not wait for the
-    host to launch it after issuing chunk c's rows (no gain measured yet: the host issued ahead of the copy engine, or
-    paced it either way, bench/results/probes/store_lookahead_h200*.json). A chunk's first step waits for the free
+    host to launch it after issuing chunk c's rows (where the host issues ahead of the copy engine, or paces it, this
+    changes nothing: docs/DESIGN.md, "Transfer paths and policy"). A chunk's first step waits for the free
     event of the chunk that last used its buffer; a pending chunk on the same buffer gets its second step first."""
     ahead = len(d.buffers) - 1
     pending: collections.deque[ChunkIssue] = collections.deque()
@@ -352,15 +351,15 @@ class StagedTransfer:
         """The layer spans to stage one after the other: the whole span, or (``layer_first``) groups of layers.
 
         In ``layer_first`` a chunk's copy has a row per layer and run of blocks, as wide as the run's pages in the
-        chunk. The copy engine writes narrow rows to the host slower (D2H of 455 KiB rows: 49.5 GB/s;
-        of 1.8 MiB rows: 52.6; bench/results/probes/probe_copy2d_rows_h200.json). When the runs of blocks are
+        chunk. The copy engine writes narrow rows to the host slower (bench/results/transfer_notes.md, "Stores of
+        many narrow rows"). When the runs of blocks are
         longer than a chunk of the whole span holds, the span is staged in groups of as many layers as hold all
         its pages in one staging buffer: about the same number of chunks, each with fewer and wider rows (a group
         of one layer whose pages do not fit stages them over several chunks). Short runs (scattered blocks) gain
         no width from it. They stage the whole span where a run is one pitched copy (:meth:`pitched`: a copy per
         run of all the span's layers) or there is no batched call (a copy per run); with row-by-row batches only,
-        they are grouped (still one call per chunk, and a group's rows lie close together in host memory: 8k
-        tokens in runs of one page stored in 25.9 ms a layer at a time, 34.9 ms all layers at once). ``to_host``:
+        they are grouped (still one call per chunk, and a group's rows lie close together in host memory, which
+        the copy engine writes faster). ``to_host``:
         the copy is a store (whose wide runs go as rows, see :meth:`pitched`).
         """
         if self.layout != "layer_first":

@@ -1,16 +1,16 @@
 """Staged transfers planned once and launched per span of layers: a layerwise load through the copy engine.
 
 :meth:`StagedTransfer.load` checks the indices, moves the block ids to the host, plans the staging chunks and packs
-the gather/scatter arguments on every call: ~240-275 us of host time on the H200 hosts
-(bench/results/probes/probe_overhead_session3_h200.json), which a layerwise load pays once per layer.
+the gather/scatter arguments on every call, several times the host time of a direct launch
+(bench/results/transfer_notes.md, "Host time per call"), which a layerwise load pays once per layer.
 :class:`StagedCopy` does all of that once, through the stager's public plan (:meth:`StagedTransfer.layer_groups`,
 :meth:`~StagedTransfer.chunks`, :meth:`~StagedTransfer.chunk_launch`); a launch then issues, per staging chunk, the
 buffer's wait, the copy-engine copies, one event between the streams and the gather/scatter launch, reusing its
 events. A load whose span is one staging chunk of one run of blocks (the layerwise load ``auto`` stages: a layer of
 up to 8k tokens of Qwen3-8B KV in one run) goes through raw handles instead: one ``cudaMemcpy2DAsync``
 (:class:`~kvtier.kernels.staged.SingleCopy`), the scatter, and four CuPy event calls
-(:class:`~kvtier.kernels.raw_events.RawEvent`): 36 layers of 8k tokens issue in ~0.9 ms against ~2.6 through
-:func:`issue_chunks` (bench/results/probes/layerwise_issue_onechunk_h200.json).
+(:class:`~kvtier.kernels.raw_events.RawEvent`), in a fraction of the host time :func:`issue_chunks` takes
+(bench/results/README.md, "Fragmented host pools").
 """
 
 from __future__ import annotations

@@ -162,8 +162,8 @@ class KernelLaunch:
 
 
 # Compiled kernels by specialisation: Triton's generic launch path binds and hashes every argument on each call
-# (~20 us of host time); a transfer per layer per request makes that the scheduler's cost, so launches call the
-# compiled kernel directly. Triton specialises pointers on 16-byte alignment (ints are not specialised, see
+# (tens of microseconds of host time); a transfer per layer per request makes that the scheduler's cost, so launches
+# call the compiled kernel directly. Triton specialises pointers on 16-byte alignment (ints are not specialised, see
 # do_not_specialize), so the key is the constexprs, the warps, the device, the pointers' alignment and dtypes.
 _compiled: dict[tuple, object] = {}
 _CONST_NAMES = ("TO_BLOCKS", "KV", "PAGE", "ROW_WORDS", "CHUNK", "SEGS", "ALIGN")
@@ -200,7 +200,7 @@ class DirectCopy:
         self.tuning = check_tuning(tuning)
         check_kv(kv)
         # Indices already on the device with no range check need no stream: skip the stream and device contexts
-        # (~20 us of host time); otherwise their checks and uploads run on ``stream``.
+        # (tens of microseconds of host time); otherwise their checks and uploads run on ``stream``.
         check = check or forced_checks()
         quiet = kv.is_cuda and not check and _ready(slots, kv) and _ready(block_ids, kv)
         with contextlib.nullcontext() if quiet else on_stream(kv, stream):

@@ -44,8 +44,8 @@ def use_region(region: np.ndarray, sizes: dict[str, int]) -> None:
     An IO pool gives each of its threads a share of one region mapped in one pass (every page touched) when the pool
     is made: the kernel interleaves the physical pages of buffers that several threads map at once, and an O_DIRECT
     request from such memory reaches a virtual disk as many small segments. On the CPU machine's virtual disk,
-    ``layer_first`` blocks written through buffers each thread mapped ran at 0.29 GB/s, through shares of one region
-    at 0.50 (raw 0.47; ``bench/bench_ssd.py``'s tier runs, medians of 5)."""
+    ``layer_first`` writes through shares of one region run at the raw bound, through buffers each thread mapped far
+    below it (bench/results/README.md, "SSD tier")."""
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
         bufs = _local.bufs = {}

@@ -4,10 +4,9 @@ A payload is an array that is contiguous, or has contiguous rows (a CPU block in
 layers far apart). A contiguous one of whole aligned pages goes to and from the disk where it is (O_DIRECT into the
 caller's memory); any other is gathered into, or scattered from, this thread's aligned buffer
 (:func:`kvtier.storage.aligned_io.scratch`) with one copy call. Rows are not moved in place although O_DIRECT could
-(rows of whole pages): a request of many short segments is slow on a virtual disk. On the CPU machine's, with Qwen3-8B
-blocks in ``layer_first`` (72 rows of 32 KiB when K and V were planes of their own; 36 of 64 KiB now), writes from the
-rows ran at 0.41 GB/s and through the buffer at 0.50 (raw 0.47), reads into the rows at 1.77-1.82 and through the buffer
-at 2.06-2.21 (``bench/bench_ssd.py``'s tier runs, medians of 5).
+(rows of whole pages): a request of many short segments is slow on a virtual disk. On the CPU machine's, Qwen3-8B
+``layer_first`` blocks move faster through the buffer than from or into their rows, both ways (bench/results/README.md,
+"SSD tier").
 """
 
 from __future__ import annotations

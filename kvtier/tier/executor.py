@@ -7,7 +7,7 @@ Protocol (the manager only talks to its executor through these, so its bookkeepi
   slots' KV was written there; a load must not overwrite slots still being read).
 * ``run(name, fn, own_stream=False)``: issue ``fn()`` (kernel launches) on stream ``name``. With ``own_stream``
   ``fn`` passes ``stream(name)`` to what it launches itself, so no stream or device context is entered around it
-  (on CUDA those cost ~15-25 us of host time, paid per layer by a layerwise load).
+  (on CUDA those cost tens of microseconds of host time, paid per layer by a layerwise load).
 * ``fence(name) -> Completion``: a completion that finishes when everything issued on ``name`` so far has.
 * ``wait_current(completion)``: make the engine's current stream wait for it (GPU-side on CUDA).
 

@@ -39,7 +39,7 @@ GiB = 1 << 30
 # fine for small pools, wasteful for big ones.
 PIN_MEMORY_MAX_BYTES = 1 * GiB
 # Largest single cudaHostRegister: vllm#51081 registers in 64 GiB chunks (one >= 512 GiB registration fails with
-# code 2 on an H200 host); registration costs ~0.1 s/GiB either way.
+# code 2 on an H200 host); registration costs the same per GiB either way.
 REGISTER_CHUNK_BYTES = 64 * GiB
 PAGE_ALIGN = 4096  # chunk boundaries fall on OS page boundaries: two registrations never share a page
 # Host memory left free when a pool is sized against what the machine has (no engine budget given): the process's

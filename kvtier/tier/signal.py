@@ -19,7 +19,7 @@ Protocol (the object an engine registers on its KV pool; SGLang's ``register_lay
   loads later); waits issued earlier keep the event state they captured, so later re-recording is harmless.
 
 Backends (``backend=``): ``"cupy"`` (CuPy events recorded and waited through CuPy streams on the raw handles of
-torch streams; the DESIGN choice, ~1.5 us of host time per wait on an H200), ``"torch"``
+torch streams; the DESIGN choice, the cheapest wait for the host), ``"torch"``
 (``torch.cuda.Event``, same semantics, no CuPy needed) and ``"host"`` (no CUDA: events are flags set by
 ``complete``; the CPU tests use it, where every copy is synchronous). ``"auto"`` picks cupy, else torch, else host.
 """
