@@ -292,11 +292,11 @@ def churn(convs: int, system_len: int, pool_blocks: int, steps: int, *, seed: in
         task = tier.load(toks, None, slots[:toks.size])
         tier.wait(task)
         task = tier.store(toks, None, slots[:toks.size])
-        rec = tier._inflight.get(task.id)
+        rec = tier.in_flight().get(task.id)
         if fill is not None and rec is not None and rec.block_ids.size:
             stores.append([length for _, length in block_runs(rec.block_ids)])
         tier.wait(task)
-        if fill is None and (pool.num_free == 0 or tier._stats.pages_evicted > 0):
+        if fill is None and (pool.num_free == 0 or tier.stats()["pages_evicted"] > 0):
             fill = step  # from here every store evicts
         history[i] = list(toks) + [int(x) for x in rng.integers(0, 150000, 32)]  # the reply
         turn[i] += 1

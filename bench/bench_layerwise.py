@@ -253,9 +253,10 @@ def bench_new_tokens(m: Model, geo: KVGeometry, device: str, prefix_tokens: int,
                      transfer_mode=transfer_mode)
     tier = KVTier(kv, cfg)
     if staged:  # (staging MiB, scatter programs for loads) of the tier's staged path
-        tier._staged_transfer = StagedTransfer(kv, tier.pool.host, layout=cfg.host_layout,
-                                               tuning=Tuning(staging_bytes=staged[0] << 20,
-                                                             scatter_programs=staged[1]))
+        tier.copies.close()  # the default staging buffers' threads; this run's tuning replaces them
+        tier.copies.staged_transfer = StagedTransfer(kv, tier.pool.host, layout=cfg.host_layout,
+                                                     tuning=Tuning(staging_bytes=staged[0] << 20,
+                                                                   scatter_programs=staged[1]))
     toks = np.random.default_rng(0).integers(0, 150_000, prefix_tokens).astype(np.int64)
     src = torch.arange(0, pages * P, device=device)
     dst = torch.arange(pages * P, 2 * pages * P, device=device)

@@ -179,7 +179,7 @@ class Bench:
             self.b = self._tier(2 * max_blocks + 2, skip_store_copy=False, seed=2)
         finally:
             remote_tier.STAGE_RANGES = saved
-        self.staged = self.a.remote.medium.staged
+        self.staged = self.a.lower_tier("remote").medium.staged
         t = time.perf_counter()
         rng = np.random.default_rng(7)
         flat = self.a.pool.host.view(-1).view(torch.uint8).numpy()
@@ -234,7 +234,7 @@ class Bench:
         a.wait(task)  # finalized: the blocks enter the index and the remote put job is submitted
         t1 = time.perf_counter()
         while a.stats()["remote_blocks_pending_put"]:  # each wait is bounded by remote_timeout_s
-            a.remote.drain(wait=True)
+            a.lower_tier("remote").drain(wait=True)
         t2 = time.perf_counter()
         s1 = a.stats()
         put = s1["remote_blocks_put"] - s0["remote_blocks_put"]
@@ -253,7 +253,7 @@ class Bench:
         t0 = time.perf_counter()
         hit = b.lookup_tiers(toks, None)
         t1 = time.perf_counter()
-        task = hit.promotion
+        task = hit.read
         if task is not None:
             b.wait(task)
         t2 = time.perf_counter()
@@ -327,7 +327,7 @@ class Bench:
         rows = a.pool.block_rows(1)
         slot = np.empty(self.geo.block_bytes, np.uint8).reshape(rows.shape)
         toks = np.arange(self.geo.page_size, dtype=np.int64)
-        medium = a.remote.medium
+        medium = a.lower_tier("remote").medium
         fns = {"checksum_block": lambda: _checksum(rows), "checksum_staged": lambda: _checksum(slot),
                "header_pack": lambda: pack_block_header(BlockHeader(medium.fingerprint, 0, 12345, toks,
                                                                     self.geo.block_bytes, 678)),
@@ -348,7 +348,7 @@ class Bench:
         return out
 
     def remove_kvtier(self, toks: np.ndarray) -> None:
-        keys = self.a.remote.medium.keys(page_hashes(toks, self.geo.page_size, None))
+        keys = self.a.lower_tier("remote").medium.keys(page_hashes(toks, self.geo.page_size, None))
         self.stores.raw.batch_remove(keys, True)
 
     # --- the measurements ---
@@ -626,8 +626,8 @@ def main(argv=None) -> int:
                     "kvtier instances A, B and the raw client mount no segment: every value crosses loopback TCP",
         "kvtier_put": "A.store of fresh blocks (D2H skipped: SkipStoreCopy; the pool holds random bytes) -> "
                       "A.wait (finalize: index insert, RemoteLink.entered submits the put job) -> "
-                      "A.remote.drain(wait=True) until no put is pending; gbps = blocks put x value bytes / that "
-                      "wall time (the summary's figure: it counts everything the tier adds). job_gbps: the put "
+                      "A.lower_tier('remote').drain(wait=True) until no put is pending; gbps = blocks put x value "
+                      "bytes / that wall time (the summary's figure: it counts everything the tier adds). job_gbps: the put "
                       "job's own seconds on its thread (remote_seconds_put), without the owner's side",
         "kvtier_fetch": "B (empty pool, admission 'always') lookup_tiers -> wait(fetch task): probe "
                         "(batch_is_exist), allocation, get (batch_get_into_multi_buffers into B's pool, or its "

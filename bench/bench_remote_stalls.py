@@ -134,10 +134,10 @@ def hung_round(master: Master, timeout_s: float, rnd: int) -> dict:
     try:
         for seq in range(3):
             tier.wait(tier.store(tokens(0, seq), None, SLOTS))
-        tier.remote.drain(wait=True)
+        tier.lower_tier("remote").drain(wait=True)
         tier.reset()  # the CPU pool empty; the store holds prefixes 0..2
-        fetch = tier.lookup_tiers(tokens(0, 0), None).promotion
-        job = tier._inflight[fetch.id].completion
+        fetch = tier.lookup_tiers(tokens(0, 0), None).read
+        job = tier.in_flight()[fetch.id].completion
         job.wait(30)  # its probe has returned: the next drain starts its get
         stop = threading.Event()
 
@@ -188,7 +188,7 @@ def beat():
 threading.Thread(target=beat, daemon=True).start()
 t0 = time.monotonic()
 tier = make_tier({master!r}, {timeout!r}, required=False)
-print(json.dumps({{"build_s": round(time.monotonic() - t0, 3), "remote": tier.remote is not None,
+print(json.dumps({{"build_s": round(time.monotonic() - t0, 3), "remote": tier.lower_tier("remote") is not None,
                   "heartbeat_worst_s": round(worst[0], 3)}}), flush=True)
 """
 
@@ -286,7 +286,7 @@ seq = 0
 while True:  # killed by pid
     tier.wait(tier.store(tokens(me, seq % 200), None, SLOTS))
     other = 1 + (me + seq) % peers
-    task = tier.lookup_tiers(tokens(other, (seq * 7) % 200), None).promotion
+    task = tier.lookup_tiers(tokens(other, (seq * 7) % 200), None).read
     if task is not None:
         tier.wait(task)
     if seq % 20 == 19:
@@ -406,8 +406,8 @@ def engine_phase(tier: KVTier, seconds: float, calls: Calls, peers: int, seed: i
         if peers:
             toks = tokens(1 + rng.randrange(peers), rng.randrange(200))
             hit = calls("lookup", tier.lookup_tiers, toks, None)
-            if hit.promotion is not None and rnd % 2 == 0:
-                calls("wait (fetch)", tier.wait, hit.promotion)
+            if hit.read is not None and rnd % 2 == 0:
+                calls("wait (fetch)", tier.wait, hit.read)
             calls("load", lambda: tier.wait(tier.load(toks, None, SLOTS)))
         calls("poll", tier.poll)
         calls("stats", tier.stats)

@@ -53,7 +53,7 @@ def run(model, cfg, master: str, admission: str, args) -> list[dict]:
     def serve(engine, tokens, source):
         engine.drop_device_cache()
         r = engine.serve(tokens, args.new_tokens, source=source)
-        engine.tier.remote.drain(wait=True)  # its puts end before the next request
+        engine.tier.lower_tier("remote").drain(wait=True)  # its puts end before the next request
         return r
 
     for engine in (a, b):

@@ -54,14 +54,14 @@ def serve_pass(tier: KVTier, prompts: list[list[int]]) -> dict:
     for p in prompts:
         toks = np.asarray(p, dtype=np.int64)
         found = tier.lookup_tiers(toks, None)
-        if found.promotion is not None:
-            tier.wait(found.promotion)
+        if found.read is not None:
+            tier.wait(found.read)
         task = tier.load(toks, None, slots)
         tier.wait(task)
         hit += task.num_pages * PAGE
         total += toks.size // PAGE * PAGE
         tier.wait(tier.store(toks, None, slots))
-    tier.flush_ssd()
+    tier.flush_lower()
     return {"host_hit_fraction": hit / total, "tokens": total, "seconds": time.perf_counter() - t0}
 
 
@@ -77,8 +77,8 @@ def run(policy: str, prompts: list[list[int]], args) -> dict:
     t0 = time.perf_counter()  # the restart: a new tier over the directory, then the first prompt's SSD hit
     tier = make_tier(d, policy, blocks // 4, blocks * 2, slots)
     found = tier.lookup_tiers(np.asarray(prompts[0], dtype=np.int64), None)
-    if found.promotion is not None:
-        tier.wait(found.promotion)
+    if found.read is not None:
+        tier.wait(found.read)
     first_hit_s = time.perf_counter() - t0
     recovered = tier.stats()["ssd_blocks_recovered"]
     second = serve_pass(tier, prompts)
@@ -91,7 +91,7 @@ def run(policy: str, prompts: list[list[int]], args) -> dict:
            "ssd_write_dropped": s1["ssd_blocks_write_dropped"] + s2["ssd_blocks_write_dropped"],
            "cpu_store_dropped_pages": s1["pages_store_dropped"] + s2["pages_store_dropped"],
            "pages_promoted": s1["pages_promoted"] + s2["pages_promoted"], "start_to_first_hit_s": first_hit_s,
-           "first_hit_pages": found.ssd_pages}
+           "first_hit_pages": found.lower_pages}
     print(f"{policy}: hit {first['host_hit_fraction']:.3f} / after restart {second['host_hit_fraction']:.3f}, "
           f"SSD written {out['ssd_bytes_written'] / 2**20:.1f} MiB, recovered {recovered} blocks, CPU stores "
           f"dropped {out['cpu_store_dropped_pages']} pages, SSD writes dropped {out['ssd_write_dropped']}", flush=True)

@@ -87,7 +87,7 @@ def run_dir(model, cfg, directory: str, admission: str, args) -> list[dict]:
     def serve(tokens, source):
         engine.drop_device_cache()
         r = engine.serve(tokens, args.new_tokens, source=source)
-        tier.flush_ssd()
+        tier.flush_lower()
         return r
 
     # kernels compiled, every path warm; admission keeps the median of the 64-token prefills: three warm ones

@@ -97,7 +97,7 @@ def test_requests_in_flight_are_served_as_one_at_a_time_and_leave_nothing_behind
     assert [r.output for r in sorted(first, key=lambda r: r.tag)] == want
     engine.flush_device()
     if mode == "kvtier_ssd":  # the SSD alone holds the prefixes: matches promote them while requests wait
-        tier.flush_ssd()
+        tier.flush_lower()
         tier.evict(1 << 20)
     second = server.run([Arrival(p, 5, tag=i) for i, p in enumerate(ps)])  # pass 2: the device tree empty
     assert [r.output for r in sorted(second, key=lambda r: r.tag)] == want

@@ -98,7 +98,7 @@ def test_ssd_series_appear_with_an_ssd_tier(tmp_path):
     try:
         toks = _tokens(3 * P)
         tier.wait(tier.store(toks, None, page_slots(0, 3, P)))
-        tier.flush_ssd()
+        tier.flush_lower()
         tier.poll()
         m = _scrape(obs.port)
         assert _value(m, "kvtier_transfer_tokens_total", tier="ssd", op="store") == 3 * P
@@ -257,10 +257,10 @@ def test_close_takes_the_observers_off_and_a_second_attach_counts_once():
     first = attach(tier, dataclasses.replace(tier.config, metrics_port=0))
     first.close()
     first.close()  # idempotent
-    assert tier._observers == []
+    assert tier.observers == ()
     obs = attach(tier, dataclasses.replace(tier.config, metrics_port=0))
     tier.wait(tier.store(_tokens(2 * P), None, page_slots(0, 2, P)))
-    assert len(tier._observers) == 2
+    assert len(tier.observers) == 2
     assert _value(_scrape(obs.port), "kvtier_transfer_tokens_total", tier="cpu", op="store") == 2 * P
     obs.close()
     tier.destroy()
@@ -274,7 +274,7 @@ def test_metrics_port_zero_is_a_free_port_on_every_rank_and_past_65535_is_refuse
     obs.close()
     with pytest.raises(ValueError, match="metrics_port 65535 \\(\\+1 for this rank\\) is past 65535"):
         attach(tier, dataclasses.replace(tier.config, metrics_port=65535), port_offset=1)
-    assert tier._observers == []
+    assert tier.observers == ()
     tier.destroy()
 
 
@@ -332,7 +332,7 @@ def test_ssd_writes_dropped_without_a_free_slot_say_to_raise_ssd_cache_gb(tmp_pa
     caplog.set_level(logging.WARNING, logger=ROOM_LOGGER)
     try:
         tier.wait(tier.store(_tokens(6 * P), None, page_slots(0, 6, P)))  # write-through: 6 blocks, 4 slots
-        tier.flush_ssd()
+        tier.flush_lower()
         assert tier.stats()["ssd_blocks_write_dropped"] == 2
         (line,) = _room_lines(caplog)
         assert "2 blocks of SSD writes were dropped" in line and "Raise ssd_cache_gb" in line

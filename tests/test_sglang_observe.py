@@ -102,7 +102,7 @@ def test_no_host_events_without_kv_events():
     serve(s, np.arange(1, 4 * PAGE + 1))
     s.cache.wait_all()
     assert s.cache.take_events() == []
-    assert len(s.cache.tier._observers) == 1  # the transfer log only
+    assert len(s.cache.tier.observers) == 1  # the transfer log only
 
 
 def _pages(events, medium: str) -> list:
@@ -120,15 +120,16 @@ def _pages(events, medium: str) -> list:
 def _settle(s) -> None:
     """Every store finalized and every lower-tier write accounted."""
     s.cache.wait_all()
-    s.cache.tier.flush_ssd()
-    if s.cache.tier.remote is not None:
-        s.cache.tier.remote.drain(wait=True)
+    s.cache.tier.flush_lower()
+    if s.cache.tier.lower_tier("remote") is not None:
+        s.cache.tier.lower_tier("remote").drain(wait=True)
 
 
 def test_ssd_writes_and_evictions_reach_the_kv_event_stream_as_disk(tmp_path):
-    # 8 host blocks, 128 SSD slots (1 MiB of 8 KiB slots), write_through: every block reaches the SSD
-    s = build(page_size=PAGE, kv_size=64, host_blocks_kb=4, kv_events=True, ssd_dir=str(tmp_path))
-    assert s.cache.tier.ssd.medium.index.num_slots == 128
+    # 16 host blocks (an SSD write queue of 8, a prefix's worth), 128 SSD slots (1 MiB of 8 KiB slots),
+    # write_through: every block reaches the SSD
+    s = build(page_size=PAGE, kv_size=64, host_blocks_kb=8, kv_events=True, ssd_dir=str(tmp_path))
+    assert s.cache.tier.lower_tier("ssd").medium.index.num_slots == 128
     a = np.arange(1, 8 * PAGE + 1)
     serve(s, a)
     _settle(s)  # a's CPU blocks are free to reuse once written

@@ -105,7 +105,7 @@ def test_two_instances_share_a_prefix_through_the_master_on_real_sglang_pools(tm
         a = h.serve(s, TOKS)  # its checkpoint stores the 4 pages to the CPU tier, which puts them to the remote
         assert (a.device_len, a.host_hit, a.loaded) == (0, 0, 0)
         s.cache.wait_all()
-        s.cache.tier.remote.drain(wait=True)  # every put has returned and is accounted
+        s.cache.tier.lower_tier("remote").drain(wait=True)  # every put has returned and is accounted
         st = s.cache.tier.stats()
         assert st["pages_held"] == 4 and st["remote_blocks_put"] == 4
         assert st["remote_blocks_put_failed"] == 0 and st["remote_blocks_put_dropped"] == 0

@@ -312,17 +312,17 @@ def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layer
     """``auto``: stores always staged; a load copy of >= AUTO_STAGED_LOAD_BYTES staged, a smaller one direct
     (one layer of a layerwise load: AUTO_STAGED_LAYER_BYTES, the other threshold kept out of reach); layerwise loads
     from a ``page_first`` pool direct when a block's layer slice is shorter than AUTO_STAGED_MIN_SLICE_BYTES."""
-    import kvtier.tier.manager as manager
+    import kvtier.tier.device_copies as device_copies
     import kvtier.tier.transfer_policy as policy
 
     monkeypatch.setattr(policy, "AUTO_STAGED_MIN_SLICE_BYTES", TINY.page_bytes + 1 if short_slices else 1)
     calls = []
     for name in ("store", "load"):
-        real = getattr(manager.StagedTransfer, name)
-        monkeypatch.setattr(manager.StagedTransfer, name,
+        real = getattr(device_copies.StagedTransfer, name)
+        monkeypatch.setattr(device_copies.StagedTransfer, name,
                             lambda self, *a, _real=real, _name=name, **k: calls.append(_name) or _real(self, *a, **k))
-    real_launch = manager.StagedCopy.launch  # a layerwise staged load: one planned copy, launched per layer
-    monkeypatch.setattr(manager.StagedCopy, "launch", lambda self, *a, **k: calls.append(
+    real_launch = device_copies.StagedCopy.launch  # a layerwise staged load: one planned copy, launched per layer
+    monkeypatch.setattr(device_copies.StagedCopy, "launch", lambda self, *a, **k: calls.append(
         "store" if self.to_host else "load") or real_launch(self, *a, **k))
     tier = make_tier(mode="auto", layout=layout)
     toks = _tokens(4 * P)
@@ -349,12 +349,12 @@ def test_auto_mode_loads_large_copies_through_the_staged_path(monkeypatch, layer
 def test_a_whole_load_the_policy_sends_direct_per_layer_launches_each_layer(monkeypatch, layout):
     """``direct_layers`` (a fragmented whole load): one DirectCopy checked once and launched per layer, bytes
     exact, stats as for any load."""
-    import kvtier.tier.manager as manager
+    import kvtier.tier.device_copies as device_copies
     from kvtier.tier.transfer_policy import Path
 
     launched = []
-    real_launch = manager.DirectCopy.launch
-    monkeypatch.setattr(manager.DirectCopy, "launch",
+    real_launch = device_copies.DirectCopy.launch
+    monkeypatch.setattr(device_copies.DirectCopy, "launch",
                         lambda self, layers=None, **k: launched.append(layers) or real_launch(self, layers, **k))
     tier = make_tier(mode="auto", layout=layout)
     monkeypatch.setattr(tier.policy, "path", lambda plan: Path.STAGED if plan.to_host else Path.DIRECT_LAYERS)
@@ -610,15 +610,15 @@ def test_the_slot_indices_a_copy_reads_live_until_it_is_finalized(monkeypatch, o
     tier's stream, could still read it."""
     import weakref
 
-    import kvtier.tier.manager as manager
+    import kvtier.tier.device_copies as device_copies
     given = []
     for name in ("store_pages", "load_pages", "DirectCopy"):
-        real = getattr(manager, name)
+        real = getattr(device_copies, name)
 
         def spy(kv, host, slots, *a, _real=real, **kw):
             given.append(weakref.ref(slots._base if slots._base is not None else slots))
             return _real(kv, host, slots, *a, **kw)
-        monkeypatch.setattr(manager, name, spy)
+        monkeypatch.setattr(device_copies, name, spy)
     ex = _IssueNow()
     tier = make_tier(num_blocks=8, mode="direct", executor=ex)
     src = page_slots(0, 3, P)

@@ -56,7 +56,7 @@ def store_and_put(tier: KVTier, toks: np.ndarray, first_page: int = 0) -> list[t
     """Store ``toks`` from device pages ``first_page..`` and wait for its puts; the bytes stored."""
     slots = page_slots(first_page, toks.size // P, P)
     tier.wait(tier.store(toks, None, slots))
-    tier.remote.drain(wait=True)
+    tier.lower_tier("remote").drain(wait=True)
     return slot_bytes(tier, slots)
 
 
@@ -71,8 +71,8 @@ def put_by_a(master: str, pages: int) -> tuple[KVTier, np.ndarray]:
 def probed_fetch(tier: KVTier, toks: np.ndarray, found: int):
     """Start a fetch of ``toks`` and wait for its probe only, which must find ``found`` blocks (the get is
     started by the next drain or wait); the task."""
-    task = tier.lookup_tiers(toks, None).promotion
-    job = tier._inflight[task.id].completion
+    task = tier.lookup_tiers(toks, None).read
+    job = tier.in_flight()[task.id].completion
     assert job.wait(30) and job.found == found
     return task
 
@@ -122,7 +122,7 @@ def test_a_master_not_reachable_at_start_is_a_clear_error_unless_not_required():
         make_remote_tier(addr)
     t = make_remote_tier(addr, remote_required=False)
     assert time.monotonic() - t0 < 15
-    assert t.remote is None  # runs on the CPU tier alone
+    assert t.lower_tier("remote") is None  # runs on the CPU tier alone
     toks = prompt(2, 3)
     t.wait(t.store(toks, None, page_slots(0, 3, P)))
     assert t.lookup(toks) == 3
@@ -152,7 +152,7 @@ _BUILD_WHILE_STOPPED = textwrap.dedent("""
     except RemoteStoreError as e:
         print("error", e, flush=True)
     t = make_remote_tier({master!r}, remote_required=False)
-    print("remote", t.remote is not None, "seconds", time.monotonic() - t0, "stall", worst[0], flush=True)
+    print("remote", t.lower_tier("remote") is not None, "seconds", time.monotonic() - t0, "stall", worst[0], flush=True)
 """)
 
 
@@ -184,7 +184,7 @@ def test_a_killed_master_leaves_the_local_tiers_serving_and_the_tier_reconnects(
     t0 = time.monotonic()
     toks = prompt(2, 3)
     store_and_put(a, toks, first_page=10)  # puts fail: the tier goes down, the CPU tier keeps the pages
-    task = a.lookup_tiers(prompt(3, 4), None).promotion  # not local: a probe, or nothing while down
+    task = a.lookup_tiers(prompt(3, 4), None).read  # not local: a probe, or nothing while down
     if task is not None:
         a.wait(task)
         assert task.num_pages == 0
@@ -203,7 +203,7 @@ def test_a_killed_master_leaves_the_local_tiers_serving_and_the_tier_reconnects(
     want = None
     for _ in range(50):  # the first puts after a restart may race the remount
         want = store_and_put(a, toks, first_page=20)
-        if a.remote.medium.store.exists(a.remote.medium.keys(page_hashes(toks, P, None))) == [1, 1, 1]:
+        if a.lower_tier("remote").medium.store.exists(a.lower_tier("remote").medium.keys(page_hashes(toks, P, None))) == [1, 1, 1]:
             break
         a.reset()
         time.sleep(0.2)
@@ -231,8 +231,8 @@ def test_a_hung_master_bounds_every_wait_and_quarantines_the_fetch_blocks_until_
     s = b.stats()
     assert not s["remote_up"] and s["remote_fetches_abandoned"] == 1
     assert s["held_cpu_blocks"] == 4  # the hung get may still write them: not reused
-    assert b.lookup_tiers(prompt(2, 3), None).promotion is None  # down: no probe
-    hung = set(b.remote._abandoned[0].host_ids.tolist())
+    assert b.lookup_tiers(prompt(2, 3), None).read is None  # down: no probe
+    hung = set(b.lower_tier("remote")._abandoned[0].host_ids.tolist())
     t0 = time.monotonic()
     b.reset()
     assert time.monotonic() - t0 < TIMEOUT + 0.5
@@ -288,7 +288,7 @@ def test_stats_and_lookups_from_other_threads_never_wait_on_a_hung_master(moonca
     assert not errors, errors
     assert max(engine) < TIMEOUT + 0.5, engine
     assert times and max(times) < TIMEOUT + 0.5, max(times)
-    assert b.pool.destroyed and b.remote.medium.store in remote_tier.LEFT_TO_EXIT  # its get still ran: left
+    assert b.pool.destroyed and b.lower_tier("remote").medium.store in remote_tier.LEFT_TO_EXIT  # its get still ran: left
     a.destroy()
 
 
@@ -297,8 +297,8 @@ def test_a_cancelled_fetch_makes_no_further_get_calls(mooncake_master):
     now ends at once, its get stops after the call in flight, whose blocks stay held until it returns."""
     a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1)
-    b.remote.medium._batch = 1  # a call a block
-    calls = _counted(b.remote.medium.store, "get", 0.5)
+    b.lower_tier("remote").medium._batch = 1  # a call a block
+    calls = _counted(b.lower_tier("remote").medium.store, "get", 0.5)
     task = probed_fetch(b, toks, 4)
     b.poll()  # the get starts
     deadline = time.monotonic() + 10
@@ -324,14 +324,14 @@ def test_a_tier_whose_master_did_not_answer_last_is_destroyed_without_waiting_fo
     mooncake_master.pause()
     b.wait(task)  # the get outlasts its timeout: the tier is down
     mooncake_master.resume()
-    b.remote.drain(wait=True)  # the hung get returns
+    b.lower_tier("remote").drain(wait=True)  # the hung get returns
     assert not b.stats()["remote_up"]
     mooncake_master.pause()  # hung again at shutdown
     t0 = time.monotonic()
     b.destroy()
     assert time.monotonic() - t0 < 5
     mooncake_master.resume()
-    b.remote.medium.store.close()  # the test's own clean-up, the master answering again
+    b.lower_tier("remote").medium.store.close()  # the test's own clean-up, the master answering again
     a.destroy()
 
 
@@ -350,7 +350,7 @@ def test_a_client_left_at_destroy_is_never_closed_by_its_destructor(mooncake_mas
     for t in threading.enumerate():
         if t.name == "kvtier-remote-close-probe":
             t.join(60)
-    store = weakref.ref(b.remote.medium.store)
+    store = weakref.ref(b.lower_tier("remote").medium.store)
     t0 = time.monotonic()
     gc.collect()
     before = time.monotonic() - t0  # a collection of this process's heap, the tier still referenced
@@ -367,7 +367,7 @@ def test_destroy_does_not_wait_for_a_probe_given_up_on(mooncake_master):
     b = make_remote_tier(mooncake_master.addr, seed=1)
     mooncake_master.pause()  # the probe hangs
     try:
-        task = b.lookup_tiers(toks, None).promotion
+        task = b.lookup_tiers(toks, None).read
         b.wait(task)  # given up on by its timeout
         destroying = threading.Thread(target=b.destroy, daemon=True)
         destroying.start()
@@ -409,8 +409,8 @@ def test_a_key_gone_between_probe_and_get_is_a_counted_miss(mooncake_master):
     a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1)
     task = probed_fetch(b, toks, 4)
-    store = a.remote.medium.store
-    assert store.remove(a.remote.medium.keys(page_hashes(toks, P, None)[2:3])) == [0]  # the store drops block 2
+    store = a.lower_tier("remote").medium.store
+    assert store.remove(a.lower_tier("remote").medium.keys(page_hashes(toks, P, None)[2:3])) == [0]  # the store drops block 2
     b.wait(task)
     s = b.stats()
     assert s["pages_fetched"] == 2 and s["remote_blocks_missing"] == 1 and s["remote_blocks_corrupt"] == 0
@@ -433,7 +433,7 @@ def test_a_forged_value_is_a_counted_miss_never_served(mooncake_master, forgery,
     a = make_remote_tier(mooncake_master.addr)
     toks = prompt(1, 3)
     want = store_and_put(a, toks)
-    medium = a.remote.medium
+    medium = a.lower_tier("remote").medium
     hashes = page_hashes(toks, P, None)
     key = medium.keys(hashes[1:2])
     assert medium.store.remove(key) == [0]
@@ -476,7 +476,7 @@ def test_a_cancelled_fetch_ends_without_its_get(mooncake_master):
     b = make_remote_tier(mooncake_master.addr, seed=1, num_blocks=8)
     local = prompt(2, 6)
     store_and_put(b, local)
-    calls = _counted(b.remote.medium.store, "get", 0.0)
+    calls = _counted(b.lower_tier("remote").medium.store, "get", 0.0)
     b.cancel(probed_fetch(b, toks, 4))
     assert calls == [] and b.lookup(local) == 6 and b.stats()["pages_evicted"] == 0
     assert_accounted(b)
@@ -488,7 +488,7 @@ def test_puts_hold_at_most_half_of_a_small_pool(mooncake_master):
     """The put queue was capped at max(half the pool, 64 blocks): in a pool under 128 blocks a slow store then held
     every CPU block and stores were dropped. It holds at most half: the other half takes stores."""
     a = make_remote_tier(mooncake_master.addr, num_blocks=16, remote_timeout_s=10.0)
-    slowed(a.remote.medium.store, "put", 2.0)  # slow, within its timeout
+    slowed(a.lower_tier("remote").medium.store, "put", 2.0)  # slow, within its timeout
     a.wait(a.store(prompt(1, 12), None, page_slots(0, 12, P)))
     s = a.stats()
     assert s["remote_blocks_pending_put"] == 8 and s["remote_blocks_put_dropped"] == 4
@@ -501,12 +501,12 @@ def test_puts_hold_at_most_half_of_a_small_pool(mooncake_master):
 
 def test_puts_beyond_the_queue_cap_are_dropped_and_counted(mooncake_master):
     a = make_remote_tier(mooncake_master.addr)
-    a.remote.medium._max_pending = 2  # a tiny queue: the first 2 blocks of the store are put
+    a.lower_tier("remote").medium._max_pending = 2  # a tiny queue: the first 2 blocks of the store are put
     toks = prompt(1, 5)
     store_and_put(a, toks)
     s = a.stats()
     assert s["remote_blocks_put"] == 2 and s["remote_blocks_put_dropped"] == 3
-    assert a.remote.medium.store.exists(a.remote.medium.keys(page_hashes(toks, P, None))) == [1, 1, 0, 0, 0]
+    assert a.lower_tier("remote").medium.store.exists(a.lower_tier("remote").medium.keys(page_hashes(toks, P, None))) == [1, 1, 0, 0, 0]
     a.destroy()
 
 
@@ -534,10 +534,10 @@ def test_a_remote_tier_needs_a_model_identity_and_auto_finalize(mooncake_master)
 def test_puts_and_gets_in_many_batches_round_trip_and_stop_at_a_missing_block(mooncake_master, layout, prep_threads):
     a = make_remote_tier(mooncake_master.addr, layout=layout)
     b = make_remote_tier(mooncake_master.addr, layout=layout, seed=1)
-    assert (a.remote.medium._prep is not None) == bool(prep_threads)
+    assert (a.lower_tier("remote").medium._prep is not None) == bool(prep_threads)
     for t in (a, b):
-        t.remote.medium._batch = 2  # 7 blocks: 4 calls, each prepared or checked while another runs
-    assert a.remote.medium.staged == (layout == "layer_first")
+        t.lower_tier("remote").medium._batch = 2  # 7 blocks: 4 calls, each prepared or checked while another runs
+    assert a.lower_tier("remote").medium.staged == (layout == "layer_first")
     toks = prompt(1, 7)
     want = store_and_put(a, toks)
     assert a.stats()["remote_blocks_put"] == 7
@@ -546,7 +546,7 @@ def test_puts_and_gets_in_many_batches_round_trip_and_stop_at_a_missing_block(mo
     toks = prompt(2, 7)
     want = store_and_put(a, toks, first_page=10)
     task = probed_fetch(b, toks, 7)
-    assert a.remote.medium.store.remove(a.remote.medium.keys(page_hashes(toks, P, None)[4:5])) == [0]
+    assert a.lower_tier("remote").medium.store.remove(a.lower_tier("remote").medium.keys(page_hashes(toks, P, None)[4:5])) == [0]
     b.wait(task)  # batch [4, 6) misses its first block: 4 verified, the call after it waited for
     assert task.num_pages == 7 and b.stats()["pages_fetched"] == 7 + 4
     pages, got = fetch_and_load(b, toks)
@@ -591,8 +591,8 @@ def two_prompts_put(master: str) -> tuple[KVTier, np.ndarray, np.ndarray]:
 def test_a_fetch_that_returns_after_it_was_abandoned_is_counted_once(mooncake_master):
     a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1)
-    slowed(b.remote.medium.store, "get", 2.5 * TIMEOUT)  # the get succeeds, after its timeout
-    b.wait(b.lookup_tiers(toks, None).promotion)
+    slowed(b.lower_tier("remote").medium.store, "get", 2.5 * TIMEOUT)  # the get succeeds, after its timeout
+    b.wait(b.lookup_tiers(toks, None).read)
     poll_until(b, lambda: not b.stats()["held_cpu_blocks"], 10)  # the get returns; its blocks come back
     s = b.stats()
     assert s["remote_fetches_abandoned"] == 1 and s["pages_fetch_failed"] == 4 and s["pages_fetched"] == 0
@@ -606,10 +606,10 @@ def test_a_fetch_that_returns_after_it_was_abandoned_is_counted_once(mooncake_ma
 def test_time_queued_behind_healthy_gets_does_not_count_against_a_fetch(mooncake_master):
     a, t1, t2 = two_prompts_put(mooncake_master.addr)
     b = make_remote_tier(mooncake_master.addr, seed=1, remote_timeout_s=2.0)
-    slowed(b.remote.medium.store, "get", 1.2)  # each get within its timeout (2 s); two in a row are not
-    k1, k2 = (b.lookup_tiers(t, None).promotion for t in (t1, t2))
+    slowed(b.lower_tier("remote").medium.store, "get", 1.2)  # each get within its timeout (2 s); two in a row are not
+    k1, k2 = (b.lookup_tiers(t, None).read for t in (t1, t2))
     for k in (k1, k2):
-        assert b._inflight[k.id].completion.wait(30)  # both probes returned
+        assert b.in_flight()[k.id].completion.wait(30)  # both probes returned
     b.poll()  # both gets start, one behind the other on the fetch thread
     b.wait(k2)
     b.wait(k1)
@@ -626,8 +626,8 @@ def test_a_polled_fetch_whose_get_hangs_ends_by_its_timeout(mooncake_master):
     timeout, the tier goes down, and the CPU blocks stay held until the hung call returns."""
     a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1)
-    slowed(b.remote.medium.store, "get", 4 * TIMEOUT)
-    task = b.lookup_tiers(toks, None).promotion
+    slowed(b.lower_tier("remote").medium.store, "get", 4 * TIMEOUT)
+    task = b.lookup_tiers(toks, None).read
     t0 = time.monotonic()
     poll_until(b, lambda: b.completed(task), 3 * TIMEOUT)
     assert b.completed(task) and time.monotonic() - t0 < 2 * TIMEOUT + 1
@@ -642,7 +642,7 @@ def test_a_polled_fetch_whose_get_hangs_ends_by_its_timeout(mooncake_master):
 
 def test_puts_queued_behind_a_hung_put_are_skipped_once_it_outlasts_its_timeout(mooncake_master):
     a = make_remote_tier(mooncake_master.addr, num_blocks=32)
-    slowed(a.remote.medium.store, "put", 3.0)  # every put call hangs for 3 s
+    slowed(a.lower_tier("remote").medium.store, "put", 3.0)  # every put call hangs for 3 s
     for i in range(3):  # three stores, three put jobs: one runs, two queue behind it
         a.wait(a.store(prompt(10 + i, 2), None, page_slots(2 * i, 2, P)))
     t0 = time.monotonic()
@@ -658,15 +658,15 @@ def test_puts_queued_behind_a_hung_put_are_skipped_once_it_outlasts_its_timeout(
 def test_a_probe_queued_behind_a_hung_probe_ends_by_the_timeout(mooncake_master):
     a, t1, t2 = two_prompts_put(mooncake_master.addr)
     b = make_remote_tier(mooncake_master.addr, seed=1)
-    slowed(b.remote.medium.store, "exists", 4 * TIMEOUT)  # the first probe hangs; the second queues behind it
+    slowed(b.lower_tier("remote").medium.store, "exists", 4 * TIMEOUT)  # the first probe hangs; the second queues behind it
     b.lookup_tiers(t1, None)
-    task = b.lookup_tiers(t2, None).promotion
+    task = b.lookup_tiers(t2, None).read
     t0 = time.monotonic()
     b.wait(task)
     assert time.monotonic() - t0 < TIMEOUT + 1
     s = b.stats()
     assert not s["remote_up"] and s["remote_fetches_abandoned"] == 2 and b.lookup(t2) == 0
-    b.remote.drain(wait=True)  # the hung probe returns
+    b.lower_tier("remote").drain(wait=True)  # the hung probe returns
     assert_accounted(b)
     a.destroy()
     b.destroy()
@@ -677,16 +677,16 @@ def test_no_fetch_starts_while_a_get_given_up_on_still_runs(mooncake_master):
     starts (its get would queue behind the hung call) until that call returns; the tier does not go down again."""
     a, t1, t2 = two_prompts_put(mooncake_master.addr)
     b = make_remote_tier(mooncake_master.addr, seed=1)
-    store = b.remote.medium.store
+    store = b.lower_tier("remote").medium.store
     slowed(store, "get", 8 * TIMEOUT)
-    b.wait(b.lookup_tiers(t1, None).promotion)  # abandoned by its timeout; the call runs on
+    b.wait(b.lookup_tiers(t1, None).read)  # abandoned by its timeout; the call runs on
     poll_until(b, lambda: b.stats()["remote_up"], 5)  # the health probe finds the master
     for _ in range(3):  # within the call's 8 s
-        assert b.lookup_tiers(t2, None).promotion is None  # not started: the fetch thread is still in the call
+        assert b.lookup_tiers(t2, None).read is None  # not started: the fetch thread is still in the call
         poll_until(b, lambda: False, RETRY)
     s = b.stats()
     assert s["remote_up"] and s["remote_times_down"] == 1 and s["remote_fetches_skipped"] == 3
-    b.remote.drain(wait=True)  # the hung get returns
+    b.lower_tier("remote").drain(wait=True)  # the hung get returns
     del store.get  # the client's own method again
     pages, got = fetch_and_load(b, t2)
     assert pages == 2 and b.stats()["remote_fetches_abandoned"] == 1
@@ -712,8 +712,8 @@ def test_a_job_given_up_on_makes_no_further_calls(mooncake_master, kind):
     if kind == "get":
         store_and_put(a, toks)
     t = a if kind == "put" else make_remote_tier(mooncake_master.addr, seed=1)
-    t.remote.medium._batch = 1  # a call a block
-    calls = _counted(t.remote.medium.store, kind, 3 * TIMEOUT)
+    t.lower_tier("remote").medium._batch = 1  # a call a block
+    calls = _counted(t.lower_tier("remote").medium.store, kind, 3 * TIMEOUT)
     if kind == "put":
         t.wait(t.store(prompt(10, 4), None, page_slots(0, 4, P)))
         poll_until(t, lambda: not t.stats()["remote_up"], 3 * TIMEOUT)
@@ -734,7 +734,7 @@ def test_slow_batch_preparation_between_calls_is_no_hung_call(mooncake_master, m
     checksum = remote_tier._checksum
     monkeypatch.setattr(remote_tier, "_checksum", lambda rows: (time.sleep(1.5 * TIMEOUT), checksum(rows))[1])
     a = make_remote_tier(mooncake_master.addr, num_blocks=32)
-    a.remote.medium._batch = 1
+    a.lower_tier("remote").medium._batch = 1
     a.wait(a.store(prompt(10, 3), None, page_slots(0, 3, P)))
     poll_until(a, lambda: a.stats()["remote_blocks_put"] == 3, 10 * TIMEOUT)
     s = a.stats()
@@ -748,21 +748,21 @@ def test_one_hung_call_of_a_many_call_get_ends_by_its_own_timeout(mooncake_maste
     Qwen3-8B prefix at 5 s each: a hung peer's minute fit in it)."""
     a, toks = put_by_a(mooncake_master.addr, 8)
     b = make_remote_tier(mooncake_master.addr, seed=1)
-    b.remote.medium._batch = 1
+    b.lower_tier("remote").medium._batch = 1
     calls: list = []
 
     def first_hangs() -> None:
         calls.append(1)
         if len(calls) == 1:
             time.sleep(6 * TIMEOUT)
-    before_calls(b.remote.medium.store, "get", first_hangs)
+    before_calls(b.lower_tier("remote").medium.store, "get", first_hangs)
     task = probed_fetch(b, toks, 8)
     t0 = time.monotonic()
     b.wait(task)
     assert time.monotonic() - t0 < 2 * TIMEOUT + 0.5
     s = b.stats()
     assert not s["remote_up"] and s["remote_fetches_abandoned"] == 1
-    b.remote.drain(wait=True)
+    b.lower_tier("remote").drain(wait=True)
     assert_accounted(b)
     a.destroy()
     b.destroy()
@@ -772,7 +772,7 @@ def test_the_read_rate_counts_the_get_not_the_probe(mooncake_master):
     """read_gbps (what admission by cost compares with the prefill) took the probe's time as read time too."""
     a, toks = put_by_a(mooncake_master.addr, 4)
     b = make_remote_tier(mooncake_master.addr, seed=1, remote_timeout_s=5.0)
-    slowed(b.remote.medium.store, "exists", 0.5)  # a slow probe; the get itself as it is
+    slowed(b.lower_tier("remote").medium.store, "exists", 0.5)  # a slow probe; the get itself as it is
     pages, _ = fetch_and_load(b, toks)
     assert pages == 4 and b.stats()["remote_seconds_fetch"] < 0.25
     a.destroy()
@@ -796,9 +796,9 @@ def test_put_calls_run_at_a_lower_priority_than_probes_and_gets(mooncake_master,
             os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
     a = make_remote_tier(mooncake_master.addr)
     b = make_remote_tier(mooncake_master.addr, seed=1)
-    recorded(a.remote.medium.store, "put")
+    recorded(a.lower_tier("remote").medium.store, "put")
     for method in ("exists", "get"):
-        recorded(b.remote.medium.store, method)
+        recorded(b.lower_tier("remote").medium.store, method)
     toks = prompt(1, 3)
     store_and_put(a, toks)
     pages, _ = fetch_and_load(b, toks)
@@ -869,13 +869,13 @@ def test_a_hung_then_dead_peer_is_a_counted_transfer_failure_never_corruption(tm
         toks = prompt(1, 4)
         peer.send_signal(signal.SIGSTOP)  # hung: its sockets open, nothing served
         t0 = time.monotonic()
-        b.wait(b.lookup_tiers(toks, None).promotion)
+        b.wait(b.lookup_tiers(toks, None).read)
         assert time.monotonic() - t0 < 2 * TIMEOUT + 1
         assert b.stats()["remote_fetches_abandoned"] == 1 and b.lookup(toks) == 0
         peer.kill()  # dead: the hung call fails
         peer.wait(10)
         t0 = time.monotonic()
-        b.remote.drain(wait=True)
+        b.lower_tier("remote").drain(wait=True)
         assert time.monotonic() - t0 < 10
         poll_until(b, lambda: b.stats()["remote_up"], 5)
         t0 = time.monotonic()

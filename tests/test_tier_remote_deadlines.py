@@ -68,7 +68,7 @@ _PEER = textwrap.dedent("""
         for attempt in range(50):  # the first puts after a restart may race the master's start
             for toks, page in PEER_PROMPTS:
                 store_and_put(tier, toks, first_page=page)
-            if tier.remote.medium.store.exists(peer_keys(tier)) == [1] * 8:
+            if tier.lower_tier("remote").medium.store.exists(peer_keys(tier)) == [1] * 8:
                 break
             tier.reset()
             time.sleep(0.2)
@@ -78,7 +78,7 @@ _PEER = textwrap.dedent("""
 
 def peer_keys(tier: KVTier) -> list[str]:
     """The keys of the peer's prompts."""
-    return [k for toks, _ in PEER_PROMPTS for k in tier.remote.medium.keys(page_hashes(toks, P, None))]
+    return [k for toks, _ in PEER_PROMPTS for k in tier.lower_tier("remote").medium.keys(page_hashes(toks, P, None))]
 
 
 class World:
@@ -166,7 +166,7 @@ class Script:
         self.times: list[tuple[str, float]] = []
         self.loaded: list[int] = []  # pages of each load of a peer's prompt
         self.close_s = 0.0  # inside Mooncake's own close (destroy): it joins the client's threads holding the GIL
-        store = tier.remote.medium.store
+        store = tier.lower_tier("remote").medium.store
         for method in CALL_POINTS & set(self.armed):
             before_calls(store, method, lambda m=method: self.at(m))
         real_close = store.close
@@ -194,7 +194,7 @@ class Script:
 
     def fetch_started(self, task) -> Optional[object]:
         """The fetch's job once its probe stage has returned or been given up on (not an engine call)."""
-        rec = self.tier._inflight.get(task.id) if task is not None else None
+        rec = self.tier.in_flight().get(task.id) if task is not None else None
         if rec is not None:
             rec.completion.wait(TIMEOUT + 1)
         return rec
@@ -204,7 +204,7 @@ class Script:
         self.at("store")
         self.call("store", lambda: t.wait(t.store(own, None, page_slots(0, 4, P))))
         self.at("lookup")
-        first = self.call("lookup", t.lookup_tiers, PEER_PROMPTS[0][0], None).promotion
+        first = self.call("lookup", t.lookup_tiers, PEER_PROMPTS[0][0], None).read
         self.fetch_started(first)
         self.at("start_get")
         self.call("poll", t.poll)
@@ -212,7 +212,7 @@ class Script:
         if first is not None:
             self.call("wait", t.wait, first)
         self.load(PEER_PROMPTS[0][0])
-        second = self.call("lookup", t.lookup_tiers, PEER_PROMPTS[1][0], None).promotion
+        second = self.call("lookup", t.lookup_tiers, PEER_PROMPTS[1][0], None).read
         if second is not None:
             self.call("wait", t.wait, second)
         self.load(PEER_PROMPTS[1][0])
@@ -238,7 +238,7 @@ class Script:
         """Every CPU block is free, held by the index, owned by a task in flight or held by remote IO."""
         t = self.tier
         s = t.stats()
-        owned = sum(r.block_ids.size for r in t._inflight.values())
+        owned = sum(r.block_ids.size for r in t.in_flight().values())
         assert t.pool.num_free + s["pages_held"] + owned + s["held_cpu_blocks"] == t.pool.num_blocks, s
 
     def end(self) -> None:

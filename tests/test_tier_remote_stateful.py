@@ -78,7 +78,7 @@ class RemoteTierMachine(RuleBasedStateMachine):
     def lookup(self, data, wait) -> None:
         toks, ns_i = self._pick(data)
         hit = self.tier.lookup_tiers(np.array(toks), NAMESPACES[ns_i])
-        task = hit.promotion
+        task = hit.read
         note(f"lookup {toks} ns={ns_i}: {hit.cpu_pages} on the CPU, {task}")
         if task is not None and wait:
             before = self.tier.stats()["remote_blocks_corrupt"]
@@ -130,7 +130,8 @@ class RemoteTierMachine(RuleBasedStateMachine):
         toks, ns_i = data.draw(st.sampled_from(self.prompts))
         hashes = page_hashes(np.array(toks[:len(toks) // P * P]), P, NAMESPACES[ns_i])
         if k < hashes.size:
-            self.tier.remote.medium.store.remove(self.tier.remote.medium.keys(hashes[k:k + 1]))
+            medium = self.tier.lower_tier("remote").medium
+            medium.store.remove(medium.keys(hashes[k:k + 1]))
 
     @rule(data=st.data(), k=st.integers(0, MAX_PAGES - 1))
     def key_gone_between_probe_and_get(self, data, k) -> None:
@@ -139,13 +140,14 @@ class RemoteTierMachine(RuleBasedStateMachine):
             return
         toks, ns_i = data.draw(st.sampled_from(self.prompts))
         hit = self.tier.lookup_tiers(np.array(toks), NAMESPACES[ns_i])
-        task = hit.promotion
-        if task is None or task.kind != "fetch" or task.id not in self.tier._inflight:
+        task = hit.read
+        if task is None or task.kind != "read" or task.id not in self.tier.in_flight():
             return
-        job = self.tier._inflight[task.id].completion
+        job = self.tier.in_flight()[task.id].completion
         assert job.wait(30)
         if job.found > k:
-            self.tier.remote.medium.store.remove(self.tier.remote.medium.keys(job.hashes[k:k + 1]))
+            medium = self.tier.lower_tier("remote").medium
+            medium.store.remove(medium.keys(job.hashes[k:k + 1]))
         self.tier.wait(task)
         note(f"fetch of {toks} ns={ns_i}: {job.found} found, block {k} dropped, {job.ok} read")
         self.load_prompt(toks, ns_i)
@@ -160,12 +162,12 @@ class RemoteTierMachine(RuleBasedStateMachine):
         st_ = t.index._st
         high = int(st_.meta[M_HIGH])
         held = int((st_.i32[DEPTH, :high] >= 0).sum())
-        owned = sum(r.block_ids.size for r in t._inflight.values() if r.task.kind in ("store", "fetch"))
+        owned = sum(r.block_ids.size for r in t.in_flight().values() if r.task.kind in ("store", "read"))
         deferred = t.holds.num_deferred
         assert t.pool.num_free + held + owned + deferred == t.pool.num_blocks, (
             t.pool.num_free, held, owned, deferred)
         refs = np.zeros(t.pool.num_blocks, np.int32)
-        for job in t.remote._puts + t.remote._abandoned:
+        for job in t.lower_tier("remote")._puts + t.lower_tier("remote")._abandoned:
             np.add.at(refs, job.host_ids, 1)
         assert np.array_equal(refs, t.holds.refs), "remote holds out of step with the unfinished calls"
 

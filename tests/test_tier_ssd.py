@@ -44,7 +44,7 @@ def store_all(tier: KVTier, toks: np.ndarray, first_page: int = 0) -> list[torch
     """Store ``toks`` from device pages ``first_page..``, wait until the SSD has it; the bytes stored."""
     slots = page_slots(first_page, toks.size // P, P)
     tier.wait(tier.store(toks, None, slots))
-    tier.flush_ssd()
+    tier.flush_lower()
     return slot_bytes(tier, slots)
 
 
@@ -82,8 +82,8 @@ def test_image_pad_ids_round_trip_through_the_ssd_and_leave_no_lock(tmp_path):
     other = toks.copy()
     other[3 * P] += 1  # another image from its second page on
     hit = b.lookup_tiers(other, None)
-    assert hit.ssd_pages == 3
-    b.wait(hit.promotion)
+    assert hit.lower_pages == 3
+    b.wait(hit.read)
     pages, got = promote_and_load(b, toks)
     assert pages == 6 and same(got, want, 6)
     b.destroy()
@@ -102,7 +102,7 @@ def test_blocks_of_whole_page_rows_go_between_the_pinned_pool_and_the_disk_where
     toks = prompt(1, 6, PAGE_ROWS.page_size)
     slots = page_slots(0, 6, PAGE_ROWS.page_size)
     a.wait(a.store(toks, None, slots))
-    a.flush_ssd()
+    a.flush_lower()
     want = slot_bytes(a, slots)
     assert a.stats()["ssd_blocks_written"] == 6
     a.destroy()
@@ -121,10 +121,10 @@ def test_lookup_returns_the_cpu_hit_and_promotes_only_the_pages_past_it(tmp_path
     cpu = t.lookup(first)
     assert cpu < 4
     hit = t.lookup_tiers(first, None)
-    assert hit.cpu_pages == cpu and hit.ssd_pages == 4 - cpu and hit.promotion.num_held == cpu
+    assert hit.cpu_pages == cpu and hit.lower_pages == 4 - cpu and hit.read.num_held == cpu
     again = t.lookup_tiers(first, None)  # the same promotion, not a second one
-    assert again.promotion.id == hit.promotion.id and t.stats()["promotions"] == 1
-    t.wait(hit.promotion)
+    assert again.read.id == hit.read.id and t.stats()["promotions"] == 1
+    t.wait(hit.read)
     assert t.lookup(first) == 4
     pages, got = promote_and_load(t, first, first_page=40)
     assert pages == 4 and same(got, want, 4)
@@ -165,7 +165,7 @@ def _payload_offset(slot: int) -> int:
 def ssd_slots_of(tmp_path, toks: np.ndarray) -> list:
     """The SSD slots a restarted tier finds ``toks``'s blocks in."""
     t = make_ssd_tier(tmp_path, seed=1)
-    slots = [t.ssd.medium.index.slot_of(int(h)) for h in page_hashes(toks, P)]
+    slots = [t.lower_tier("ssd").medium.index.slot_of(int(h)) for h in page_hashes(toks, P)]
     t.destroy()
     return slots
 
@@ -177,7 +177,7 @@ def test_a_prefix_stored_over_evicted_blocks_takes_ascending_slots(tmp_path):
     store_all(t, prompt(1, 8))  # fills slots 0..7
     b = prompt(2, 4)
     store_all(t, b, first_page=8)  # evicts four of the first prefix's blocks
-    slots = [t.ssd.medium.index.slot_of(int(h)) for h in page_hashes(b, P)]
+    slots = [t.lower_tier("ssd").medium.index.slot_of(int(h)) for h in page_hashes(b, P)]
     assert t.stats()["ssd_blocks_evicted"] == 4
     assert None not in slots and slots == list(range(slots[0], slots[0] + 4)), slots
     t.destroy()
@@ -199,7 +199,7 @@ def test_a_flipped_byte_on_disk_is_a_counted_miss_never_served(tmp_path):
     assert pages == 2 and same(got, want, 2)  # the blocks before the damaged one serve, nothing after it
     s = c.stats()
     assert s["ssd_blocks_corrupt"] == 1 and s["pages_promote_failed"] == 2 and s["ssd_blocks_held"] == 3
-    assert c.lookup_tiers(toks, None).ssd_pages == 0  # the damaged block is no longer on the SSD tier
+    assert c.lookup_tiers(toks, None).lower_pages == 0  # the damaged block is no longer on the SSD tier
     c.destroy()
 
 
@@ -227,7 +227,7 @@ def test_another_models_directory_is_left_alone_or_wiped_when_configured(tmp_pat
         make_ssd_tier(tmp_path, identity={**ID, "tp_size": 2})
     assert os.path.getsize(tmp_path / FILE_NAME) == size
     b = make_ssd_tier(tmp_path, identity={**ID, "model": "other"}, ssd_wipe_mismatch=True)
-    assert b.stats()["ssd_blocks_recovered"] == 0 and b.lookup_tiers(prompt(1, 3), None).ssd_pages == 0
+    assert b.stats()["ssd_blocks_recovered"] == 0 and b.lookup_tiers(prompt(1, 3), None).lower_pages == 0
     b.destroy()
     with pytest.raises(BlockFileError, match="ssd_wipe_mismatch"):  # the file is the other model's now
         make_ssd_tier(tmp_path)
@@ -249,7 +249,7 @@ def test_unusable_directories_are_clear_errors_at_start(tmp_path):
 def test_write_errors_mid_serving_are_counted_and_the_cpu_tier_carries_on(tmp_path):
     t = make_ssd_tier(tmp_path)
     store_all(t, prompt(1, 2))
-    f = t.ssd.medium.store.files[0]
+    f = t.lower_tier("ssd").medium.store.files[0]
     os.close(f._fd)  # the disk goes away under the tier: every write and read now fails in the kernel
     f._fd = os.open(tmp_path, os.O_RDONLY)  # a directory: reads fail with EISDIR, writes with EBADF
     toks = prompt(2, 3)
@@ -260,9 +260,9 @@ def test_write_errors_mid_serving_are_counted_and_the_cpu_tier_carries_on(tmp_pa
     pages, got = promote_and_load(t, toks)
     assert pages == 3 and same(got, want, 3)
     t.evict(100)
-    assert t.lookup_tiers(toks, None).ssd_pages == 0  # never findable on the SSD
+    assert t.lookup_tiers(toks, None).lower_pages == 0  # never findable on the SSD
     hit = t.lookup_tiers(prompt(1, 2), None)  # a read of the broken file: a counted miss
-    t.wait(hit.promotion)
+    t.wait(hit.read)
     assert t.lookup(prompt(1, 2)) == 0 and t.stats()["ssd_read_errors"] == 1
     assert t.pool.num_free == t.pool.num_blocks  # nothing leaked
     t.destroy()
@@ -279,9 +279,9 @@ def test_the_ssd_tier_keeps_its_size_evicting_lru_blocks(tmp_path):
     s = t.stats()
     assert s["ssd_blocks_held"] == 6 and s["ssd_blocks_evicted"] == 6
     t.evict(100)
-    assert t.lookup_tiers(prompt(0, 3), None).ssd_pages == 3
-    assert t.lookup_tiers(prompt(3, 3), None).ssd_pages == 3
-    assert t.lookup_tiers(prompt(1, 3), None).ssd_pages == 0
+    assert t.lookup_tiers(prompt(0, 3), None).lower_pages == 3
+    assert t.lookup_tiers(prompt(3, 3), None).lower_pages == 3
+    assert t.lookup_tiers(prompt(1, 3), None).lower_pages == 0
     t.destroy()
     assert os.path.getsize(tmp_path / FILE_NAME) == 4096 + 6 * 8192
 
@@ -292,11 +292,11 @@ def test_write_back_writes_a_block_when_the_cpu_tier_evicts_it(tmp_path):
     want = store_all(t, first)
     assert t.stats()["ssd_blocks_written"] == 0  # on the CPU only
     store_all(t, prompt(2, 3), first_page=10)  # 3 + 3 = 6, and a block is kept free: one of `first`'s is written
-    t.flush_ssd()
+    t.flush_lower()
     s = t.stats()
     assert s["ssd_blocks_written"] == s["pages_evicted"] > 0 and s["held_cpu_blocks"] == 0
     t.evict(100)
-    t.flush_ssd()
+    t.flush_lower()
     pages, got = promote_and_load(t, first)
     assert pages == 3 and same(got, want, 3)
     last = prompt(3, 2)
@@ -317,7 +317,7 @@ def test_write_back_keeps_room_free_ahead_so_stores_into_a_full_pool_are_kept(tm
     for i in range(12):
         task = t.store(prompt(i, 3), None, page_slots(3 * (i % 6), 3, P))
         t.wait(task)
-        t.flush_ssd()  # the disk keeps up with the stores
+        t.flush_lower()  # the disk keeps up with the stores
         stored.append(task.num_pages)
     assert sum(n < 3 for n in stored) <= 1 and stored[-6:] == [3] * 6, stored
     s = t.stats()
@@ -333,7 +333,7 @@ def test_write_back_keeps_no_extra_room_after_a_prefix_longer_than_the_pool(tmp_
     t.wait(t.store(prompt(1, 12), None, page_slots(0, 12, P)))  # 8 of 12 fit
     assert t.stats()["ssd_free_target_blocks"] == before == 1
     t.wait(t.store(prompt(2, 1), None, page_slots(20, 1, P)))  # evicts one block, held by its write
-    t.flush_ssd()
+    t.flush_lower()
     assert t.lookup(prompt(1, 12)) == 7  # evicting ahead for a target of 4 left 4
     t.destroy()
 
@@ -345,10 +345,10 @@ def test_an_allocation_takes_the_blocks_writes_gave_back_since_the_calls_drain(t
     t = make_ssd_tier(tmp_path, num_blocks=12, ssd_write_policy="write_back")
     t.wait(t.store(prompt(1, 10), None, page_slots(0, 10, P)))
     t.evict(6)  # write_back: six are written now (the queue holds half the pool) and held until durable
-    for job in t.ssd._writes:
+    for job in t.lower_tier("ssd")._writes:
         job.wait()  # durable, not yet drained
     assert t.pool.num_free == 2
-    assert t._alloc(4).size == 4
+    assert t.room.alloc(4).size == 4
     t.destroy()
 
 
@@ -357,10 +357,10 @@ def test_destroy_writes_back_every_cpu_block_beyond_the_write_queue(tmp_path):
     queue's bound (the most recently used) were dropped instead of written."""
     n = 160  # the queue: half the pool, at least 64 blocks
     t = make_ssd_tier(tmp_path, num_blocks=n, ssd_slots=256, ssd_write_policy="write_back")
-    assert t.ssd.medium.max_pending_blocks < n
+    assert t.lower_tier("ssd").medium.max_pending_blocks < n
     for i in range(n // 8):
         t.wait(t.store(prompt(i, 8), None, page_slots(0, 8, P)))
-    assert t.stats()["pages_held"] > t.ssd.medium.max_pending_blocks  # more than one write takes
+    assert t.stats()["pages_held"] > t.lower_tier("ssd").medium.max_pending_blocks  # more than one write takes
     t.destroy()
     b = make_ssd_tier(tmp_path, num_blocks=n, ssd_slots=256, ssd_write_policy="write_back", seed=1)
     assert b.stats()["ssd_blocks_recovered"] == n
@@ -378,8 +378,8 @@ def test_one_long_ssd_hit_takes_at_most_half_the_cpu_pool(tmp_path):
     hot = prompt(2, 4)
     store_all(t, hot, first_page=20)
     hit = t.lookup_tiers(long, None)
-    assert hit.ssd_pages == 4
-    t.wait(hit.promotion)
+    assert hit.lower_pages == 4
+    t.wait(hit.read)
     assert t.lookup(hot) == 4 and t.lookup(long) == 4
     t.destroy()
 
@@ -391,13 +391,13 @@ def test_admission_by_cost_refuses_a_read_slower_than_recompute(tmp_path):
     a.destroy()
     slow = make_ssd_tier(tmp_path, ssd_admission="cost", ssd_read_gbps=1e-9, prefill_tokens_per_s=1e6)
     hit = slow.lookup_tiers(toks, None)
-    assert hit.promotion is None and slow.stats()["ssd_refused"] == 1
+    assert hit.read is None and slow.stats()["ssd_refused"] == 1
     slow.destroy()
     fast = make_ssd_tier(tmp_path, ssd_admission="cost", ssd_read_gbps=1.0)
     fast.note_prefill(1, 1.0)  # the engine's measured rate: one token a second
     hit = fast.lookup_tiers(toks, None)
-    assert hit.promotion is not None and fast.stats()["ssd_admitted"] == 1
-    fast.wait(hit.promotion)
+    assert hit.read is not None and fast.stats()["ssd_admitted"] == 1
+    fast.wait(hit.read)
     fast.destroy()
 
 
@@ -407,17 +407,18 @@ def test_a_block_whose_tokens_differ_from_the_querys_is_a_miss(tmp_path):
     toks = prompt(1, 3)
     store_all(t, toks)
     t.evict(100)
-    link = t.ssd
-    plan = link.plan_promotion(toks, None, 0, page_hashes(toks[:3 * P], P, None))
+    link = t.lower_tier("ssd")
+    plan = link.plan_read(toks, None, 0, page_hashes(toks[:3 * P], P, None))
     forged = plan._replace(tokens=plan.tokens.copy())
     forged.tokens[1, 0] += 1  # as if another prefix's block had the same chain hash
     ids = t.pool.alloc(3)
-    job = link.start_promotion(forged, ids, task_id=-1)
+    job = link.start_read(forged, task_id=-1)
+    link.fill(job, ids)
     job.wait()
-    link.end_promotion(job)
+    link.end_read(job, cancelled=False)
     t.pool.free(ids)
-    assert (job.ok, job.bad) == (1, 1)
-    assert t.stats()["ssd_blocks_corrupt"] == 1 and t.lookup_tiers(toks, None).ssd_pages == 1
+    assert (job.io.ok, job.io.bad) == (1, 1)
+    assert t.stats()["ssd_blocks_corrupt"] == 1 and t.lookup_tiers(toks, None).lower_pages == 1
     t.destroy()
 
 
@@ -532,9 +533,9 @@ def test_the_engine_reports_the_prefill_past_a_hit_with_its_cached_tokens(tmp_pa
     TierEngine, model, config, prompt = tiny_qwen3_engine(tmp_path)
     engine = TierEngine(model, config, num_slots=512, model_identity={"model": "tiny-qwen3"})
     engine.serve(prompt, 2, source="none")
-    adm = engine.tier.ssd.admission
+    adm = engine.tier.lower_tier("ssd").admission
     assert [n for n, _ in adm.prefill._samples] == [80] and not adm.extend.known
-    engine.tier.flush_ssd()
+    engine.tier.flush_lower()
     engine.tier.reset()  # the prefix is on the SSD only
     engine.drop_device_cache()
     served = engine.serve(prompt, 2, source="kvtier")
@@ -552,7 +553,7 @@ def test_destroy_after_a_failing_close_still_releases_everything(tmp_path):
     before = set(threading.enumerate())
     t = make_ssd_tier(tmp_path)
     store_all(t, prompt(1, 2))
-    f = t.ssd.medium.store.files[0]
+    f = t.lower_tier("ssd").medium.store.files[0]
     os.close(f._fd)  # the disk goes away: EBADF from now on
     with pytest.raises(OSError):
         t.destroy()
@@ -580,7 +581,7 @@ def test_a_disk_that_does_not_finish_writes_holds_at_most_half_a_small_pool(tmp_
     try:
         for i in range(8):  # 2 pages each: the first 4 fill the pool, the others must evict for room
             t.wait(t.store(prompt(i, 2), None, page_slots(2 * i, 2, P)))
-            assert t.ssd.medium._pending_blocks <= 4
+            assert t.lower_tier("ssd").medium._pending_blocks <= 4
         assert sum(t.lookup(prompt(i, 2)) == 2 for i in range(4, 8)) >= 2
     finally:
         gate.set()
@@ -629,7 +630,7 @@ def test_a_model_identity_given_as_a_string_names_the_model(tmp_path):
     store_all(a, toks)
     a.destroy()
     b = make_ssd_tier(tmp_path, identity="Qwen/Qwen3-8B@main")
-    assert b.lookup_tiers(toks, None).ssd_pages == 2
+    assert b.lookup_tiers(toks, None).lower_pages == 2
     b.destroy()
     with pytest.raises(BlockFileError, match="another model"):
         make_ssd_tier(tmp_path, identity="Qwen/Qwen3-8B@other")

@@ -18,7 +18,7 @@ CPU or on the SSD, from any store, must hold the same bytes. Checked:
   slot locks == the in-flight promotions reading them (never negative);
 * counters are monotone within a tier's life; without damage no SSD block ever fails its check and no promotion
   reads fewer pages than it started; a waited promotion's pages are CPU hits;
-* durability: after ``flush_ssd()`` and a restart, every page the SSD held before is held again.
+* durability: after ``flush_lower()`` and a restart, every page the SSD held before is held again.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ NBUF = TINY.num_layers * TINY.kv_count
 
 # Counters: never decrease while a tier lives (reset keeps them).
 MONOTONE = ([f.name for f in dataclasses.fields(TierStats)] + [f"ssd_{f.name}" for f in dataclasses.fields(SsdStats)]
-            + ["ssd_blocks_evicted", "ssd_admitted", "ssd_refused", "ssd_tokens_refused"])
+            + ["ssd_blocks_evicted", "ssd_admitted", "ssd_refused", "ssd_tokens_refused", "promotions", "pages_promoted",
+               "pages_promote_failed"])
 
 # Pages drawn from two values so that prompts share prefixes often; sometimes a trailing partial page.
 seqs = st.builds(lambda pages, tail: [t for v in pages for t in [v] * P] + tail,
@@ -100,7 +101,7 @@ class SsdTierMachine(RuleBasedStateMachine):
         for toks, ns_i in warm:  # tiers that start full: evictions on both from the first rule on
             self._store(toks, ns_i)
             self._finish_all()
-        self.tier.flush_ssd()
+        self.tier.flush_lower()
 
     def _open(self, layout: str) -> None:
         self.tier = make_ssd_tier(self.dir, layout=layout, num_blocks=self.num_blocks, seed=self.restarts,
@@ -108,7 +109,7 @@ class SsdTierMachine(RuleBasedStateMachine):
         self.ex = None
         if self.deferred:  # before any copy: copies then run only when a rule (or a wait) releases them
             self.ex = self.tier.executor = DeferredExecutor()
-        assert self.tier.ssd.medium.index.num_slots == self.ssd_slots
+        assert self.tier.lower_tier("ssd").medium.index.num_slots == self.ssd_slots
         self.rows = [b.view(torch.uint8).view(b.shape[0], -1) for b in self.tier.kv.buffers]
         self.src_busy: dict[int, object] = {}  # source region -> store task reading it
         self.dst_busy: dict[int, tuple] = {}  # destination region -> (load task, tokens, ns index, start page)
@@ -127,7 +128,8 @@ class SsdTierMachine(RuleBasedStateMachine):
         """``tier.destroy()``: the SSD tier closed (its files, journal and threads), the pool released."""
         t = self.tier
         t.destroy()
-        assert t.pool.destroyed is True and t.ssd.medium._writer is None and all(f._fd < 0 for f in t.ssd.medium.store.files)
+        medium = t.lower_tier("ssd").medium
+        assert t.pool.destroyed is True and medium._writer is None and all(f._fd < 0 for f in medium.store.files)
         self.tier = None
 
     def teardown(self) -> None:
@@ -181,7 +183,7 @@ class SsdTierMachine(RuleBasedStateMachine):
         return 0
 
     def _ssd_held_hashes(self) -> set:
-        idx = self.tier.ssd.medium.index
+        idx = self.tier.lower_tier("ssd").medium.index
         return {h for h in self.known if idx.contains(h)}
 
     # --- rules ---
@@ -213,27 +215,27 @@ class SsdTierMachine(RuleBasedStateMachine):
         n = len(toks) // P
         started0 = self.tier.stats()["promotions"]
         hit = self.tier.lookup_tiers(np.array(toks), NAMESPACES[ns_i])
-        prom = hit.promotion
+        prom = hit.read
         started = self.tier.stats()["promotions"] > started0
-        note(f"lookup {toks} ns={ns_i} -> cpu={hit.cpu_pages} ssd={hit.ssd_pages} promotion="
+        note(f"lookup {toks} ns={ns_i} -> cpu={hit.cpu_pages} ssd={hit.lower_pages} promotion="
              f"{None if prom is None else (prom.id, prom.num_held, prom.num_pages, 'new' if started else 'shared')}")
         assert 0 <= hit.cpu_pages <= n
         if prom is None:
-            assert hit.cpu_pages + hit.ssd_pages <= n
+            assert hit.cpu_pages + hit.lower_pages <= n
             self._settle()
             return
-        assert prom.kind == "promote" and prom.num_held == hit.cpu_pages and prom.num_pages > 0
+        assert prom.kind == "read" and prom.source == "ssd" and prom.num_held == hit.cpu_pages and prom.num_pages > 0
         # The promotion may be one in flight from the same block for another prompt: the pages it brings this prompt
         # are those the two prompts share.
-        mine = self.tier._inflight[prom.id].tokens
+        mine = self.tier.in_flight()[prom.id].tokens
         k = min(mine.size, n * P)
         common = k if np.array_equal(mine[:k], toks[:k]) else int(np.argmax(mine[:k] != np.array(toks[:k])))
         covered = min(common // P, prom.num_held + prom.num_pages) - prom.num_held
         assert covered > 0, "a promotion shared by a prompt that does not share its first block"
         if started:  # it reads what the SSD holds past the CPU hit, or its first blocks when fewer CPU blocks are free
-            assert hit.ssd_pages >= prom.num_pages == covered and hit.cpu_pages + hit.ssd_pages <= n
+            assert hit.lower_pages >= prom.num_pages == covered and hit.cpu_pages + hit.lower_pages <= n
         else:  # one in flight: TierHit reports the pages it brings this prompt
-            assert hit.ssd_pages == covered, (hit, covered)
+            assert hit.lower_pages == covered, (hit, covered)
         if wait:
             failed0 = self.tier.stats()["pages_promote_failed"]
             self.tier.wait(prom)
@@ -323,9 +325,9 @@ class SsdTierMachine(RuleBasedStateMachine):
         """destroy, optionally flip a byte of a held block's payload in the file, and a new tier over the same
         directory: the CPU tier starts empty, the SSD tier serves what was durable."""
         self._finish_all()
-        self.tier.flush_ssd()
+        self.tier.flush_lower()
         block_bytes = self.tier.pool.block_bytes
-        index = self.tier.ssd.medium.index
+        index = self.tier.lower_tier("ssd").medium.index
         self._destroy()  # write_back writes the CPU's blocks here, which may evict SSD ones
         before = {h for h in self.known if index.contains(h)}  # what the closed tier held durably
         slot_of = {h: index.slot_of(h) for h in before}
@@ -351,7 +353,7 @@ class SsdTierMachine(RuleBasedStateMachine):
     @rule()
     def flush_ssd(self) -> None:
         """Wait for every SSD write: the CPU blocks they held go back, no slot is pending."""
-        self.tier.flush_ssd()
+        self.tier.flush_lower()
         s = self.tier.stats()
         note(f"flush: ssd held {s['ssd_blocks_held']}")
         assert s["held_cpu_blocks"] == 0 and s["ssd_blocks_pending"] == 0
@@ -378,12 +380,12 @@ class SsdTierMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tier is not None)
     @invariant()
     def cpu_blocks_accounted(self) -> None:
-        t, link = self.tier, self.tier.ssd
+        t, link = self.tier, self.tier.lower_tier("ssd")
         n = t.pool.num_blocks
         free = {i for i in range(n) if t.pool.is_free(i)}
         held = self._held_blocks().tolist()
-        stores = [int(b) for r in t._inflight.values() if r.task.kind == "store" for b in r.block_ids]
-        promos = [int(b) for r in t._inflight.values() if r.task.kind == "promote" for b in r.block_ids]
+        stores = [int(b) for r in t.in_flight().values() if r.task.kind == "store" for b in r.block_ids]
+        promos = [int(b) for r in t.in_flight().values() if r.task.kind == "read" for b in r.block_ids]
         for_ssd = np.flatnonzero(t.holds.free_later).tolist()
         assert len(free) == t.pool.num_free
         owned = [held, stores, promos, for_ssd]
@@ -406,15 +408,15 @@ class SsdTierMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tier is not None)
     @invariant()
     def ssd_slots_accounted(self) -> None:
-        link = self.tier.ssd
+        link = self.tier.lower_tier("ssd")
         idx = link.medium.index
         assert idx.num_held + idx.num_pending + idx.num_free + len(idx._doomed) == idx.num_slots == self.ssd_slots
         assert len(set(idx._free)) == len(idx._free), "an SSD slot free twice"
         assert not set(idx._free) & set(idx._lru), "an SSD slot both free and held"
         assert idx.num_pending == sum(j.num_blocks for j in link._writes), "pending slots without a write"
         locks = np.zeros(idx.num_slots, np.int32)
-        for r in self.tier._inflight.values():
-            if r.task.kind == "promote":
+        for r in self.tier.in_flight().values():
+            if r.task.kind == "read":
                 np.add.at(locks, r.completion.slots, 1)
         assert np.array_equal(idx._locks, locks), f"SSD slot locks {idx._locks} != in-flight reads {locks}"
         assert all(locks[s] for s in idx._doomed), "a removed slot kept although no read holds it"
@@ -449,20 +451,20 @@ def test_a_promotion_whose_planned_slot_a_write_back_takes_is_a_miss_not_a_crash
     slots = torch.arange(3 * P, dtype=torch.int64)
     t.wait(t.store(a[:P], None, slots[:P]))
     t.evict(100)
-    t.flush_ssd()  # a's first block: SSD slot 0
+    t.flush_lower()  # a's first block: SSD slot 0
     t.wait(t.store(a, None, slots[:2 * P]))
     t.evict(100)
-    t.flush_ssd()  # a's second block: SSD slot 1; the SSD is full
+    t.flush_lower()  # a's second block: SSD slot 1; the SSD is full
     t.destroy()
     t = make_ssd_tier(tmp_path, num_blocks=4, ssd_slots=2, ssd_write_policy="write_back")
     try:
-        assert t.ssd.medium.match(page_hashes(a, P)).tolist() == [0, 1]
+        assert t.lower_tier("ssd").medium.match(page_hashes(a, P)).tolist() == [0, 1]
         t.wait(t.store(b, None, slots))  # 3 of the 4 CPU blocks
         # plans slots [0, 1]; room for 2 CPU blocks evicts one of b's, written back into the SSD's LRU slot: 0
         hit = t.lookup_tiers(a, None)
-        if hit.promotion is not None:
-            t.wait(hit.promotion)
-        t.flush_ssd()
+        if hit.read is not None:
+            t.wait(hit.read)
+        t.flush_lower()
         s = t.stats()
         assert s["ssd_blocks_corrupt"] == 0 and t.pool.num_free + s["pages_held"] == 4
     finally:

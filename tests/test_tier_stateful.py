@@ -159,7 +159,7 @@ class TierMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def wait(self, data) -> None:
         tid = data.draw(st.sampled_from(sorted(self.tier.inflight_ids)))
-        rec = self.tier._inflight[tid]
+        rec = self.tier.in_flight()[tid]
         task = self.tier.wait(tid)
         note(f"wait {tid} ({task.kind})")
         assert task.status == "done"
@@ -201,7 +201,7 @@ class TierMachine(RuleBasedStateMachine):
     def no_block_leak(self) -> None:
         free = {i for i in range(NUM_BLOCKS) if self.tier.pool.is_free(i)}
         held = self._held_blocks().tolist()
-        inflight = [int(b) for r in self.tier._inflight.values() if r.task.kind == "store" for b in r.block_ids]
+        inflight = [int(b) for r in self.tier.in_flight().values() if r.task.kind == "store" for b in r.block_ids]
         assert len(free) == self.tier.pool.num_free
         assert len(set(held)) == len(held), f"a block held twice by the index: {held}"
         assert len(set(inflight)) == len(inflight), f"a block owned twice by in-flight stores: {inflight}"
@@ -212,7 +212,7 @@ class TierMachine(RuleBasedStateMachine):
 
     @invariant()
     def locked_pages_stay(self) -> None:
-        for r in self.tier._inflight.values():
+        for r in self.tier.in_flight().values():
             if r.task.kind == "store":
                 n, ids = r.prefix_ids.size, r.prefix_ids
                 toks = r.tokens[:n * self.B]

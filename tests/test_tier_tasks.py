@@ -16,7 +16,7 @@ def test_kinds_and_statuses_compare_and_print_as_their_values():
     assert (store.kind, store.status) == (TaskKind.STORE, TaskStatus.DONE)
     assert store.kind == "store" and store.status == "done" and f"{store.kind}/{store.status}" == "store/done"
     assert load.kind is TaskKind.LOAD_LAYERWISE and str(load.kind) == "load_layerwise" and load.done
-    assert not TaskKind.LOAD.reads_lower_tier and TaskKind.FETCH.reads_lower_tier and TaskKind.PROMOTE.inserts
+    assert not TaskKind.LOAD.reads_lower_tier and TaskKind.READ.reads_lower_tier and TaskKind.READ.inserts
     tier.destroy()
 
 

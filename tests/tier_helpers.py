@@ -68,8 +68,8 @@ def lower_hit_and_load(tier: KVTier, toks: np.ndarray, first_page: int = 40) -> 
     fetch), then load the host hit into device pages ``first_page..``; (pages, their bytes)."""
     P = tier.page_size
     hit = tier.lookup_tiers(toks, None)
-    if hit.promotion is not None:
-        tier.wait(hit.promotion)
+    if hit.read is not None:
+        tier.wait(hit.read)
     dst = page_slots(first_page, toks.size // P, P)
     task = tier.load(toks, None, dst)
     tier.wait(task)

@@ -145,7 +145,7 @@ class TierEngine:
         cached, waited = reuse, 0.0
         if source == "kvtier":
             want = (n - 1) // P * P
-            promotion = self.tier.lookup_tiers(tokens[:want], None).promotion
+            promotion = self.tier.lookup_tiers(tokens[:want], None).read
             if promotion is not None:
                 t_wait = time.perf_counter()
                 self.tier.wait(promotion)

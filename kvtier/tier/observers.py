@@ -1,18 +1,22 @@
 """What a :class:`~kvtier.tier.KVTier` reports as it runs, for metrics, logs and KV events.
 
 A :class:`TierObserver` (added with ``KVTier.add_observer``) is told of every completed transfer, of every block
-that enters or leaves the CPU index, and of the blocks a lower tier (SSD, remote) comes to hold or stops holding. Hooks run on the caller's thread, under the tier's lock: they must be quick
-and must not call back into the tier. An observer that raises is logged and dropped; the tier carries on.
+that enters or leaves the CPU index, and of the blocks a lower tier (SSD, remote) comes to hold or stops holding.
+Hooks run on the caller's thread, under the tier's lock: they must be quick and must not call back into the tier.
+An observer that raises is logged and dropped; the tier carries on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional
 
 import numpy as np
 
-__all__ = ["Transfer", "TierObserver", "TIERS", "OPS"]
+__all__ = ["Transfer", "TierObserver", "Observers", "TIERS", "OPS"]
+
+logger = logging.getLogger(__name__)
 
 TIERS: tuple[str, ...] = ("cpu", "ssd", "remote")
 OPS: tuple[str, ...] = ("store", "load")  # into the tier, out of it (towards the GPU)
@@ -65,3 +69,32 @@ class TierObserver:
     def lower_removed(self, tier: str, hashes: np.ndarray) -> None:
         """Lower tier ``tier`` no longer holds the blocks of chain ``hashes`` (evicted, or failed a check). The
         remote tier reports none: its values leave when the master evicts them or their holder stops."""
+
+
+class Observers:
+    """A tier's observers; :meth:`notify` calls a hook on each (one that raises is logged and dropped). Truthy
+    when there is any, so that a caller builds a hook's arguments only then."""
+
+    def __init__(self) -> None:
+        self._list: list[TierObserver] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._list)
+
+    def add(self, observer: TierObserver) -> None:
+        self._list.append(observer)
+
+    def remove(self, observer: TierObserver) -> None:
+        if observer in self._list:
+            self._list.remove(observer)
+
+    def all(self) -> tuple[TierObserver, ...]:
+        return tuple(self._list)
+
+    def notify(self, hook: str, *args) -> None:
+        for observer in list(self._list):
+            try:
+                getattr(observer, hook)(*args)
+            except Exception:
+                logger.exception("kvtier: observer %r failed in %s; it is dropped", observer, hook)
+                self._list.remove(observer)

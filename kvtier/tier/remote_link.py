@@ -1,14 +1,16 @@
-"""RemoteLink: how the CPU tier uses the remote tier behind it: write-through puts, fetch plans and their admission.
+"""RemoteLink: a shared remote store as a lower tier of the CPU pool (:class:`~kvtier.tier.lower.LowerTier`):
+write-through puts, fetches (its reads) and their admission.
 
 * Puts (:meth:`RemoteLink.entered`): each block entering the CPU index (from a store or an SSD promotion, not from
   a fetch) is put to the remote store, asynchronously; the CPU block is held until the put returns
   (:class:`~kvtier.tier.block_holds.BlockHolds`). Queued puts are bounded; what does not fit is dropped, counted.
-* Fetches (:meth:`plan_fetch`): the leading blocks past the local hits, probed on the remote (``batch_is_exist``)
-  without blocking the lookup. When the probe returns, the owner asks :meth:`admit` how many to read (admission by
-  cost, :class:`~kvtier.tier.admission.CostAdmission`, against the measured fetch bandwidth), allocates CPU blocks
-  and starts the get. A fetch from the same first block in flight is shared, not repeated.
+* Fetches (:meth:`plan_read`): the leading blocks past the local hits, probed on the remote (``batch_is_exist``)
+  without blocking the lookup. When the probe returns, the owner asks :meth:`blocks_wanted` how many to read
+  (admission by cost, :class:`~kvtier.tier.admission.CostAdmission`, against the measured fetch bandwidth),
+  allocates CPU blocks and :meth:`fill` starts the get. A fetch from the same first block in flight is shared, not
+  repeated.
 * A fetch its owner stopped waiting for (past ``remote_timeout_s``) keeps its CPU blocks held until its calls
-  return (:meth:`end_fetch`, :meth:`drain`).
+  return (:meth:`end_read`, :meth:`drain`).
 
 Keys and fingerprints: a block's key is its chain hash under the store's key prefix and the fingerprint of the
 model identity, geometry, dtype and block size; MHA blocks are per TP rank (the identity's rank), MLA blocks are
@@ -21,26 +23,26 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Mapping, NamedTuple, Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
 from kvtier.config import TierConfig
 from kvtier.geometry import KVGeometry
-from kvtier.index import Namespace, page_hashes
+from kvtier.index import Namespace
 from kvtier.storage import fingerprint
 from kvtier.storage.mooncake_store import MooncakeStore, RemoteStoreError
 from kvtier.tier.admission import CostAdmission, lower_read_blocks
 from kvtier.tier.block_holds import BlockHolds
 from kvtier.tier.host_pool import HostBlockPool
+from kvtier.tier.lower import LowerTier, ReadPlan, SharedRead, register, shared_read
 from kvtier.tier.master_probe import check_master_answers
 from kvtier.tier.remote_tier import RemoteJob, RemoteTier
-from kvtier.tier.ssd_link import InFlight, in_flight
 from kvtier.tier.ssd_tier import signed64
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RemoteLink", "FetchPlan", "remote_fingerprint", "TP_KEYS"]
+__all__ = ["RemoteLink", "remote_fingerprint", "TP_KEYS"]
 
 _DEFAULT_NS = Namespace()
 TP_KEYS = ("tp_rank", "tp_size")  # identity fields an MLA block does not depend on
@@ -58,17 +60,10 @@ def remote_fingerprint(geometry: KVGeometry, block_tokens: int, identity: Mappin
                        dtype=str(geometry.dtype), block_tokens=block_tokens, payload="page_first")
 
 
-class FetchPlan(NamedTuple):
-    """Blocks to probe on the remote past ``held`` locally held blocks."""
-
-    held: int
-    hashes: np.ndarray
-    namespace: int
-    tokens: np.ndarray  # (blocks, block_tokens)
-
-
-class RemoteLink:
+class RemoteLink(LowerTier):
     """The CPU tier's remote tier (see the module docstring); built by :meth:`open`."""
+
+    name = "remote"
 
     def __init__(self, remote: RemoteTier, pool: HostBlockPool, holds: BlockHolds, config: TierConfig,
                  block_tokens: int, *, writer: bool = True) -> None:
@@ -82,17 +77,21 @@ class RemoteLink:
         self._abandoned: list[RemoteJob] = []
         self.fetch_bytes_inflight = 0
         self.refused_tokens = 0
+        self.fetches = self.pages_fetched = self.pages_fetch_failed = 0
+        self.config = config
 
     @classmethod
     def open(cls, config: TierConfig, pool: HostBlockPool, holds: BlockHolds, block_tokens: int,
              identity: Mapping) -> Optional["RemoteLink"]:
-        """The remote tier of ``config``, connected, with the pool registered; None when the master cannot be
-        reached or does not answer (:func:`~kvtier.tier.master_probe.check_master_answers`: Mooncake's set-up would
-        hold the GIL for minutes) and ``remote_required`` is false (a warning says so).
+        """The remote tier of ``config``, connected, with the pool registered; None without ``remote_backend``, or
+        when the master cannot be reached or does not answer (:func:`~kvtier.tier.master_probe.check_master_answers`:
+        Mooncake's set-up would hold the GIL for minutes) and ``remote_required`` is false (a warning says so).
 
         Raises:
             kvtier.storage.mooncake_store.RemoteStoreError: the store cannot be used and ``remote_required``.
         """
+        if config.remote_backend is None:
+            return None
         try:
             check_master_answers(config.remote_master, min(5.0, max(1.0, config.remote_timeout_s)))
             store = MooncakeStore(config.remote_master, protocol=config.remote_protocol, device=config.remote_device,
@@ -124,14 +123,18 @@ class RemoteLink:
 
     # --- blocks entering the CPU index ---
 
-    def entered(self, ids: np.ndarray, tokens: np.ndarray, ns: Optional[Namespace], positions: np.ndarray) -> None:
-        """CPU blocks ``ids`` entered the index as blocks ``positions`` (ascending) of ``tokens``'s chain."""
-        if ids.size == 0 or not self.writer:
+    def observe(self, on_written, on_stored, on_removed) -> None:
+        """Report finished puts and blocks put to the owner (the store evicts without telling: no removals)."""
+        self.medium.on_written, self.medium.on_stored = on_written, on_stored
+
+    def entered(self, ids: np.ndarray, tokens: np.ndarray, ns: Optional[Namespace], positions: np.ndarray,
+                hashes: np.ndarray, source: Optional[str]) -> None:
+        """CPU blocks ``ids`` entered the index as blocks ``positions`` (ascending) of ``tokens``'s chain (a block
+        fetched from the remote is there already)."""
+        if ids.size == 0 or not self.writer or source == self.name:
             return
         B = self.block_tokens
-        end = (int(positions[-1]) + 1) * B
-        hashes = page_hashes(tokens[:end], B, ns)[positions]
-        rows = tokens[:end].reshape(-1, B)[positions]
+        rows = tokens[:(int(positions[-1]) + 1) * B].reshape(-1, B)[positions]
         job = self.medium.put(hashes, signed64((ns or _DEFAULT_NS).seed), rows, ids)
         if job is not None:
             self.holds.hold(job.host_ids)
@@ -170,11 +173,11 @@ class RemoteLink:
 
     # --- fetches ---
 
-    def plan_fetch(self, tokens: np.ndarray, ns: Optional[Namespace], held: int,
-                   chain: np.ndarray) -> Optional[InFlight | FetchPlan]:
+    def plan_read(self, tokens: np.ndarray, ns: Optional[Namespace], held: int,
+                  chain: np.ndarray) -> Optional[ReadPlan | SharedRead]:
         """The blocks after ``held`` local ones of ``tokens``'s first blocks (``chain``: their chain hashes) to
-        probe; the fetch in flight from the same block, if any; None when there is nothing to ask (or the tier
-        is down)."""
+        probe; the fetch in flight from the same block (its count unknown until its probe returns); None when there
+        is nothing to ask (or the tier is down)."""
         n = chain.size
         if held >= n or not self.medium.up:
             return None
@@ -183,19 +186,20 @@ class RemoteLink:
         hashes = chain[held:held + k]
         inflight = self._fetching.get(int(hashes[0]))
         if inflight is not None:
-            return in_flight(inflight, hashes)
+            return shared_read(inflight, hashes, known=False)
         rows = tokens[held * B:(held + k) * B].reshape(k, B)
-        return FetchPlan(held, hashes, signed64((ns or _DEFAULT_NS).seed), rows)
+        return ReadPlan(held, hashes, signed64((ns or _DEFAULT_NS).seed), rows)
 
-    def start_fetch(self, plan: FetchPlan, task_id: int) -> Optional[RemoteJob]:
+    def start_read(self, plan: ReadPlan, task_id: int) -> Optional[RemoteJob]:
         """Start ``plan``'s probe for task ``task_id``; None when the tier is down or its fetch thread still runs
         a call given up on."""
         job = self.medium.probe(plan.hashes, plan.namespace, plan.tokens)
         if job is not None:
             self._fetching[int(plan.hashes[0])] = (task_id, job.hashes)
+            self.fetches += 1
         return job
 
-    def admit(self, job: RemoteJob, tokens: int, held_tokens: int) -> int:
+    def blocks_wanted(self, job: RemoteJob, tokens: int, held_tokens: int) -> int:
         """Blocks of a probed fetch to read: those the store holds, if reading them beats recomputing them."""
         k = max(job.found, 0)
         if job.down or job.error is not None or k == 0 or not self.medium.can_fetch():
@@ -207,11 +211,25 @@ class RemoteLink:
             return 0
         return k
 
-    def start_get(self, job: RemoteJob, ids: np.ndarray) -> None:
+    def fill(self, job: RemoteJob, ids: np.ndarray) -> None:
+        """Get the fetch's leading blocks into CPU blocks ``ids`` (none: the fetch ends after its probe)."""
+        if ids.size == 0:
+            self.medium.end(job)
+            return
         self.medium.get(job, ids)
         self.fetch_bytes_inflight += ids.size * self.pool.block_bytes
 
-    def end_fetch(self, job: RemoteJob) -> None:
+    def wait_read(self, job: RemoteJob, released) -> bool:
+        return self.medium.wait(job, released)
+
+    def before_discard(self, job: RemoteJob) -> None:
+        """A fetch dropped is not waited for: it ends, its CPU blocks held while a call runs."""
+
+    def check_deadline(self, job: RemoteJob) -> None:
+        if self.medium.expired(job):
+            self.medium.abandon(job)  # polled, never waited for: the same deadline
+
+    def end_read(self, job: RemoteJob, cancelled: bool) -> int:
         """The fetch's task is being finalized: its CPU blocks are held while its calls still run. A fetch given
         up on, or ended before its get returned, is ``discarded``: it brings nothing, even if its get returns
         first."""
@@ -225,14 +243,34 @@ class RemoteLink:
         else:
             self.holds.hold(job.host_ids)
             self._abandoned.append(job)
+        return 0 if cancelled or job.discarded else job.ok
+
+    def note_read(self, pages: int, failed_pages: int) -> None:
+        self.pages_fetched += pages
+        self.pages_fetch_failed += failed_pages
 
     # --- life cycle ---
 
     def note_prefill(self, tokens: int, seconds: float, cached_tokens: int = 0) -> None:
         self.admission.note_prefill(tokens, seconds, cached_tokens)
 
+    def settle(self) -> None:
+        """Before a reset: no remote call is waited for; the CPU blocks one still uses stay held until it
+        returns."""
+        self.drain()
+
+    @property
+    def close_timeout_s(self) -> float:
+        return self.medium.timeout_s
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"remote tier {c.remote_backend} at {c.remote_master} over {c.remote_protocol} (admission "
+                f"{c.remote_admission})")
+
     def stats(self) -> dict:
         out = {f"remote_{k}": v for k, v in self.medium.snapshot().items()}
+        out.update(fetches=self.fetches, pages_fetched=self.pages_fetched, pages_fetch_failed=self.pages_fetch_failed)
         out.update(remote_admitted=self.admission.admitted, remote_refused=self.admission.refused,
                    remote_tokens_refused=self.refused_tokens)
         return out
@@ -244,3 +282,6 @@ class RemoteLink:
             until = time.monotonic() + self.medium.timeout_s
         self.drain(wait=True, until=until)
         self.medium.close(until)
+
+
+register("remote", RemoteLink.open, lambda config: config.remote_backend is not None)

@@ -1,5 +1,5 @@
-"""SsdLink: how the CPU tier uses the SSD tier behind it: the write policy, CPU blocks held for writes, promotion
-plans and their admission.
+"""SsdLink: the SSD as a lower tier of the CPU pool (:class:`~kvtier.tier.lower.LowerTier`): the write policy, CPU
+blocks held for writes, promotions (its reads) and their admission.
 
 * Write policy (``ssd_write_policy``): ``write_through`` writes each block as it enters the CPU index
   (:meth:`SsdLink.entered`); ``write_back`` writes each block the CPU index evicts (:meth:`SsdLink.release`), for
@@ -7,8 +7,9 @@ plans and their admission.
 * A CPU block in a write job is held (:class:`~kvtier.tier.block_holds.BlockHolds`): the CPU index may evict it,
   but the pool gets it back only when the write is durable or failed (:meth:`drain`). Nothing rewrites a block
   the disk still reads.
-* Promotion (:meth:`plan_promotion`): the leading blocks past a CPU hit that the SSD holds, if admission by cost
-  (:class:`~kvtier.tier.admission.CostAdmission`) lets them in, and if they are not already being promoted.
+* Promotion (:meth:`plan_read`): the leading blocks past a CPU hit that the SSD holds, if admission by cost
+  (:class:`~kvtier.tier.admission.CostAdmission`) lets them in, and if they are not already being promoted; the
+  owner allocates their CPU blocks (:meth:`pinned`: the slots stay put meanwhile) and :meth:`fill` reads them.
 
 Single-owner: called under the :class:`~kvtier.tier.KVTier` lock.
 """
@@ -16,24 +17,26 @@ Single-owner: called under the :class:`~kvtier.tier.KVTier` lock.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
-from typing import Mapping, NamedTuple, Optional
+from typing import Iterator, Mapping, Optional
 
 import numpy as np
 
 from kvtier.config import TierConfig
 from kvtier.geometry import KVGeometry
-from kvtier.index import Namespace, page_hashes
+from kvtier.index import Namespace
 from kvtier.storage import BlockFileError, SsdStore, fingerprint
 from kvtier.tier.admission import CostAdmission, lower_read_blocks
 from kvtier.tier.block_holds import BlockHolds
 from kvtier.tier.host_pool import HostBlockPool
+from kvtier.tier.lower import LowerTier, ReadPlan, SharedRead, register, shared_read
 from kvtier.tier.ssd_tier import MAX_PENDING_BYTES, IoJob, SsdTier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SsdLink", "PromotionPlan", "InFlight", "ssd_fingerprint"]
+__all__ = ["SsdLink", "Promotion", "ssd_fingerprint"]
 
 _DEFAULT_NS = Namespace()
 
@@ -46,38 +49,42 @@ def ssd_fingerprint(geometry: KVGeometry, block_tokens: int, identity: Mapping) 
                        dtype=str(geometry.dtype), block_tokens=block_tokens, payload="page_first")
 
 
-class InFlight(NamedTuple):
-    """A promotion in flight from the same first block: its task and the blocks it shares with the query."""
+@dataclasses.dataclass
+class Promotion:
+    """An SSD read (the :class:`~kvtier.tier.lower.ReadJob` of this tier): its plan, then its IO job once it has
+    CPU blocks."""
 
-    task_id: int
-    blocks: int
+    plan: ReadPlan
+    io: Optional[IoJob] = None
+    ended: bool = False  # ended without a read (no CPU block could be had)
+
+    @property
+    def host_ids(self) -> np.ndarray:
+        return self.io.host_ids if self.io is not None else np.empty(0, np.int64)
+
+    def awaiting_blocks(self) -> bool:
+        return self.io is None and not self.ended
+
+    def done(self) -> bool:
+        return self.ended or (self.io is not None and self.io.done())
+
+    def wait(self) -> None:
+        if self.io is not None:
+            self.io.wait()
+
+    def seconds(self) -> Optional[float]:
+        return None if self.io is None else self.io.io_seconds
 
 
-def in_flight(entry: tuple[int, np.ndarray], hashes: np.ndarray) -> InFlight:
-    """The task of an in-flight read ``entry`` (task id, its chain hashes) and how many leading ``hashes`` it
-    shares."""
-    task_id, theirs = entry
-    m = min(theirs.size, hashes.size)
-    differ = np.flatnonzero(theirs[:m] != hashes[:m])
-    return InFlight(task_id, int(differ[0]) if differ.size else m)
-
-
-class PromotionPlan(NamedTuple):
-    """SSD blocks to read past a CPU hit of ``held`` blocks."""
-
-    held: int  # CPU blocks before them
-    slots: np.ndarray
-    hashes: np.ndarray
-    namespace: int
-    tokens: np.ndarray  # (blocks, block_tokens)
-
-
-class SsdLink:
+class SsdLink(LowerTier):
     """The CPU tier's SSD tier (see the module docstring); built by :meth:`open`."""
+
+    name = "ssd"
 
     def __init__(self, ssd: SsdTier, pool: HostBlockPool, holds: BlockHolds, config: TierConfig,
                  block_tokens: int) -> None:
         self.medium, self.pool, self.holds, self.block_tokens = ssd, pool, holds, block_tokens  # the SSD tier
+        self.config = config
         self.write_back = config.ssd_write_policy == "write_back"
         self.admission = CostAdmission(config.ssd_admission, read_gbps=config.ssd_read_gbps,
                                        prefill_tokens_per_s=config.prefill_tokens_per_s,
@@ -86,6 +93,7 @@ class SsdLink:
         self._writes: list[IoJob] = []
         self._promoting: dict[int, tuple[int, np.ndarray]] = {}  # first block's chain hash -> (task, hashes)
         self.promote_bytes_inflight = 0
+        self.promotions = self.pages_promoted = self.pages_promote_failed = 0
         if self.write_back:  # what an evicted block is, to write it
             self._hash = np.zeros(n, np.uint64)
             self._ns = np.zeros(n, np.uint64)
@@ -99,12 +107,15 @@ class SsdLink:
 
     @classmethod
     def open(cls, config: TierConfig, pool: HostBlockPool, holds: BlockHolds, block_tokens: int,
-             identity: Mapping) -> "SsdLink":
-        """The SSD tier of ``config`` (directories created if missing), recovered from what is durable there.
+             identity: Mapping) -> Optional["SsdLink"]:
+        """The SSD tier of ``config`` (directories created if missing), recovered from what is durable there; None
+        without ``ssd_cache_gb``.
 
         Raises:
             kvtier.storage.BlockFileError: a directory cannot be used (no access, no space, another model's file).
         """
+        if config.ssd_cache_gb <= 0:
+            return None
         for d in config.ssd_dirs:
             try:
                 os.makedirs(d, exist_ok=True)
@@ -133,14 +144,17 @@ class SsdLink:
 
     # --- blocks entering and leaving the CPU index ---
 
-    def entered(self, ids: np.ndarray, tokens: np.ndarray, ns: Optional[Namespace], positions: np.ndarray) -> None:
+    def observe(self, on_written, on_stored, on_removed) -> None:
+        """Report finished writes, and blocks that became findable or stopped being findable, to the owner."""
+        self.medium.on_written, self.medium.on_stored, self.medium.on_removed = on_written, on_stored, on_removed
+
+    def entered(self, ids: np.ndarray, tokens: np.ndarray, ns: Optional[Namespace], positions: np.ndarray,
+                hashes: np.ndarray, source: Optional[str]) -> None:
         """CPU blocks ``ids`` entered the index as blocks ``positions`` (ascending) of ``tokens``'s chain."""
         if ids.size == 0:
             return
         B = self.block_tokens
-        end = (int(positions[-1]) + 1) * B
-        hashes = page_hashes(tokens[:end], B, ns)[positions]
-        rows = tokens[:end].reshape(-1, B)[positions]
+        rows = tokens[:(int(positions[-1]) + 1) * B].reshape(-1, B)[positions]
         seed = (ns or _DEFAULT_NS).seed
         if self.write_back:
             self._hash[ids], self._ns[ids], self._tokens[ids] = hashes, seed, rows
@@ -155,6 +169,13 @@ class SsdLink:
         for seed in np.unique(self._ns[ids]).tolist():
             pick = ids[self._ns[ids] == seed]
             self._write(self._hash[pick], seed, self._tokens[pick], pick)
+
+    def reclaim(self, free: int, freeing: int) -> int:
+        return self.to_reclaim(free, freeing)
+
+    def before_close_evict(self) -> int:
+        """write_back: every CPU block is written at destroy, a write queue's worth a round."""
+        return self.medium.max_pending_blocks if self.write_back else 0
 
     def to_reclaim(self, free: int, freeing: int) -> int:
         """CPU blocks to evict now so that ``free`` free blocks and ``freeing`` on their way back reach the free
@@ -174,22 +195,32 @@ class SsdLink:
             self.holds.hold(job.host_ids)
             self._writes.append(job)
 
-    def drain(self, wait: bool = False) -> None:
+    def drain(self, wait: bool = False, until: Optional[float] = None) -> None:
         """Account finished writes (all of them, waiting, with ``wait``) and free the CPU blocks they held."""
         for job in self._writes if wait else ():
             job.wait()
         self._writes = self.holds.settle(self._writes, IoJob.done, self.medium.finish)
 
-    def used(self, tokens: np.ndarray, ns: Optional[Namespace]) -> None:
-        """``tokens``' blocks were loaded from the CPU tier: the SSD's copies of them become the most recently
-        used too (a prefix hot on the CPU is kept on the SSD, which serves it after an eviction or a restart)."""
-        if tokens.size and self.medium.num_held:
-            self.medium.touch(self.medium.match(page_hashes(tokens, self.block_tokens, ns)))
+    def flush(self) -> None:
+        self.drain(wait=True)
+
+    def wants_used(self) -> bool:
+        return self.medium.num_held > 0
+
+    def used(self, hashes: np.ndarray) -> None:
+        """A prefix of these chain hashes was loaded from the CPU tier: the SSD's copies of them become the most
+        recently used too (a prefix hot on the CPU is kept on the SSD, which serves it after an eviction or a
+        restart)."""
+        if hashes.size and self.medium.num_held:
+            self.medium.touch(self.medium.match(hashes))
 
     # --- promotion ---
 
-    def plan_promotion(self, tokens: np.ndarray, ns: Optional[Namespace], held: int,
-                       chain: np.ndarray) -> Optional[InFlight | PromotionPlan]:
+    def holds_next(self, hashes: np.ndarray) -> bool:
+        return self.medium.match(hashes[:1]).size > 0
+
+    def plan_read(self, tokens: np.ndarray, ns: Optional[Namespace], held: int,
+                  chain: np.ndarray) -> Optional[ReadPlan | SharedRead]:
         """The SSD blocks after ``held`` CPU-held blocks of ``tokens``'s first blocks (``chain``: their chain
         hashes), if admitted; the promotion in flight from the same block, if any; None when nothing is to be
         read."""
@@ -202,37 +233,55 @@ class SsdLink:
             return None
         inflight = self._promoting.get(int(hashes[0]))
         if inflight is not None:
-            return in_flight(inflight, hashes)
+            return shared_read(inflight, hashes)
         k = lower_read_blocks(int(slots.size), self.pool.num_blocks)
         if not self.admission.admit(k * B, tokens.size - held * B, k * self.pool.block_bytes,
                                     self.promote_bytes_inflight):
             self.refused_tokens += k * B
             return None
         rows = tokens[held * B:(held + k) * B].reshape(k, B)
-        return PromotionPlan(held, slots[:k], hashes[:k], (ns or _DEFAULT_NS).seed, rows)
+        return ReadPlan(held, hashes[:k], (ns or _DEFAULT_NS).seed, rows, slots[:k])
 
-    def start_promotion(self, plan: PromotionPlan, ids: np.ndarray, task_id: int) -> IoJob:
-        """Read the first ``ids.size`` blocks of ``plan`` into CPU blocks ``ids`` (owned by task ``task_id``)."""
-        k = ids.size
-        job = self.medium.read(plan.slots[:k], plan.hashes[:k], plan.namespace, plan.tokens[:k], ids)
-        self._promoting[int(plan.hashes[0])] = (task_id, job.hashes)
-        self.promote_bytes_inflight += k * self.pool.block_bytes
-        return job
+    def start_read(self, plan: ReadPlan, task_id: int) -> Promotion:
+        """A promotion of ``plan`` for task ``task_id``: it reads once it has CPU blocks (:meth:`fill`)."""
+        self._promoting[int(plan.hashes[0])] = (task_id, plan.hashes)
+        return Promotion(plan)
 
     @contextlib.contextmanager
-    def holding(self, plan: PromotionPlan):
-        """Keep ``plan``'s slots from being evicted (by the write-back of the CPU blocks evicted to make room for
-        the promotion) until its read locks them."""
-        self.medium.lock(plan.slots)
+    def pinned(self, job: Promotion) -> Iterator[None]:
+        """Keep the promotion's slots from being evicted (by the write-back of the CPU blocks evicted to make room
+        for it) until its read locks them."""
+        slots = job.plan.detail
+        self.medium.lock(slots)
         try:
             yield
         finally:
-            self.medium.unlock(plan.slots)
+            self.medium.unlock(slots)
 
-    def end_promotion(self, job: IoJob) -> None:
-        self.medium.finish(job)
-        self._promoting.pop(int(job.hashes[0]), None)
-        self.promote_bytes_inflight -= job.num_blocks * self.pool.block_bytes
+    def blocks_wanted(self, job: Promotion, tokens: int, held_tokens: int) -> int:
+        return job.plan.hashes.size  # admitted when planned
+
+    def fill(self, job: Promotion, ids: np.ndarray) -> None:
+        """Read the first ``ids.size`` blocks of the promotion into CPU blocks ``ids`` (none: it ends unread)."""
+        plan, k = job.plan, ids.size
+        if k == 0:
+            job.ended = True
+            return
+        job.io = self.medium.read(plan.detail[:k], plan.hashes[:k], plan.namespace, plan.tokens[:k], ids)
+        self.promote_bytes_inflight += k * self.pool.block_bytes
+        self.promotions += 1
+
+    def end_read(self, job: Promotion, cancelled: bool) -> int:
+        self._promoting.pop(int(job.plan.hashes[0]), None)
+        if job.io is None:
+            return 0
+        self.medium.finish(job.io)
+        self.promote_bytes_inflight -= job.io.num_blocks * self.pool.block_bytes
+        return 0 if cancelled else job.io.ok
+
+    def note_read(self, pages: int, failed_pages: int) -> None:
+        self.pages_promoted += pages
+        self.pages_promote_failed += failed_pages
 
     # --- life cycle ---
 
@@ -241,6 +290,8 @@ class SsdLink:
 
     def stats(self) -> dict:
         out = {f"ssd_{k}": v for k, v in self.medium.snapshot().items()}
+        out.update(promotions=self.promotions, pages_promoted=self.pages_promoted,
+                   pages_promote_failed=self.pages_promote_failed)
         out.update(ssd_write_policy="write_back" if self.write_back else "write_through",
                    ssd_free_target_blocks=self.free_target,
                    ssd_admitted=self.admission.admitted, ssd_refused=self.admission.refused,
@@ -248,6 +299,14 @@ class SsdLink:
                    ssd_prefill_1k_tokens_s=self.admission.prefill.seconds(1024))
         return out
 
-    def close(self) -> None:
+    def describe(self) -> str:
+        c = self.config
+        return (f"SSD tier {c.ssd_cache_gb:g} GiB on {';'.join(c.ssd_dirs)} ({c.ssd_write_policy}, admission "
+                f"{c.ssd_admission})")
+
+    def close(self, until: Optional[float] = None) -> None:
         self.drain(wait=True)
         self.medium.close()
+
+
+register("ssd", SsdLink.open, lambda config: config.ssd_cache_gb > 0)

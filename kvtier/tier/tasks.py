@@ -1,5 +1,5 @@
 """The tier's tasks as the engine sees them (:class:`TierTask`, its kind and status), and the records the tier
-keeps of each copy in flight until it is finalized.
+keeps of each copy in flight until it is finalized (:class:`TaskTable`).
 
 Kinds and statuses are string enums: a task's ``kind == "store"`` and ``status == "done"`` still hold, and they
 print as their values.
@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-__all__ = ["TaskKind", "TaskStatus", "TierTask", "CopyRecord", "LoadRecord", "InsertRecord", "COMPLETED"]
+__all__ = ["TaskKind", "TaskStatus", "TierTask", "CopyRecord", "LoadRecord", "InsertRecord", "COMPLETED", "InFlight",
+           "TaskTable"]
 
 
 class _Named(str, enum.Enum):
@@ -29,17 +30,16 @@ class TaskKind(_Named):
     STORE = "store"  # device slots to new CPU blocks
     LOAD = "load"  # CPU blocks to device slots, all layers at once
     LOAD_LAYERWISE = "load_layerwise"  # the same, layer by layer through the LayerDoneCounter
-    PROMOTE = "promote"  # SSD blocks read into new CPU blocks
-    FETCH = "fetch"  # remote blocks read into new CPU blocks
+    READ = "read"  # a lower tier's blocks (an SSD promotion, a remote fetch) read into new CPU blocks
 
     @property
     def reads_lower_tier(self) -> bool:
         """Whether the task reads a lower tier (IO jobs, not copies on a stream)."""
-        return self in (TaskKind.PROMOTE, TaskKind.FETCH)
+        return self is TaskKind.READ
 
     @property
     def inserts(self) -> bool:
-        """Whether its blocks enter the CPU index when it is finalized (a store, a promotion, a fetch)."""
+        """Whether its blocks enter the CPU index when it is finalized (a store, a read)."""
         return self not in (TaskKind.LOAD, TaskKind.LOAD_LAYERWISE)
 
 
@@ -59,11 +59,12 @@ class TierTask:
     Attributes:
         id: task id (reported once by ``poll``).
         kind: a :class:`TaskKind`.
-        num_pages: pages this task copies (store: new pages; load: hit pages loaded; promote: pages read; fetch:
-            0 until its probe has returned, then the pages it reads).
-        num_held: store, promote and fetch: leading pages already held on the CPU, not copied.
+        num_pages: pages this task copies (store: new pages; load: hit pages loaded; read: 0 until its count is
+            known and it has CPU blocks, then the pages it reads).
+        num_held: store and read: leading pages already held on the CPU, not copied.
         producer_index: layerwise loads: the LayerDoneCounter slot to set as consumer (-1: nothing to wait for).
         status: a :class:`TaskStatus` (``failed``: ``num_pages`` is 0).
+        source: a read's lower tier (``"ssd"``, ``"remote"``); None for the others.
     """
 
     id: int
@@ -72,6 +73,7 @@ class TierTask:
     num_held: int = 0
     producer_index: int = -1
     status: TaskStatus = TaskStatus.INFLIGHT
+    source: Optional[str] = None
 
     @property
     def done(self) -> bool:
@@ -84,8 +86,8 @@ class CopyRecord:
 
     Attributes:
         task: the task.
-        completion: an executor's fence, the SSD read (IoJob) of a promotion, the RemoteJob of a fetch.
-        block_ids: a load's blocks read; a store's, promotion's or fetch's new blocks, owned by the task.
+        completion: an executor's fence, or a read's job (:class:`~kvtier.tier.lower.ReadJob`).
+        block_ids: a load's blocks read; a store's or read's new blocks, owned by the task.
         handle: the locked index path (a MatchResult) or None.
         nbytes: bytes the copy moves.
         ns: the namespace of its pages.
@@ -115,16 +117,17 @@ class LoadRecord(CopyRecord):
 
 @dataclasses.dataclass
 class InsertRecord(CopyRecord):
-    """A store, promotion or fetch in flight: its new blocks enter the index behind the held prefix when it is
-    finalized.
+    """A store or read in flight: its new blocks enter the index behind the held prefix when it is finalized.
 
     Attributes:
         tokens: tokens of the held prefix and the new blocks.
         prefix_ids: blocks of the held prefix.
+        tier: a read's lower tier.
     """
 
     tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
     prefix_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
+    tier: Optional[object] = dataclasses.field(default=None, repr=False)
 
 
 class _Completed:
@@ -141,3 +144,51 @@ class _Completed:
 
 
 COMPLETED = _Completed()
+
+
+class InFlight(NamedTuple):
+    """A task in flight, as :meth:`KVTier.in_flight` shows it (read-only: ``block_ids`` and ``tokens`` are copies)."""
+
+    task: TierTask
+    block_ids: np.ndarray  # a store's or read's new CPU blocks (owned by the task); a load's blocks read
+    tokens: Optional[np.ndarray]  # a store's or read's tokens (the held prefix and the new blocks); None for a load
+    prefix_ids: Optional[np.ndarray]  # a store's or read's held prefix (locked blocks); None for a load
+    ns: object  # the namespace of its pages
+    completion: object  # what it waits on: an executor's fence, or a read's job (its tier's ReadJob)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+class TaskTable:
+    """A tier's records of its tasks in flight, by id, and the ids finalized since the last poll."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, CopyRecord] = {}
+        self.finished: list[int] = []
+        self._next_id = 0
+
+    def new(self, kind: TaskKind, num_pages: int, num_held: int = 0) -> TierTask:
+        task = TierTask(self._next_id, kind, num_pages, num_held)
+        self._next_id += 1
+        return task
+
+    def finish_now(self, task: TierTask) -> TierTask:
+        """``task`` had nothing to copy: done, and reported by the next poll."""
+        task.status = TaskStatus.DONE
+        self.finished.append(task.id)
+        return task
+
+    def take_finished(self) -> list[int]:
+        out, self.finished = self.finished, []
+        return out
+
+    def view(self) -> dict[int, InFlight]:
+        """Every task in flight by id, as read-only copies."""
+        inserts = (isinstance(rec, InsertRecord) for rec in self.records.values())
+        return {tid: InFlight(rec.task, _frozen(rec.block_ids), _frozen(rec.tokens) if ins else None,
+                              _frozen(rec.prefix_ids) if ins else None, rec.ns, rec.completion)
+                for (tid, rec), ins in zip(self.records.items(), inserts)}

@@ -1,0 +1,168 @@
+"""LowerTiers: how :class:`~kvtier.tier.KVTier` drives its lower tiers (:mod:`kvtier.tier.lower`): what they hear of
+the CPU index, their reads as tasks, and their writes at close.
+
+A lookup past the CPU hit asks each lower tier in order for a read (:meth:`LowerTiers.find`); the first that plans
+one starts it as a ``"read"`` task, whose CPU blocks are allocated once its count is known (:meth:`advance`), and
+whose verified leading blocks enter the CPU index when it is finalized (:meth:`finalize`). Waits let go of the
+tier's lock and are bounded by the read's tier (:meth:`wait`). Runs under the tier's lock, on the tier's index, room
+and task table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import numpy as np
+
+from kvtier.index import page_hashes
+from kvtier.tier.lower import LowerTier, ReadPlan, SharedRead
+from kvtier.tier.observers import Transfer
+from kvtier.tier.tasks import InsertRecord, TaskKind
+from kvtier.tier.tier_stats import TierHit
+
+__all__ = ["LowerTiers"]
+
+
+class LowerTiers:
+    """A tier's lower tiers, fastest first; ``owner`` is the :class:`~kvtier.tier.KVTier` they serve."""
+
+    def __init__(self, owner, lower: list[LowerTier]) -> None:
+        self.owner, self.lower = owner, lower
+
+    def named(self, name: str) -> Optional[LowerTier]:
+        return next((t for t in self.lower if t.name == name), None)
+
+    def used(self, toks: np.ndarray, ns, num_blocks: int) -> None:
+        """A prefix of ``num_blocks`` blocks of ``toks`` was loaded from the CPU tier."""
+        if any(t.wants_used() for t in self.lower):
+            B = self.owner.block_tokens
+            hashes = page_hashes(toks[:num_blocks * B], B, ns)
+            for t in self.lower:
+                t.used(hashes)
+
+    def entered(self, ids: np.ndarray, toks: np.ndarray, ns, positions: np.ndarray, source: Optional[str]) -> None:
+        """CPU blocks ``ids`` entered the CPU index as blocks ``positions`` of ``toks``."""
+        if self.lower and ids.size:
+            B = self.owner.block_tokens
+            hashes = page_hashes(toks[:(int(positions[-1]) + 1) * B], B, ns)[positions]  # once, for every tier
+            for t in self.lower:
+                t.entered(ids, toks, ns, positions, hashes, source)
+
+    def write_back_all(self) -> None:
+        """At destroy: a write-back tier is given every CPU block (a restart serves them), a round at a time."""
+        for t in self.lower:
+            batch = t.before_close_evict()
+            if batch:
+                t.drain(wait=True)
+                while self.owner.room.evict(batch):
+                    t.drain(wait=True)
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """The owner's lock let go of (however deeply this thread holds it) for the block: other threads' calls
+        (stats, lookups) run while this one waits on IO."""
+        state = self.owner._lock._release_save()
+        try:
+            yield
+        finally:
+            self.owner._lock._acquire_restore(state)
+
+    def find(self, toks: np.ndarray, ns, m, n: int) -> TierHit:
+        """The CPU hit ``m`` of ``toks``'s first ``n`` blocks, and the read that brings the blocks past it: from the
+        first tier that holds (or may hold) the next block, started here unless one from the same block is in
+        flight (none when admission refuses it)."""
+        o = self.owner
+        G, held = o._pages_per_block, m.num_pages
+        hit = held * G
+        if held >= n or not self.lower:
+            return TierHit(hit, 0, None)
+        chain = page_hashes(toks[:n * o.block_tokens], o.block_tokens, ns)  # once, for every lower tier
+        for tier in self.lower:
+            plan = tier.plan_read(toks, ns, held, chain)
+            if isinstance(plan, SharedRead):
+                rec = o._inflight.get(plan.task_id)
+                return TierHit(hit, plan.blocks * G, rec.task) if rec is not None else TierHit(hit, 0, None)
+            if plan is not None:
+                task = self.start(tier, toks, ns, m, plan)
+                return TierHit(hit, task.num_pages if task is not None else 0, task)
+            if tier.holds_next(chain[held:held + 1]):  # held (refused, or no room): not asked further down
+                break
+        return TierHit(hit, 0, None)
+
+    def start(self, tier: LowerTier, toks: np.ndarray, ns, m, plan: ReadPlan):
+        """Start ``tier``'s read of ``plan``'s blocks past the CPU-held prefix ``m`` (locked until the task is
+        finalized); its CPU blocks are allocated as soon as its count is known."""
+        o = self.owner
+        held, B = plan.held, o.block_tokens
+        task = o.tasks.new(TaskKind.READ, 0, num_held=held * o._pages_per_block)
+        task.source = tier.name
+        job = tier.start_read(plan, task.id)
+        if job is None:
+            return None
+        if held:
+            o.index.lock(m)
+        o._stats.reads += 1
+        rec = InsertRecord(task, job, np.empty(0, np.int64), m if held else None, 0,
+                           tokens=toks[:(held + plan.hashes.size) * B].copy(), ns=ns,
+                           prefix_ids=np.array(m.block_ids[:held], dtype=np.int64), tier=tier)
+        o._inflight[task.id] = rec
+        if job.awaiting_blocks():
+            try:
+                self.advance(rec)
+            except BaseException:  # making room failed (an eviction policy's bug): nothing of the read is left
+                del o._inflight[task.id]
+                tier.fill(job, np.empty(0, np.int64))
+                tier.end_read(job, cancelled=True)
+                if held:
+                    o.index.unlock(m)
+                raise
+        return task
+
+    def advance(self, rec: InsertRecord) -> None:
+        """A read's count is known: allocate CPU blocks for what its tier admits and start reading into them (none:
+        it ends unread)."""
+        o = self.owner
+        job, tier, held = rec.completion, rec.tier, rec.prefix_ids.size
+        k = tier.blocks_wanted(job, rec.tokens.size, held * o.block_tokens)
+        ids = np.empty(0, np.int64)
+        if k:
+            with tier.pinned(job):  # making room may write back evicted CPU blocks: what the read reads stays put
+                ids = o.room.alloc_under(None, k)
+        rec.block_ids, rec.nbytes = ids, int(ids.size) * o.pool.block_bytes
+        rec.task.num_pages = int(ids.size) * o._pages_per_block
+        tier.fill(job, ids)
+
+    def poll(self, rec: InsertRecord) -> None:
+        """A drain met ``rec``: blocks for it if it wants them, and its tier's deadline (polled, never waited for,
+        it meets the same bound)."""
+        if rec.completion.awaiting_blocks():
+            self.advance(rec)
+        rec.tier.check_deadline(rec.completion)
+
+    def wait(self, rec: InsertRecord, discard: bool) -> None:
+        """Block until the read is done, each call at most its tier's deadline (past it, it is given up on: it
+        brings nothing, and its CPU blocks stay held until its IO returns); ``discard``: it is dropped after the
+        wait, so it is waited for only as its tier requires."""
+        job, tier = rec.completion, rec.tier
+        if discard:
+            tier.before_discard(job)
+            return
+        while not job.done() and self.owner._pending(rec):
+            if job.awaiting_blocks():
+                self.advance(rec)
+            elif not tier.wait_read(job, self.released):
+                return
+
+    def finalize(self, rec: InsertRecord, cancelled: bool) -> None:
+        """A read's verified leading blocks enter the index; the others go back to the pool, once no IO uses them
+        (a read given up on: its tier holds them)."""
+        o = self.owner
+        job, tier, G = rec.completion, rec.tier, o._pages_per_block
+        ok = tier.end_read(job, cancelled)
+        o.holds.release(rec.block_ids[ok:])
+        inserted = int(o._insert(rec, ok).sum()) * G if ok else 0
+        tier.note_read(inserted, 0 if cancelled else (rec.block_ids.size - ok) * G)
+        if o._observers and ok:
+            o._observers.notify("transfer_done", Transfer(tier.name, "load", ok * G, ok * o.pool.block_bytes,
+                                                          job.seconds()))

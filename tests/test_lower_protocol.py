@@ -1,0 +1,161 @@
+"""A medium plugs in below the CPU pool through :mod:`kvtier.tier.lower` alone: an in-memory toy tier, registered
+and opened by the registry, written through as blocks enter the CPU index and read back as ``"read"`` tasks, with
+no line of :mod:`kvtier.tier.manager` naming it."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier.tier.manager as manager
+from kvtier.config import TierConfig
+from kvtier.index import Namespace
+from kvtier.tier import HostBlockPool, KVTier
+from kvtier.tier.lower import LowerTier, ReadPlan, register, registered, unregister
+from tests.kv_helpers import make_kv
+from tests.tier_helpers import TINY, page_slots, prompt, same, slot_bytes
+
+P = TINY.page_size
+IDENTITY = {"model": "toy-test", "tp_rank": 0, "tp_size": 1}
+
+
+class ToyJob:
+    """A toy read: done once it has its CPU blocks (the copy is synchronous)."""
+
+    def __init__(self, plan: ReadPlan) -> None:
+        self.plan, self.host_ids, self.given = plan, np.empty(0, np.int64), False
+
+    def awaiting_blocks(self) -> bool:
+        return not self.given
+
+    def done(self) -> bool:
+        return self.given
+
+    def wait(self) -> None:
+        pass
+
+    def seconds(self) -> Optional[float]:
+        return 0.0
+
+
+class ToyTier(LowerTier):
+    """Blocks kept in a dict by chain hash: written as they enter the CPU index, read back into CPU blocks."""
+
+    name = "toy"
+    opened: list["ToyTier"] = []
+
+    def __init__(self, pool, holds) -> None:
+        self.pool, self.holds = pool, holds
+        self.blocks: dict[int, np.ndarray] = {}
+        self.reads = self.writes = 0
+        self.closed = False
+        ToyTier.opened.append(self)
+
+    @classmethod
+    def open(cls, config, pool, holds, block_tokens, identity) -> "ToyTier":
+        assert identity["model"] == "toy-test"  # the tier's model identity reaches the medium
+        return cls(pool, holds)
+
+    def entered(self, ids, tokens, ns, positions, hashes, source) -> None:
+        if source == self.name:  # brought from here: nothing to write
+            return
+        for i, h in zip(ids, hashes):
+            self.blocks[int(h)] = self.pool.block_rows(int(i)).copy()
+            self.writes += 1
+
+    def holds_next(self, hashes) -> bool:
+        return int(hashes[0]) in self.blocks
+
+    def plan_read(self, tokens, ns, held, chain):
+        k = 0
+        while held + k < chain.size and int(chain[held + k]) in self.blocks:
+            k += 1
+        if k == 0:
+            return None
+        B = self.pool.geometry.page_size
+        return ReadPlan(held, chain[held:held + k], (ns or Namespace()).seed,
+                        tokens[held * B:(held + k) * B].reshape(k, B))
+
+    def start_read(self, plan, task_id):
+        return ToyJob(plan)
+
+    def blocks_wanted(self, job, tokens, held_tokens) -> int:
+        return job.plan.hashes.size
+
+    def fill(self, job, ids) -> None:
+        for i, h in zip(ids, job.plan.hashes):
+            self.pool.block_rows(int(i))[...] = self.blocks[int(h)]
+        job.host_ids, job.given = ids, True
+        self.reads += 1
+
+    def end_read(self, job, cancelled) -> int:
+        return 0 if cancelled else int(job.host_ids.size)
+
+    def stats(self) -> dict:
+        return {"toy_blocks": len(self.blocks), "toy_reads": self.reads}
+
+    def close(self, until=None) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def toy():
+    register("toy", ToyTier.open, lambda config: True)
+    ToyTier.opened.clear()
+    yield
+    unregister("toy")
+
+
+def make(seed: int, num_blocks: int = 16) -> KVTier:
+    """A tier over a tiny random KV pool (blocks of one page) with the toy below it."""
+    kv = make_kv(TINY, 128, "cpu", torch.Generator().manual_seed(seed))
+    return KVTier(kv, TierConfig(page_size=P, tokens_per_block=P, cpu_cache_gb=1.0), model_identity=IDENTITY,
+                  pool=HostBlockPool(TINY, num_blocks))
+
+
+def test_a_toy_medium_registered_through_the_protocol_serves_what_the_cpu_pool_evicted(toy):
+    assert "toy" in registered()
+    tier = make(0)
+    (medium,) = ToyTier.opened
+    assert tier.lower_tier("toy") is medium and "toy" in tier.describe()
+    toks = prompt(1, 6)
+    src = page_slots(0, 6, P)
+    want = slot_bytes(tier, src)
+    tier.wait(tier.store(toks, None, src))
+    assert medium.writes == 6  # written through as the blocks entered the CPU index
+    assert tier.evict(6) == 6 and tier.index.total_pages == 0
+    hit = tier.lookup_tiers(toks, None)
+    assert hit.cpu_pages == 0 and hit.read is not None and hit.read.source == "toy" and hit.read.kind == "read"
+    assert hit.read.id in tier.in_flight() and tier.in_flight()[hit.read.id].completion.done()
+    tier.wait(hit.read)
+    assert tier.lookup(toks) == 6 and medium.writes == 6  # read back, not written again
+    dst = page_slots(20, 6, P)
+    task = tier.load(toks, None, dst)
+    tier.wait(task)
+    assert task.num_pages == 6 and same(slot_bytes(tier, dst), want, 6)
+    s = tier.stats()
+    assert s["reads"] == 1 and s["toy_reads"] == 1 and s["toy_blocks"] == 6
+    tier.destroy()
+    assert medium.closed
+
+
+def test_a_cancelled_toy_read_gives_its_blocks_back_and_leaves_the_index_empty(toy):
+    tier = make(1)
+    toks = prompt(2, 4)
+    tier.wait(tier.store(toks, None, page_slots(0, 4, P)))
+    tier.evict(4)
+    free = tier.pool.num_free
+    hit = tier.lookup_tiers(toks, None)
+    assert hit.read is not None and tier.pool.num_free == free - 4
+    assert tier.cancel(hit.read)
+    assert tier.pool.num_free == free and tier.in_flight() == {} and tier.index.total_pages == 0
+    tier.destroy()
+
+
+def test_the_manager_names_no_medium():
+    source = inspect.getsource(manager).lower()
+    assert not any(word in source for word in ("ssd", "remote", "mooncake", "toy"))
