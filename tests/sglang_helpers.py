@@ -23,6 +23,7 @@ from sglang.srt.server_args import ServerArgs, set_global_server_args_for_schedu
 
 from kvtier.config import TierConfig
 from kvtier.sglang.radix_cache import KVTierRadixCache
+from kvtier.sglang.serving import InjectedCache
 
 
 @dataclasses.dataclass
@@ -76,7 +77,8 @@ def build(*, mla: bool = False, page_size: int = 4, kv_size: int = 64, layers: i
                      remote_segment_gb=1 / 16, remote_admission="always", remote_timeout_s=2.0)
         cache_kw.setdefault("model_identity", {"model": "sglang-helpers", "mla": mla})
     config = TierConfig(cpu_cache_gb=host_blocks_kb / (1 << 20), page_size=page_size, layerwise=layerwise, **extra)
-    cache = KVTierRadixCache(params, config, **cache_kw)
+    injected = {"executor", "counter_backend", "pool"} & cache_kw.keys()  # a test's: InjectedCache passes them on
+    cache = (InjectedCache if injected else KVTierRadixCache)(params, config, **cache_kw)
     return Setup(cache, allocator, r2t, kv_pool, page_size, mla, dev, start_layer)
 
 
@@ -314,7 +316,7 @@ def tp_skew_worker(rank: int, world: int, init_file: str, out_dir: str, device: 
 
     import torch.distributed as dist
 
-    from kvtier.tier import DeferredExecutor
+    from kvtier.tier.executor import DeferredExecutor
     from tests.tp_ranks import Topology, _agreement
 
     seen = {"rank": rank, "device": device, "digests": []}

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from kvtier.e2e.model import PagedDecoder  # noqa: E402
 from kvtier.sglang.batch_server import CUDA_MODES, MODES, Arrival, BatchServer, Engine, EngineConfig  # noqa: E402
-from kvtier.tier import DeferredExecutor  # noqa: E402
+from kvtier.tier.executor import DeferredExecutor  # noqa: E402
 from kvtier.tier.observers import TierObserver  # noqa: E402
 from tests.test_e2e_model import CONFIGS  # noqa: E402
 

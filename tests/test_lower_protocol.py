@@ -15,6 +15,7 @@ import kvtier.tier.manager as manager
 from kvtier.config import TierConfig
 from kvtier.index import Namespace
 from kvtier.tier import HostBlockPool, KVTier
+from kvtier.tier.executor import DeferredExecutor
 from kvtier.tier.lower import LowerTier, ReadPlan, register, registered, unregister
 from tests.kv_helpers import make_kv
 from tests.tier_helpers import TINY, page_slots, prompt, same, slot_bytes
@@ -159,3 +160,20 @@ def test_a_cancelled_toy_read_gives_its_blocks_back_and_leaves_the_index_empty(t
 def test_the_manager_names_no_medium():
     source = inspect.getsource(manager).lower()
     assert not any(word in source for word in ("ssd", "remote", "mooncake", "toy"))
+
+
+def test_a_read_that_gets_no_cpu_block_starts_no_task(toy):
+    """Every CPU block owned by a store in flight: the toy holds the prefix, but no read can run, so the lookup
+    returns none (a read task of 0 pages, never finalized by the caller, was returned here once)."""
+    tier = make(2, num_blocks=4)
+    toks = prompt(3, 4)
+    tier.wait(tier.store(toks, None, page_slots(0, 4, P)))
+    tier.evict(4)
+    tier.executor = DeferredExecutor()  # the next store's copy stays in flight, its 4 blocks owned by it
+    store = tier.store(prompt(4, 4), None, page_slots(8, 4, P))
+    assert store.num_pages == 4 and tier.pool.num_free == 0
+    hit = tier.lookup_tiers(toks, None)
+    assert hit.read is None and hit.lower_pages == 0 and list(tier.in_flight()) == [store.id]
+    assert tier.stats()["reads"] == 0 and tier.index.protected_pages == 0
+    tier.wait(store)
+    tier.destroy()

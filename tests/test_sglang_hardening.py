@@ -273,7 +273,7 @@ def test_wait_all_returns_after_release_host_resources_with_a_checkpoint_held():
     for end in (8, 16):  # two chunks: the second checkpoint is held behind the first's store
         req.extend_end = req.kv.kv_committed_len = end
         checkpoint_kv_cache(req, s.cache)
-    assert s.cache._held_store
+    assert s.cache.num_held_checkpoints == 1
     s.cache.release_host_resources()
     waiter = threading.Thread(target=s.cache.wait_all, daemon=True)
     waiter.start()

@@ -19,7 +19,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 
-from kvtier.tier import DeferredExecutor, FailingExecutor  # noqa: E402
+from kvtier.tier.executor import DeferredExecutor, FailingExecutor  # noqa: E402
 from tests import sglang_helpers as h  # noqa: E402
 
 BASES = [list(range(1000 * b + 1, 1000 * b + 17)) for b in range(2)]  # 16 tokens each

@@ -19,7 +19,8 @@ import torch
 from kvtier.config import TierConfig
 from kvtier.geometry import KVGeometry
 from kvtier.index import Namespace
-from kvtier.tier import CudaExecutor, DeferredExecutor, HostBlockPool, KVTier
+from kvtier.tier import CudaExecutor, HostBlockPool, KVTier
+from kvtier.tier.executor import DeferredExecutor
 from tests.tier_helpers import TINY, accounted_blocks, fill_random_, make_tier, page_slots, slot_bytes
 
 P = TINY.page_size

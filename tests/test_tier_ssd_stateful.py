@@ -41,7 +41,7 @@ from kvtier.index import Namespace, page_hashes
 from kvtier.index._state import BLOCK, DEPTH, M_HIGH
 from kvtier.storage.block_format import ALIGN, padded
 from kvtier.storage.ssd_store import FILE_NAME
-from kvtier.tier import DeferredExecutor
+from kvtier.tier.executor import DeferredExecutor
 from kvtier.tier.manager import TierStats
 from kvtier.tier.ssd_tier import SsdStats
 from tests.test_tier_ssd import make_ssd_tier

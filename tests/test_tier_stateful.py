@@ -31,7 +31,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, inva
 
 from kvtier.index import Namespace
 from kvtier.index._state import BLOCK, DEPTH, M_HIGH
-from kvtier.tier import DeferredExecutor, FailingExecutor
+from kvtier.tier.executor import DeferredExecutor, FailingExecutor
 from tests.tier_helpers import TINY, make_tier
 
 P = TINY.page_size

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.tier import FailingExecutor, ImmediateExecutor, TaskKind, TaskStatus
+from kvtier.tier import ImmediateExecutor, TaskKind, TaskStatus
+from kvtier.tier.executor import FailingExecutor
 from tests.tier_helpers import make_tier, page_slots, prompt
 
 

@@ -70,26 +70,26 @@ class Topology:
 
 class TransientFailingExecutor:
     """A :class:`~kvtier.tier.executor.FailingExecutor` whose faults are transient: a copy a later pipeline stage
-    issues again (``KVTierRadixCache._repair``, wrapped by :meth:`attach`) goes through."""
+    issues again (``KVTier.retry``, wrapped by :meth:`attach`) goes through."""
 
     def __init__(self, inner, rate: float, seed: int) -> None:
-        from kvtier.tier import FailingExecutor
+        from kvtier.tier.executor import FailingExecutor
 
         self._failing = FailingExecutor(inner, rate, seed)
         self._repairing = False
 
     def attach(self, cache) -> None:
-        """Let ``cache``'s repairs issue without faults."""
-        repair = cache._repair
+        """Let ``cache``'s repairs (a copy issued again) issue without faults."""
+        retry = cache.tier.retry
 
-        def reliable_repair(*args, **kwargs):
+        def reliable_retry(*args, **kwargs):
             self._repairing = True
             try:
-                return repair(*args, **kwargs)
+                return retry(*args, **kwargs)
             finally:
                 self._repairing = False
 
-        cache._repair = reliable_repair
+        cache.tier.retry = reliable_retry
 
     def run(self, name: str, fn, own_stream: bool = False) -> None:
         (self._failing.inner if self._repairing else self._failing).run(name, fn, own_stream)
@@ -155,7 +155,7 @@ class RankState:
 
     def __init__(self, rank: int, fail_rate: float, seed: int, lasting: bool = False, *,
                  topo: Optional[Topology] = None) -> None:
-        from kvtier.tier import DeferredExecutor, FailingExecutor
+        from kvtier.tier.executor import DeferredExecutor, FailingExecutor
         from tests import sglang_helpers as h
 
         topo = topo or Topology()

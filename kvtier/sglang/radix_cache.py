@@ -112,7 +112,6 @@ class KVTierRadixCache(RadixCache):
             SGLang's cache groups. Default: over ``tp_group``.
         forward_stream: the CUDA stream the forward pass runs on: stores and loads are ordered after it, whole
             loads make it wait; None: the current stream only.
-        executor / counter_backend / pool: passed to :class:`KVTier` (tests).
         host_budget_bytes: this rank's share of host memory (the factory asks SGLang's host-memory budget: what
             is available, less SGLang's reserve, split between the ranks of the host); the pinned pool must fit.
         model_identity: what the KV belongs to, for the SSD tier's blocks (the factory's
@@ -123,8 +122,7 @@ class KVTierRadixCache(RadixCache):
     """
 
     def __init__(self, params: CacheInitParams, config: Optional[TierConfig] = None, *, tp_group=None,
-                 forward_stream=None, executor=None, counter_backend: str = "auto", pool=None,
-                 host_budget_bytes: Optional[int] = None, model_identity: Optional[dict] = None,
+                 forward_stream=None, host_budget_bytes: Optional[int] = None, model_identity: Optional[dict] = None,
                  metrics_labels: Optional[dict] = None, agreement: Optional[RankAgreement] = None) -> None:
         super().__init__(params)
         self.tier_config = config if config is not None else TierConfig.from_env()
@@ -153,18 +151,18 @@ class KVTierRadixCache(RadixCache):
             return
         self.kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         kv = paged_kv_from_pool(self.kv_pool, self.page_size)
-        if executor is None and kv.is_cuda and forward_stream is not None:
+        executor = pool = store_layers = None
+        if kv.is_cuda and forward_stream is not None:
             executor = CudaExecutor(kv.device, order_after=[forward_stream])  # copies fenced on the forward stream
-        store_layers = None
         if self.multi_rank:  # every rank's pool holds as many blocks: the host indexes evolve identically
             self.tier_config = self._agreed_pool(kv)
-            if kv.geometry.is_mla and pool is None:
+            if kv.geometry.is_mla:
                 self.shared = self._share_pool(kv, host_budget_bytes)
             if self.shared is not None:
                 pool, store_layers = self.shared.pool, self.shared.store_layers
-        self.tier = KVTier(kv, self.tier_config, executor=executor, counter_backend=counter_backend, pool=pool,
-                           host_budget_bytes=host_budget_bytes, finalize="ordered" if self.multi_rank else "auto",
-                           model_identity=model_identity, store_layers=store_layers)
+        self.tier = self._make_tier(kv, executor=executor, pool=pool, host_budget_bytes=host_budget_bytes,
+                                    finalize="ordered" if self.multi_rank else "auto", model_identity=model_identity,
+                                    store_layers=store_layers)
         if self.multi_rank:
             self.agreement.check_same([self.tier.pool.num_blocks], "the host pool's block count")
         self.rank_labels = dict(metrics_labels or {})
@@ -206,13 +204,10 @@ class KVTierRadixCache(RadixCache):
         geo = kv.with_page_size(config.block_tokens).geometry
         return share_pool(self.agreement, geo, config.host_layout, config.cpu_cache_bytes // geo.block_bytes, budget)
 
-    @classmethod
-    def create_for_test(cls, params: CacheInitParams, config: Optional[TierConfig] = None, **kw) -> KVTierRadixCache:
-        """A cache over CPU pools (the kernels run through the Triton interpreter; copies complete at once unless an
-        ``executor`` is given). Equivalent to the constructor; kept as the ``create_simulated`` counterpart."""
-        if config is None:
-            config = TierConfig(cpu_cache_gb=1 / 1024, page_size=params.page_size, layerwise=False)
-        return cls(params, config, **kw)
+    def _make_tier(self, kv: PagedKV, **options) -> KVTier:
+        """The host tier over ``kv`` with the cache's ``options`` (a harness's subclass adds its own executor, layer
+        counter backend or host pool: :class:`kvtier.sglang.serving.InjectedCache`)."""
+        return KVTier(kv, self.tier_config, **options)
 
     def set_layerwise(self, enabled: bool) -> None:
         """Load host hits layer by layer (the tier's counter registered on the KV pool) or whole (none registered).
@@ -539,6 +534,11 @@ class KVTierRadixCache(RadixCache):
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)
+
+    @property
+    def num_held_checkpoints(self) -> int:
+        """Chunked-prefill checkpoints waiting for their request's store in flight."""
+        return len(self._held_store)
 
 
 

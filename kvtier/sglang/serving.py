@@ -30,6 +30,7 @@ import torch
 from kvtier.config import TierConfig
 from kvtier.e2e.model import PagedDecoder, greedy
 from kvtier.sglang.radix_cache import KVTierRadixCache
+from kvtier.tier import KVTier
 
 from sglang.srt.managers.schedule_batch import Req  # noqa: E402  (kvtier.sglang.radix_cache checked the version)
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
@@ -73,6 +74,21 @@ class Served:
     logits: Optional[list] = None
 
 
+
+class InjectedCache(KVTierRadixCache):
+    """:class:`KVTierRadixCache` whose host tier takes a harness's or test's executor (e.g. a
+    :class:`~kvtier.tier.executor.DeferredExecutor`), layer counter backend or host pool; those left None are the
+    cache's own."""
+
+    def __init__(self, params, config=None, *, executor=None, counter_backend: Optional[str] = None, pool=None,
+                 **kw) -> None:
+        given = {"executor": executor, "counter_backend": counter_backend, "pool": pool}
+        self._injected = {k: v for k, v in given.items() if v is not None}
+        super().__init__(params, config, **kw)
+
+    def _make_tier(self, kv, **options) -> KVTier:
+        return super()._make_tier(kv, **{**options, **self._injected})
+
 class Server:
     """One mode's pools, allocator and tree cache over a shared :class:`PagedDecoder` (see the module docstring).
 
@@ -85,7 +101,7 @@ class Server:
         cpu_cache_gb: kvtier's host pool size, when ``host_pool`` is not given.
         host_pool: a :class:`~kvtier.tier.HostBlockPool` to reuse (the kvtier modes can share one: pinning is slow).
         transfer_mode / host_layout: kvtier settings.
-        executor / counter_backend: passed to :class:`KVTierRadixCache` (tests).
+        executor / counter_backend: passed to the cache's host tier (:class:`InjectedCache`).
         tokens_per_block: kvtier's host block (default: the config's default for ``page_size``).
     """
 
@@ -118,8 +134,8 @@ class Server:
             config = TierConfig(cpu_cache_gb=cpu_cache_gb, page_size=page_size, host_layout=host_layout,
                                 transfer_mode=transfer_mode, layerwise=mode == "kvtier_layerwise",
                                 tokens_per_block=tokens_per_block)
-            self.cache = KVTierRadixCache(params, config, pool=host_pool, executor=executor,
-                                          counter_backend=counter_backend)
+            self.cache = InjectedCache(params, config, pool=host_pool, executor=executor,
+                                       counter_backend=counter_backend)
         else:
             self.cache = RadixCache(params)
         self.free_slots_at_start = self.allocator.available_size()

@@ -102,7 +102,6 @@ class LowerTiers:
             return None
         if held:
             o.index.lock(m)
-        o._stats.reads += 1
         rec = InsertRecord(task, job, np.empty(0, np.int64), m if held else None, 0,
                            tokens=toks[:(held + plan.hashes.size) * B].copy(), ns=ns,
                            prefix_ids=np.array(m.block_ids[:held], dtype=np.int64), tier=tier)
@@ -111,13 +110,22 @@ class LowerTiers:
             try:
                 self.advance(rec)
             except BaseException:  # making room failed (an eviction policy's bug): nothing of the read is left
-                del o._inflight[task.id]
-                tier.fill(job, np.empty(0, np.int64))
-                tier.end_read(job, cancelled=True)
-                if held:
-                    o.index.unlock(m)
+                self._undo(rec, m)
                 raise
+            if rec.block_ids.size == 0:  # no CPU block could be had: no read runs
+                self._undo(rec, m)
+                return None
+        o._stats.reads += 1
         return task
+
+    def _undo(self, rec: InsertRecord, m) -> None:
+        """A read that never ran (it got no CPU block): gone from the task table, ended, its prefix unlocked."""
+        del self.owner._inflight[rec.task.id]
+        if rec.completion.awaiting_blocks():
+            rec.tier.fill(rec.completion, np.empty(0, np.int64))
+        rec.tier.end_read(rec.completion, cancelled=True)
+        if rec.handle is not None:
+            self.owner.index.unlock(m)
 
     def advance(self, rec: InsertRecord) -> None:
         """A read's count is known: allocate CPU blocks for what its tier admits and start reading into them (none:

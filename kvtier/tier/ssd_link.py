@@ -62,6 +62,11 @@ class Promotion:
     def host_ids(self) -> np.ndarray:
         return self.io.host_ids if self.io is not None else np.empty(0, np.int64)
 
+    @property
+    def slots(self) -> np.ndarray:
+        """The SSD slots its read locks (none before it reads)."""
+        return self.io.slots if self.io is not None else np.empty(0, np.int64)
+
     def awaiting_blocks(self) -> bool:
         return self.io is None and not self.ended
 
