@@ -14,8 +14,8 @@ runs it:
   per-peer transfer queue (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, 1024 by default), failing values
   (``TRANSFER_FAIL``); the copy costs a fraction of a millisecond per block (``bench/bench_remote.py``).
 * A batch's blocks are copied and checksummed on :data:`PREP_THREADS` threads where the machine has cores to
-  spare (one staged block takes ~0.1-0.25 ms of copy and checksum, and a batch of 36 blocks goes over loopback TCP
-  in ~10 ms on an H200 host), on the worker's own thread otherwise.
+  spare (a batch's copy and checksum cost about what its transfer does: docs/DESIGN.md, Remote tier), on the
+  worker's own thread otherwise.
 * :meth:`RemoteTier.probe` asks the store, on the probe thread, how many leading blocks of a prefix it holds
   (``batch_is_exist``); :meth:`RemoteTier.get` then reads them into CPU blocks the caller owns. Every block is
   checked before it counts (value size, header checksum, fingerprint, chain hash, namespace, tokens, payload
@@ -85,8 +85,8 @@ LEFT_TO_EXIT: list[MooncakeStore] = []
 
 def _ranges(rows: np.ndarray) -> list[tuple[int, int]]:
     """(address, bytes) of a block's rows (``[layers, row]``, each row contiguous, one stride apart), adjacent
-    rows merged: one range when the block is contiguous. From the strides: a loop over the rows' ``ctypes``
-    costs about 0.1 ms a block of 56 rows, a tenth of the block's time on the wire over loopback TCP."""
+    rows merged: one range when the block is contiguous. From the strides: a loop over the rows' ``ctypes`` costs
+    a tenth of the block's time on the wire (docs/DESIGN.md, Remote tier)."""
     a = rows.__array_interface__["data"][0]
     if rows.flags.c_contiguous:
         return [(a, rows.nbytes)]
