@@ -20,7 +20,7 @@ import numba
 
 from ._state import HEAP, HKEY, HPOS, M_HEAP, TICK
 
-__all__ = ["hp_push", "hp_pop", "hp_remove"]
+__all__ = ["hp_push", "hp_pop", "hp_remove", "hp_precedes"]
 
 
 @numba.njit(inline="always")
@@ -89,6 +89,15 @@ def hp_remove(i32, i64, meta, x):
     _put(i32, i64, i, last, i64[HKEY, n])
     _sift_down(i32, i64, i, n)
     _sift_up(i32, i64, i32[HPOS, last])
+
+
+@numba.njit(inline="always")
+def hp_precedes(i32, i64, meta, x):
+    """Whether node ``x`` (not in the heap) comes before every node in it: (tick[x], x) is less than the root's
+    (stored key, node), which is at most every node's (tick, node). Pushing ``x`` and popping would return ``x``."""
+    if meta[M_HEAP] == 0:
+        return True
+    return _less(i64[TICK, x], x, i64[HKEY, 0], i32[HEAP, 0])
 
 
 @numba.njit(inline="always")

@@ -47,7 +47,7 @@ import numba
 import numpy as np
 
 from ._config import NUMBA_CACHE
-from ._heap import hp_pop, hp_push, hp_remove
+from ._heap import hp_pop, hp_precedes, hp_push, hp_remove
 from ._simd import diff16, prefetch
 from ._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, FREE_PARENT, GEN, HASH, HINT, HITS, HPOS, LOCK, M_FREE, M_HIGH,
                      M_INDEXED, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, M_WIDE, NCHILD, NS_BASE, OWN, PARENT,
@@ -509,20 +509,31 @@ def tr_lock(i32, i64, meta, node, gen, delta):
 
 @numba.njit(cache=NUMBA_CACHE)
 def tr_evict(i32, i64, i8, table, meta, n):
-    """Free up to n pages, least-recently used unlocked leaf first; returns their block ids in order."""
+    """Free up to n pages, least-recently used unlocked leaf first; returns their block ids in order.
+
+    A chain goes up without the heap: a parent left an unlocked leaf that precedes every node in the heap is
+    the next to go (pushing and popping it would return it), so a chain of pages costs a free each."""
     out = np.empty(max(0, min(n, meta[M_TOTAL])), dtype=np.int64)
     block = i64[BLOCK]
     k = 0
+    x = -1  # the next page to free when known without the heap
     while k < out.shape[0]:
-        x = hp_pop(i32, i64, meta)
         if x < 0:
-            break
+            x = hp_pop(i32, i64, meta)
+            if x < 0:
+                break
         out[k] = block[x]
         k += 1
         p = i32[PARENT, x]
         _free(i32, i64, i8, table, meta, x)
+        x = -1
         if p >= 0 and i32[NCHILD, p] == 0 and i32[LOCK, p] == 0:
-            hp_push(i32, i64, meta, p)
+            if hp_precedes(i32, i64, meta, p):
+                x = p
+            else:
+                hp_push(i32, i64, meta, p)
+    if x >= 0:  # enough freed: the parent waits in the heap
+        hp_push(i32, i64, meta, x)
     return out[:k]
 
 
