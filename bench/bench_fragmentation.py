@@ -341,7 +341,8 @@ def summarize(res: dict) -> dict:
                 if ratio > worst.get(kind, (0, ""))[0]:
                     worst[kind] = (ratio, f"{layout}/{tokens}/R={r_worst or 'one'}/{by_run[str(r_worst)][kind]}")
                 if kind == "load_layerwise" and tokens == largest:
-                    h = max(r["host_ms"] for r in rows if (r["layout"], r["tokens"], r["op"]) == (layout, tokens, "load")
+                    h = max(r["host_ms"] for r in rows
+                            if (r["layout"], r["tokens"], r["op"]) == (layout, tokens, "load")
                             and r["path"] == by_run[str(r["run"])][kind])
                     issue = h if issue is None else max(issue, h)
     s = {f"frag_worst_over_one_run_{k}": v[0] for k, v in worst.items()}
@@ -415,7 +416,8 @@ def main(argv=None) -> int:
         args.rounds = 1
         args.churn_convs, args.churn_system, args.churn_blocks, args.churn_steps = 6, 256, 48, 40
     else:
-        args.layers, args.heads, args.head_dim, args.tokens, args.reps, args.host_reps = 36, 8, 128, (1024, 8192), 10, 10
+        args.layers, args.heads, args.head_dim = 36, 8, 128
+        args.tokens, args.reps, args.host_reps = (1024, 8192), 10, 10
         args.rounds = 3
         args.churn_convs, args.churn_system, args.churn_blocks, args.churn_steps = 64, 2048, 4096, 400
     args.gemm_copies = 4

@@ -418,7 +418,8 @@ def worst_cells(results):
 
 
 def table(results):
-    rows = ["| workload | library | insert µs/seq | match µs/seq | match µs (cold loop) | evict µs/page | match speedup |",
+    rows = ["| workload | library | insert µs/seq | match µs/seq | match µs (cold loop) | evict µs/page "
+            "| match speedup |",
             "|---|---|---|---|---|---|---|"]
     for key, r in results.items():
         for lib in ("kvtier", "sglang_radix", "sglang_unified_rust"):

@@ -306,9 +306,9 @@ def markdown(results: dict) -> str:
              f"{results['config']['page_size']}, {results['config'].get('layout', 'layer_first')}, "
              f"counter backend {s.get('counter_backend')}. Medians of {results['config']['reps']} reps, ms to the "
              f"end of the last layer.", "",
-             "| new tokens | load mode | compute only | load only (1 launch / per layer) | load then compute | layerwise | "
-             "host-blocking | layerwise / max(load, compute) | host-blocking / layerwise | wait_until host us "
-             "(median / max) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| new tokens | load mode | compute only | load only (1 launch / per layer) | load then compute "
+             "| layerwise | host-blocking | layerwise / max(load, compute) | host-blocking / layerwise "
+             "| wait_until host us (median / max) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
         if "error" in r:
             lines.append(f"| {r['new_tokens']} | {r.get('transfer_mode')} | error: {r['error'][:80]} |||||||| ")

@@ -458,7 +458,7 @@ def plot(res: dict, path: str) -> None:
     ax.legend(fontsize=7)
     ax = axes[1]
     hits = [(c, res["cells"][c]["hit"]) for c in cells if res["cells"][c].get("hit")]
-    for i, (c, h) in enumerate(hits):
+    for i, (_c, h) in enumerate(hits):
         ax.bar(i - 0.2, h["kvtier_ms"], 0.4, color="C0", label="kvtier lookup_tiers -> wait(fetch)" if i == 0 else None)
         ax.bar(i + 0.2, h["raw_get_ms"], 0.4, color="C1", label="raw batch_get_into" if i == 0 else None)
         ax.text(i - 0.2, h["kvtier_ms"], f"{h['kvtier_ms']:.0f}", ha="center", va="bottom", fontsize=7)
@@ -627,8 +627,9 @@ def main(argv=None) -> int:
         "kvtier_put": "A.store of fresh blocks (D2H skipped: SkipStoreCopy; the pool holds random bytes) -> "
                       "A.wait (finalize: index insert, RemoteLink.entered submits the put job) -> "
                       "A.lower_tier('remote').drain(wait=True) until no put is pending; gbps = blocks put x value "
-                      "bytes / that wall time (the summary's figure: it counts everything the tier adds). job_gbps: the put "
-                      "job's own seconds on its thread (remote_seconds_put), without the owner's side",
+                      "bytes / that wall time (the summary's figure: it counts everything the tier adds). "
+                      "job_gbps: the put job's own seconds on its thread (remote_seconds_put), "
+                      "without the owner's side",
         "kvtier_fetch": "B (empty pool, admission 'always') lookup_tiers -> wait(fetch task): probe "
                         "(batch_is_exist), allocation, get (batch_get_into_multi_buffers into B's pool, or its "
                         "staging buffer), header and payload checks, index insert; gbps = blocks fetched x value "

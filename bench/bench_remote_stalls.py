@@ -408,7 +408,7 @@ def engine_phase(tier: KVTier, seconds: float, calls: Calls, peers: int, seed: i
             hit = calls("lookup", tier.lookup_tiers, toks, None)
             if hit.read is not None and rnd % 2 == 0:
                 calls("wait (fetch)", tier.wait, hit.read)
-            calls("load", lambda: tier.wait(tier.load(toks, None, SLOTS)))
+            calls("load", lambda toks=toks: tier.wait(tier.load(toks, None, SLOTS)))
         calls("poll", tier.poll)
         calls("stats", tier.stats)
         if rnd % 20 == 19:
@@ -449,7 +449,8 @@ def run_chaos(args, log_dir: str) -> dict:
             actions: list[str] = []
             chaos_rng = random.Random(args.seed + k // 2)  # the same schedule within a pair of phases
 
-            def chaos() -> None:
+            # the loop's values bound: a chaos thread that outlives ch.join(30) keeps its own phase's
+            def chaos(stop=stop, chaos_rng=chaos_rng, actions=actions) -> None:
                 while not stop.is_set():
                     stop.wait(chaos_rng.uniform(0.5, 2.0))
                     if not stop.is_set():
@@ -458,8 +459,8 @@ def run_chaos(args, log_dir: str) -> dict:
             beat.phase = name
             ch.start()
             counts: list[int] = []
-            engines = [threading.Thread(target=lambda i=i: counts.append(engine_phase(
-                tier, args.phase_s, calls, args.peers, args.seed + 100 * k + i)), name=f"engine-{i}")
+            engines = [threading.Thread(target=lambda i=i, tier=tier, calls=calls, counts=counts, k=k: counts.append(
+                engine_phase(tier, args.phase_s, calls, args.peers, args.seed + 100 * k + i)), name=f"engine-{i}")
                 for i in range(args.threads)]
             for e in engines:
                 e.start()

@@ -15,11 +15,12 @@ For each directory (a disk, and a RAM-backed one for the software's own ceiling)
   ``--only-recovery`` measures these alone and merges them into ``--out``.
 Each repetition runs every raw pattern and every layout once, in a shuffled order (the disk's speed drifts, and
 jumps between states on the CPU machine's virtual disk); figures are medians of ``--reps``, each layout's over the
-raw pattern with the best median, and a directory's ``write_over_raw`` / ``read_over_raw`` are the slower layout's. Summary: ``ssd_write_over_raw``,
-``ssd_read_over_raw`` (the disk), ``ram_write_over_raw``, ``ram_read_over_raw``, ``recovery_s_per_million_blocks``,
-``recovery_headers_s_per_million_blocks``.
+raw pattern with the best median, and a directory's ``write_over_raw`` / ``read_over_raw`` are the slower layout's.
+Summary: ``ssd_write_over_raw``, ``ssd_read_over_raw`` (the disk), ``ram_write_over_raw``, ``ram_read_over_raw``,
+``recovery_s_per_million_blocks``, ``recovery_headers_s_per_million_blocks``.
 
-Run: ``python bench/bench_ssd.py --dir /var/tmp/kvtier-ssd --ram-dir /dev/shm/kvtier-ssd --out bench/results/ssd_cpu.json``
+Run: ``python bench/bench_ssd.py --dir /var/tmp/kvtier-ssd --ram-dir /dev/shm/kvtier-ssd \
+--out bench/results/ssd_cpu.json``
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def raw_bandwidth(directory: str, nbytes: int, threads: int, pattern: str) -> di
         if pattern != "slots":
             return [flat[off:off + size]]
         first = off // slot
-        return [x for k in range(7) for x in (heads[i][k], flat[(first + k) * BLOCK_BYTES:(first + k + 1) * BLOCK_BYTES])]
+        return [x for k in range(7)
+                for x in (heads[i][k], flat[(first + k) * BLOCK_BYTES:(first + k + 1) * BLOCK_BYTES])]
     if os.path.exists(path):  # left by a run that was stopped
         os.unlink(path)
     direct = True

@@ -416,8 +416,8 @@ def run_staged_sweep(res: dict, host_bytes: torch.Tensor, gen) -> None:
     print("staged_sweep copy engine", ce, flush=True)
     for mib, nbuf in STAGED_CONFIGS:
         stager = StagedTransfer(s.kv, host, tuning=Tuning(staging_bytes=mib * MiB, num_buffers=nbuf))
-        r = _time_store_load_both(lambda: stager.store(src, st_blocks, stream=s_store, check=False),
-                                  lambda: stager.load(dst, ld_blocks, stream=s_load, check=False),
+        r = _time_store_load_both(lambda stager=stager: stager.store(src, st_blocks, stream=s_store, check=False),
+                                  lambda stager=stager: stager.load(dst, ld_blocks, stream=s_load, check=False),
                                   s_store, s_load, nbytes)
         torch.cuda.synchronize()
         r["load_exact"] = all(torch.equal(b[dst].view(torch.uint8), b[src].view(torch.uint8)) for b in s.kv.buffers)
@@ -511,7 +511,8 @@ def run_latency(res: dict, host_bytes: torch.Tensor, gen) -> None:
         entry = {"bytes": nbytes, "pcie_floor_us": round(nbytes / 55e9 * 1e6, 2)}
         for p in (None, 2, 4, 8, 16, 36):
             for d, op in (("d2h", store_pages), ("h2d", load_pages)):
-                t = time_gpu_ms(lambda: op(s.kv, host, slots, blocks, num_programs=p, check=False), reps=50,
+                t = time_gpu_ms(lambda op=op, s=s, host=host, slots=slots, blocks=blocks, p=p: op(
+                    s.kv, host, slots, blocks, num_programs=p, check=False), reps=50,
                                 hide_host_us=500)
                 entry[f"{d}_p{p or 'default'}_us"] = round(t["median_ms"] * 1e3, 2)
         entry["default_programs"] = TUNED.programs_for(nbytes)

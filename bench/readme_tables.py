@@ -324,7 +324,8 @@ def ssd_tier_table() -> str:
         return "_no results yet_"
     tables = []
     if ttft is not None:
-        groups = [((ram, adm), f"H200, {where}, {what}") for ram, where in ((False, "disk"), (True, "RAM-backed directory"))
+        groups = [((ram, adm), f"H200, {where}, {what}")
+                  for ram, where in ((False, "disk"), (True, "RAM-backed directory"))
                   for adm, what in (("cost", "admission by cost"), ("always", "no admission"))]
         prefixes, body = _ttft_rows(ttft["rows"], lambda r: (r["dir"].startswith("/dev/shm"), r["admission"]), groups)
         tables.append(_table(["SSD tier behind the CPU pool: TTFT over recompute (targets: <= 1.05 with admission on "
@@ -524,7 +525,8 @@ FLEXKV_TABLE = (("FlexKV's table: SGLang, no host tier (H20)", 6.86, 8.04, 9.88,
 
 
 def _serving_runs() -> list[tuple[str, dict]]:
-    names = sorted(f for f in os.listdir(os.path.join(ROOT, "bench", "results")) if re.fullmatch(r"serving_\w+\.json", f))
+    names = sorted(f for f in os.listdir(os.path.join(ROOT, "bench", "results"))
+                   if re.fullmatch(r"serving_\w+\.json", f))
     return [(n[len("serving_"):-len(".json")], _load(n)) for n in names]
 
 
@@ -546,7 +548,7 @@ def serving_table() -> str:
                 runs = [r for r in swe["runs"] if r["mode"] == mode and r["qps"] == qps]
                 if not runs:
                     continue
-                med = lambda k: sorted(r[k] for r in runs)[len(runs) // 2]  # noqa: E731
+                med = lambda k, runs=runs: sorted(r[k] for r in runs)[len(runs) // 2]  # noqa: E731
                 rate = "all at once" if qps == float("inf") else f"qps {qps:g}"
                 rows.append([f"{card.upper()} {mode}, {rate} ({len(runs)} runs)", _ms(med("ttft_avg_ms")),
                              _ms(med("ttft_p50_ms")), _ms(med("ttft_p90_ms")), _ms(med("ttft_p99_ms")),
@@ -573,7 +575,7 @@ FILES = {"README.md": ("headline", "serving"),
 def render(text: str, names=tuple(TABLES)) -> str:
     for name in names:
         pattern = re.compile(rf"(<!-- table:{name} -->\n)(?:.*?\n)?(<!-- /table:{name} -->)", re.S)
-        text = pattern.sub(lambda m: m.group(1) + TABLES[name]() + "\n" + m.group(2), text)
+        text = pattern.sub(lambda m, name=name: m.group(1) + TABLES[name]() + "\n" + m.group(2), text)
     return text
 
 

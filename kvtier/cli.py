@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--whole", action="store_true", help="load the prefix whole, not layer by layer")
     demo.add_argument("--prompt-tokens", type=_prompt_tokens, default=None,
                       help="prompt length, at least 32 (default 512 CPU, 8192 GPU)")
-    config = sub.add_parser("config", help="kvtier config files", usage="kvtier config check [-h] [--offline] [--ranks N] FILE")
+    config = sub.add_parser("config", help="kvtier config files",
+                            usage="kvtier config check [-h] [--offline] [--ranks N] FILE")
     config_sub = config.add_subparsers(dest="config_command", metavar="check")
     check = config_sub.add_parser("check", help="check a config file on this host and print what it resolves to",
                                   description="Check a kvtier config (YAML or JSON) as the server does at start, "

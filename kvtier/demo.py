@@ -194,8 +194,8 @@ def run_serve_demo(device: str | None = None, console=None, *, layout: str = "la
     with step(console, "preparing the host index", INDEX_COMPILE_NOTE):
         PageTrie.compile(config.block_tokens)  # what KVTier does at start, here where it can be said
     engine = TierEngine(model, config, num_slots=plan.num_slots)
-    prompt = torch.randint(1, cfg.vocab_size, (plan.prompt_tokens,), generator=torch.Generator().manual_seed(0))
-    prompt = prompt.tolist()
+    prompt = torch.randint(1, cfg.vocab_size, (plan.prompt_tokens,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
     if device == "cuda":  # compile the kernels and warm every path outside the figures
         for source in ("none", "device", "kvtier"):
             engine.serve(prompt[: plan.prompt_tokens // 2], 2, source=source)

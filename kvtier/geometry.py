@@ -28,7 +28,7 @@ import torch
 
 from kvtier._checks import check_count
 
-HostLayout = Literal["page_first", "layer_first"]
+HostLayout = Literal["page_first", "layer_first"]  # the methods take a str: check_layout checks it at run time
 HOST_LAYOUTS: tuple[str, ...] = ("page_first", "layer_first")
 
 
@@ -98,7 +98,7 @@ class KVGeometry:
         """Bytes of one token over all layers, K and V."""
         return self.num_layers * self.kv_count * self.row_bytes
 
-    def host_shape(self, num_blocks: int, layout: HostLayout = "page_first") -> tuple[int, ...]:
+    def host_shape(self, num_blocks: int, layout: str = "page_first") -> tuple[int, ...]:
         """Shape of a host tensor holding ``num_blocks`` blocks in ``layout``."""
         check_layout(layout)
         num_blocks = check_count("num_blocks", num_blocks, 0)
@@ -107,7 +107,7 @@ class KVGeometry:
             return (num_blocks, self.num_layers, self.kv_count, *tail)
         return (self.num_layers, num_blocks, self.kv_count, *tail)
 
-    def host_row_strides(self, num_blocks: int, layout: HostLayout = "page_first") -> tuple[int, int, int]:
+    def host_row_strides(self, num_blocks: int, layout: str = "page_first") -> tuple[int, int, int]:
         """(block, layer, kv) strides of a host tensor in rows; a token within a page has stride 1."""
         check_layout(layout)
         p, kv, layers = self.page_size, self.kv_count, self.num_layers
@@ -119,7 +119,7 @@ class KVGeometry:
         """Shape of one per-layer device buffer (SGLang's ``[slots, heads, head_dim]``)."""
         return (num_slots, self.num_kv_heads, self.head_dim)
 
-    def num_blocks_in(self, host: torch.Tensor, layout: HostLayout) -> int:
+    def num_blocks_in(self, host: torch.Tensor, layout: str) -> int:
         """Number of blocks a host tensor holds; raises if its shape or dtype does not fit this geometry."""
         check_layout(layout)
         if host.dtype != self.dtype:

@@ -5,6 +5,9 @@ import os
 import pytest
 import torch
 
+# The ``mooncake_master`` fixture, for any test that names it (a test module that imported it would shadow it).
+pytest_plugins = ["tests.mooncake_master"]
+
 CUDA = torch.cuda.is_available()
 if not CUDA:  # kernels run on CPU tensors through the interpreter (kvtier.kernels sets this too)
     os.environ.setdefault("TRITON_INTERPRET", "1")

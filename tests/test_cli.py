@@ -80,7 +80,8 @@ def test_demo_on_cuda_without_a_gpu_is_a_clear_error(capsys):
 
 
 def test_python_m_kvtier_and_help_import_no_torch():
-    code = "import runpy, sys; sys.argv = ['kvtier', '--help']\ntry:\n    runpy.run_module('kvtier', run_name='__main__')\n" \
+    code = "import runpy, sys; sys.argv = ['kvtier', '--help']\n" \
+           "try:\n    runpy.run_module('kvtier', run_name='__main__')\n" \
            "except SystemExit:\n    pass\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert "usage: kvtier" in out.stdout and out.stdout.strip().endswith("False"), out.stdout + out.stderr

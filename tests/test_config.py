@@ -173,7 +173,8 @@ def test_the_ssd_tier_from_yaml_and_the_environment(tmp_path, monkeypatch):
     assert c.ssd_cache_bytes == 512 << 30 and c.ssd_dirs == ["/nvme0/kv", "/nvme1/kv"]
     assert (c.ssd_write_policy, c.ssd_admission, c.ssd_io_threads, c.ssd_read_gbps) == ("write_back", "always", 8, 6.5)
     d = TierConfig()
-    assert (d.ssd_cache_gb, d.ssd_write_policy, d.ssd_admission, d.ssd_direct_io) == (0.0, "write_through", "cost", True)
+    assert (d.ssd_cache_gb, d.ssd_write_policy, d.ssd_admission, d.ssd_direct_io) == (
+        0.0, "write_through", "cost", True)
 
 
 def test_the_remote_tier_from_yaml(tmp_path):

@@ -52,7 +52,8 @@ def test_out_of_range_tokens_raise(bad):
         hash_tokens(bad)
 
 
-@pytest.mark.parametrize("bad, err", [(np.zeros(3, dtype=np.float32), TypeError), (np.zeros((2, 2), dtype=np.int64), ValueError),
+@pytest.mark.parametrize("bad, err", [(np.zeros(3, dtype=np.float32), TypeError),
+                                      (np.zeros((2, 2), dtype=np.int64), ValueError),
                                       (np.array([True]), TypeError), (array("d", [1.0]), TypeError),
                                       ([2**70], ValueError)])
 def test_bad_token_containers_raise(bad, err):

@@ -123,7 +123,8 @@ def test_factory_rejects_page_size_mismatch(built, tmp_path, monkeypatch):
 
 # --- the scheduler's sequence ---
 
-@pytest.mark.parametrize("mla,layerwise,mode", [(False, False, "direct"), (False, True, "staged"), (True, True, "auto")],
+@pytest.mark.parametrize("mla,layerwise,mode",
+                         [(False, False, "direct"), (False, True, "staged"), (True, True, "auto")],
                          ids=["mha-whole-direct", "mha-layerwise-staged", "mla-layerwise-auto"])
 def test_page_1_engine_gets_host_blocks_of_16_and_loads_from_mid_block(mla, layerwise, mode):
     """At SGLang's --page-size 1 the tier's default host block is 16 tokens: host hits are whole blocks, and a

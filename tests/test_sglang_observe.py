@@ -18,7 +18,6 @@ import msgspec  # noqa: E402
 import zmq  # noqa: E402
 from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher  # noqa: E402
 
-from tests.mooncake_master import mooncake_master  # noqa: E402,F401
 from tests.sglang_helpers import build, flush_device, serve  # noqa: E402
 
 PAGE = 4
@@ -157,7 +156,7 @@ def test_ssd_writes_and_evictions_reach_the_kv_event_stream_as_disk(tmp_path):
     assert sorted(_hashes(events, "BlockRemoved", "DISK")) == sorted(p[0] for p in disk[:8])
 
 
-def test_remote_puts_reach_the_kv_event_stream_as_external(mooncake_master):  # noqa: F811
+def test_remote_puts_reach_the_kv_event_stream_as_external(mooncake_master):
     s = build(page_size=PAGE, kv_size=64, kv_events=True, remote_master=mooncake_master.addr)
     try:
         serve(s, np.arange(1, 8 * PAGE + 1), cache_salt="tenant-b")

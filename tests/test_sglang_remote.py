@@ -22,7 +22,6 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # noqa: E4
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 
 from tests import sglang_helpers as h  # noqa: E402
-from tests.mooncake_master import mooncake_master  # noqa: E402,F401
 from tests.test_sglang_backend import _ctx, built  # noqa: E402,F401
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
@@ -98,7 +97,7 @@ def run_instance_b(master: str, kv_file: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def test_two_instances_share_a_prefix_through_the_master_on_real_sglang_pools(tmp_path, mooncake_master):  # noqa: F811
+def test_two_instances_share_a_prefix_through_the_master_on_real_sglang_pools(tmp_path, mooncake_master):
     s = h.build(kv_size=32, remote_master=mooncake_master.addr)  # instance A: its segment will hold the values
     try:
         free0 = s.allocator.available_size()

@@ -245,7 +245,8 @@ def test_a_write_skipped_after_another_fails_is_never_acknowledged(tmp_path, mon
                 s.free([0])
                 acked = [0]
                 with pytest.raises(OSError, match="Input/output"):
-                    s.put([0, 1], [block(7), block(8)], batch=1, on_durable=lambda n: acked.__setitem__(0, n))
+                    s.put([0, 1], [block(7), block(8)], batch=1,
+                          on_durable=lambda n, acked=acked: acked.__setitem__(0, n))
                 wrong += acked[0] >= 1 and s.get([0], [np.empty(ALIGN, np.uint8)])[0] is None
     finally:
         sys.setswitchinterval(interval)

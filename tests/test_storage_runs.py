@@ -5,7 +5,6 @@ one."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap

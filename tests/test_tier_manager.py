@@ -280,7 +280,7 @@ def test_gpu_layerwise_never_reads_stale_bytes(backend, wait):
     props = torch.cuda.get_device_properties(0)
     spin = int(2e-3 * getattr(props, "clock_rate", 1_980_000) * 1e3)  # ~2 ms before each layer's copy
     tier.executor = SlowLoads(tier.kv.device, spin)
-    for rep in range(2):  # warm-up, then measured
+    for _rep in range(2):  # warm-up, then measured
         for b in tier.kv.buffers:
             b[dst] = 0  # stale content the forward must never see
         torch.cuda.synchronize()
@@ -689,10 +689,12 @@ print("compiled on the first lookup:", sum(len(f._by_key) for f in entry) - sum(
     assert "compiled on the first lookup: 0" in out.stdout, out.stdout
 
 
-def test_a_store_whose_room_making_raises_leaves_its_prefix_unlocked():
+def test_a_store_whose_room_making_raises_leaves_its_prefix_unlocked(monkeypatch):
     """An eviction policy that raised while a store extending a held prefix made room left that prefix locked for
     good (its pages could never be evicted again)."""
-    from kvtier.index import EvictionPolicy, register_eviction_policy
+    from kvtier.index import EvictionPolicy, eviction, register_eviction_policy
+
+    monkeypatch.setattr(eviction, "_POLICIES", dict(eviction._POLICIES))  # the registration ends with the test
 
     class Failing(EvictionPolicy):
         def evict(self, n: int) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The remote tier behind KVTier, against a real ``mooncake_master`` on loopback: two processes sharing a prefix,
 the master unreachable at start, killed and hung mid-run, a peer holding the values hung then killed, keys gone
-between probe and get, forged values, and the key scheme. Every wait is bounded (``remote_timeout_s``) and checked against the wall clock."""
+between probe and get, forged values, and the key scheme. Every wait is bounded (``remote_timeout_s``) and checked
+against the wall clock."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from kvtier.tier import HostBlockPool, KVTier, remote_tier
 from kvtier.tier.remote_link import remote_fingerprint
 from kvtier.tier.ssd_tier import signed64
 from tests.kv_helpers import make_kv
-from tests.mooncake_master import Master, free_port, mooncake_master, require_mooncake  # noqa: F401
+from tests.mooncake_master import Master, free_port, require_mooncake
 from tests.tier_helpers import TINY, lower_hit_and_load as fetch_and_load, page_slots, prompt, same, slot_bytes
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
@@ -203,7 +204,8 @@ def test_a_killed_master_leaves_the_local_tiers_serving_and_the_tier_reconnects(
     want = None
     for _ in range(50):  # the first puts after a restart may race the remount
         want = store_and_put(a, toks, first_page=20)
-        if a.lower_tier("remote").medium.store.exists(a.lower_tier("remote").medium.keys(page_hashes(toks, P, None))) == [1, 1, 1]:
+        medium = a.lower_tier("remote").medium
+        if medium.store.exists(medium.keys(page_hashes(toks, P, None))) == [1, 1, 1]:
             break
         a.reset()
         time.sleep(0.2)
@@ -288,7 +290,8 @@ def test_stats_and_lookups_from_other_threads_never_wait_on_a_hung_master(moonca
     assert not errors, errors
     assert max(engine) < TIMEOUT + 0.5, engine
     assert times and max(times) < TIMEOUT + 0.5, max(times)
-    assert b.pool.destroyed and b.lower_tier("remote").medium.store in remote_tier.LEFT_TO_EXIT  # its get still ran: left
+    # its get still ran: left
+    assert b.pool.destroyed and b.lower_tier("remote").medium.store in remote_tier.LEFT_TO_EXIT
     a.destroy()
 
 
@@ -410,7 +413,8 @@ def test_a_key_gone_between_probe_and_get_is_a_counted_miss(mooncake_master):
     b = make_remote_tier(mooncake_master.addr, seed=1)
     task = probed_fetch(b, toks, 4)
     store = a.lower_tier("remote").medium.store
-    assert store.remove(a.lower_tier("remote").medium.keys(page_hashes(toks, P, None)[2:3])) == [0]  # the store drops block 2
+    # the store drops block 2
+    assert store.remove(a.lower_tier("remote").medium.keys(page_hashes(toks, P, None)[2:3])) == [0]
     b.wait(task)
     s = b.stats()
     assert s["pages_fetched"] == 2 and s["remote_blocks_missing"] == 1 and s["remote_blocks_corrupt"] == 0
@@ -506,7 +510,8 @@ def test_puts_beyond_the_queue_cap_are_dropped_and_counted(mooncake_master):
     store_and_put(a, toks)
     s = a.stats()
     assert s["remote_blocks_put"] == 2 and s["remote_blocks_put_dropped"] == 3
-    assert a.lower_tier("remote").medium.store.exists(a.lower_tier("remote").medium.keys(page_hashes(toks, P, None))) == [1, 1, 0, 0, 0]
+    medium = a.lower_tier("remote").medium
+    assert medium.store.exists(medium.keys(page_hashes(toks, P, None))) == [1, 1, 0, 0, 0]
     a.destroy()
 
 
@@ -546,7 +551,8 @@ def test_puts_and_gets_in_many_batches_round_trip_and_stop_at_a_missing_block(mo
     toks = prompt(2, 7)
     want = store_and_put(a, toks, first_page=10)
     task = probed_fetch(b, toks, 7)
-    assert a.lower_tier("remote").medium.store.remove(a.lower_tier("remote").medium.keys(page_hashes(toks, P, None)[4:5])) == [0]
+    medium = a.lower_tier("remote").medium
+    assert medium.store.remove(medium.keys(page_hashes(toks, P, None)[4:5])) == [0]
     b.wait(task)  # batch [4, 6) misses its first block: 4 verified, the call after it waited for
     assert task.num_pages == 7 and b.stats()["pages_fetched"] == 7 + 4
     pages, got = fetch_and_load(b, toks)
@@ -658,7 +664,8 @@ def test_puts_queued_behind_a_hung_put_are_skipped_once_it_outlasts_its_timeout(
 def test_a_probe_queued_behind_a_hung_probe_ends_by_the_timeout(mooncake_master):
     a, t1, t2 = two_prompts_put(mooncake_master.addr)
     b = make_remote_tier(mooncake_master.addr, seed=1)
-    slowed(b.lower_tier("remote").medium.store, "exists", 4 * TIMEOUT)  # the first probe hangs; the second queues behind it
+    # the first probe hangs; the second queues behind it
+    slowed(b.lower_tier("remote").medium.store, "exists", 4 * TIMEOUT)
     b.lookup_tiers(t1, None)
     task = b.lookup_tiers(t2, None).read
     t0 = time.monotonic()

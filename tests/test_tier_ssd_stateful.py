@@ -30,7 +30,6 @@ import tempfile
 import zlib
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, note, settings
 from hypothesis import strategies as st
@@ -56,8 +55,8 @@ NBUF = TINY.num_layers * TINY.kv_count
 
 # Counters: never decrease while a tier lives (reset keeps them).
 MONOTONE = ([f.name for f in dataclasses.fields(TierStats)] + [f"ssd_{f.name}" for f in dataclasses.fields(SsdStats)]
-            + ["ssd_blocks_evicted", "ssd_admitted", "ssd_refused", "ssd_tokens_refused", "promotions", "pages_promoted",
-               "pages_promote_failed"])
+            + ["ssd_blocks_evicted", "ssd_admitted", "ssd_refused", "ssd_tokens_refused", "promotions",
+               "pages_promoted", "pages_promote_failed"])
 
 # Pages drawn from two values so that prompts share prefixes often; sometimes a trailing partial page.
 seqs = st.builds(lambda pages, tail: [t for v in pages for t in [v] * P] + tail,

@@ -144,6 +144,7 @@ def host_memory(config: TierConfig, ranks: int = 1) -> list[Finding]:
     host's ranks; a default pool shrinks to the share), else kvtier's (what is available less 2 GiB)."""
     pool = config.cpu_cache_bytes
     rule = _sglang_rule()
+    avail: int | None
     if rule is not None:
         avail, reserve = rule
         arithmetic = f"by SGLang's rule: {gib(avail)} available (its measure: bounded by the cgroup limits)"
@@ -180,15 +181,16 @@ def _sglang_rule() -> tuple[int, int] | None:
     path = os.path.join(os.path.dirname(spec.origin), "srt", "mem_cache", "host_memory.py")
     try:
         source = importlib.util.spec_from_file_location("kvtier_sglang_host_memory", path)
+        if source is None or source.loader is None:
+            raise ImportError(f"cannot load {path}")
         module = importlib.util.module_from_spec(source)
         source.loader.exec_module(module)
         measure = module.available_host_memory_bytes
     except (OSError, ImportError, AttributeError):  # another layout of SGLang: through its package, slowly
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # its platform warnings (no CUDA here, ...) are not this check's
-            from sglang.srt.mem_cache.host_memory import (
-                available_host_memory_bytes as measure,
-            )
+            from sglang.srt.mem_cache import host_memory
+            measure = host_memory.available_host_memory_bytes
     return int(measure(allow_cgroup_fallback=True)), SGLANG_RESERVE_BYTES
 
 
@@ -272,6 +274,7 @@ def remote_tier(config: TierConfig, *, offline: bool) -> list[Finding]:
     else:
         out.append(Finding("ok", "remote_backend: the Mooncake client is installed"))
     master = config.remote_master
+    assert master is not None  # TierConfig requires it with remote_backend
     if offline:
         out.append(Finding("unchecked", f"remote_master: {master} not contacted (--offline)"))
     else:

@@ -35,7 +35,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     """Bytes in the largest binary unit that keeps a whole number in front."""
     for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024

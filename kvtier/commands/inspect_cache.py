@@ -35,7 +35,8 @@ def _total(files: list[FileSurvey]) -> dict:
     checked = [f.verification for f in files if f.verification is not None]
     return {"files": len(files), "slots": sum(f.num_slots for f in files), "blocks": sum(f.blocks for f in files),
             "payload_bytes": sum(f.payload_bytes for f in files), "file_bytes": sum(f.file_bytes for f in files),
-            "namespaces": len(namespaces), "default_namespace": _default_namespace(), "fingerprints": len({f.fingerprint for f in files}),
+            "namespaces": len(namespaces), "default_namespace": _default_namespace(),
+            "fingerprints": len({f.fingerprint for f in files}),
             "verified_blocks": sum(v.checked for v in checked) if checked else None,
             "bad_blocks": sum(v.bad for v in checked) if checked else None}
 
@@ -116,7 +117,7 @@ def _namespaces(namespaces: dict[int, int], shown: int = 8) -> str:
         " ..." if len(namespaces) > shown else "")
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

@@ -138,6 +138,7 @@ def _run_with_progress(script: Path, name: str, args: list[str], log_path: Path)
         reader = threading.Thread(target=_follow, args=(read_fd, bar, task, name), daemon=True)
         reader.start()
         log.write(" ".join(cmd) + "\n")
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             log.write(line)
             bar.console.print(line.rstrip("\n"), markup=False, soft_wrap=True)

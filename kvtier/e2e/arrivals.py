@@ -15,7 +15,7 @@ A feed hands a server its requests as time passes and requests finish (:class:`F
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -35,14 +35,14 @@ class Arrival:
 class Finished(Protocol):
     """A finished request, as a server reports it: its ``tag`` and ``output`` tokens."""
 
-    tag: object
+    tag: Any  # what the feed tagged its arrival with
     output: list
 
 
 class Feed(Protocol):
     """What a server asks a feed, between its steps."""
 
-    def take(self, now_s: float, finished: list[Finished]) -> list[Arrival]:
+    def take(self, now_s: float, finished: Sequence[Finished]) -> list[Arrival]:
         """The requests to send at ``now_s`` (seconds since the run began), given the requests ``finished`` since
         the last call."""
 
@@ -70,7 +70,7 @@ class OpenLoop:
         self.due = poisson_times(len(prompts), qps, seed)
         self.sent = self.outstanding = 0
 
-    def take(self, now_s: float, finished: list[Finished]) -> list[Arrival]:
+    def take(self, now_s: float, finished: Sequence[Finished]) -> list[Arrival]:
         self.outstanding -= len(finished)
         out = []
         while (self.sent < len(self.prompts) and self.due[self.sent] <= now_s
@@ -109,7 +109,7 @@ class Rounds:
         self.due = now_s + poisson_times(len(order), self.rate, self.seed + self.round)
         self.left = len(order)  # requests of this round not finished
 
-    def take(self, now_s: float, finished: list[Finished]) -> list[Arrival]:
+    def take(self, now_s: float, finished: Sequence[Finished]) -> list[Arrival]:
         for f in finished:
             client, _ = f.tag
             self.history[client] = self.history[client] + self.turns[client][self.round] + list(f.output)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -119,7 +119,7 @@ class TierEngine:
         self.model, self.config, self.page_size = model, config, config.page_size
         self.pool = PagedPool(model, num_slots, config.page_size)
         self.graphs = GraphedForward(model, self.pool) if cuda_graphs else None
-        self.forward = self.graphs if cuda_graphs else model.forward
+        self.forward: Callable[..., torch.Tensor] = self.graphs if self.graphs is not None else model.forward
         self.tier = KVTier(self.pool.paged_kv(), config, model_identity=model_identity)
         if config.layerwise:
             self.pool.register_layer_transfer_counter(self.tier.counter)
@@ -141,7 +141,7 @@ class TierEngine:
             self.pool.free(prev[1][reuse:] if reuse else prev[1])
             self._last = None
         new = self.pool.alloc(n + max_new_tokens - reuse)
-        slots = torch.cat((prev[1][:reuse], new)) if reuse else new
+        slots = torch.cat((prev[1][:reuse], new)) if reuse and prev is not None else new
         cached, waited = reuse, 0.0
         if source == "kvtier":
             want = (n - 1) // P * P

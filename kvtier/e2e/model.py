@@ -20,7 +20,7 @@ are comparable between ways of serving the same prompt.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -265,7 +265,7 @@ class _Part(NamedTuple):
     seg: Segment
     a: int
     b: int
-    mask: object
+    mask: Optional[torch.Tensor]
 
 
 def greedy(logits: torch.Tensor) -> int:

@@ -232,7 +232,7 @@ class PageTrie:
             return -1
         return i
 
-    def _ns(self, ns: Namespace | None) -> int:
+    def _ns(self, ns: Namespace) -> int:
         """The id of ``ns``, registered now if needed (O(1) amortized)."""
         i = self._ns_lookup(ns)
         if i >= 0:
@@ -302,6 +302,7 @@ class PageTrie:
 
     def insert(self, tokens, block_ids, ns: Namespace | None = None) -> InsertResult:
         """Offer ``block_ids[k]`` for each full page k of ``tokens``; see the module docstring."""
+        q: array | np.ndarray
         if type(tokens) is array and tokens.typecode == "q":
             q, key = tokens, "aq"
         else:

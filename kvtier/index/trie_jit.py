@@ -229,7 +229,7 @@ def _match_end(i32, i64, q, meta, ps, m, node, flags):
     return m, node, i32[GEN, node]
 
 
-@numba.njit(cache=NUMBA_CACHE, _nrt=False)
+@numba.njit(cache=NUMBA_CACHE, _nrt=False)  # type: ignore[call-overload]  # _nrt: numba's private flag
 def tr_match(blob, q, ns_id, flags, blocks_out):
     """Longest cached prefix of q by the walk: (pages, deepest node, its gen); the block ids go to
     ``blocks_out[:pages]``, whose length is the query's full-page count. pages < 0 is an error status.
@@ -340,7 +340,7 @@ def _write_fresh_chain(parent, depth, nchild, hint, block, tick_arr, tokens, met
     return x0, last
 
 
-@numba.njit(cache=NUMBA_CACHE, _nrt=False)
+@numba.njit(cache=NUMBA_CACHE, _nrt=False)  # type: ignore[call-overload]  # _nrt: numba's private flag
 def tr_insert(blob, q, ns_id, blocks, new_mask):
     """Store the pages of q not yet held, page k -> blocks[k]; ``new_mask[k]`` (bool, one per block)
     is set to whether page k was stored by this call.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -41,9 +41,9 @@ class _Attributes(ctypes.Structure):
 
 
 class _Driver(NamedTuple):
-    call: object  # the ctypes function
+    call: Callable[..., int]  # the ctypes function
     fail_at: Optional[int]  # the 12.8 ABI: where its size_t* failIdx argument goes (None: the _v2 call, none)
-    error_string: object
+    error_string: Callable[..., int]
 
 
 @functools.cache

@@ -67,9 +67,11 @@ class RowIssuer:
         self._streams = [torch.cuda.Stream(device=device) for _ in range(workers)]
         self._begin = torch.cuda.Event() if workers else None
         self._ends = [torch.cuda.Event() for _ in range(workers)]
-        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = (
-            concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvtier-rows", initializer=_bind_device,
-                                                  initargs=(self._device_index,)) if workers else None)
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        if workers:  # the ignore: _device_index is an int whenever there are workers
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                workers, thread_name_prefix="kvtier-rows",
+                initializer=_bind_device, initargs=(self._device_index,))  # type: ignore[arg-type]
 
     def issue(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream) -> None:
         """Queue the copies ``srcs[i] -> dsts[i]`` of ``sizes[i]`` bytes (uint64 arrays) behind ``stream``'s work
@@ -80,6 +82,7 @@ class RowIssuer:
             _issue(dsts, srcs, sizes, self.batch, stream.cuda_stream)
             return
         side = self._streams[:len(parts) - 1]
+        assert self._begin is not None and self._pool is not None  # parts for side streams: there are workers
         self._begin.record(stream)
         for s in side:
             s.wait_event(self._begin)

@@ -191,6 +191,7 @@ class StagingBuffers:
     def follow(self, work) -> None:
         """Order the copy stream's next copies after ``work``'s work so far (a load's host-to-staging copies start
         on the copy stream, after the previous reader of the staging buffers or writer of the host blocks)."""
+        assert self._follow is not None and self.copy_stream is not None  # work to follow: a CUDA device
         self._follow.record(work)
         self.copy_stream.wait_event(self._follow)
 
@@ -252,6 +253,7 @@ def _first_step(d: StagingBuffers, work, to_host: bool, chunk: ChunkIssue) -> No
         wait_event(stream, free)
     (chunk.fire if to_host else chunk.copy)()
     if work is not None:
+        assert chunk.handoff is not None  # a CUDA chunk
         chunk.handoff.record(stream)
 
 
@@ -259,10 +261,12 @@ def _second_step(d: StagingBuffers, work, to_host: bool, chunk: ChunkIssue) -> O
     """A chunk's read of its buffer (a store's copy, a load's scatter), after its write; records its free event."""
     stream = d.copy_stream if to_host else work
     if work is not None:
+        assert stream is not None and chunk.handoff is not None  # a CUDA chunk
         stream.wait_event(chunk.handoff)
     (chunk.copy if to_host else chunk.fire)()
     if work is None:
         return None
+    assert chunk.free is not None  # a CUDA chunk
     chunk.free.record(stream)
     d.free_events[chunk.buffer] = chunk.free
     return chunk.free
@@ -681,6 +685,7 @@ def _copy_batched(host_ptr: int, stg_ptr: int, *, to_host: bool, stream, issuer:
                 batch_copy.memcpy_rects(stg, p.stg_pitch, host, p.host_pitch, p.width, p.height, stream.cuda_stream)
             rects = rects.select(~two_d)
         rows = rects.rows()
+    assert rows is not None  # rects or rows is given
     if rows.width.size == 0:
         return
     host, stg, width = batch_copy.split_rows(rows.host_off + np.uint64(host_ptr), rows.stg_off + np.uint64(stg_ptr),

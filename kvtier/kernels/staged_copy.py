@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 import numpy as np
 import torch
@@ -94,9 +94,9 @@ class StagedCopy:
         if self._host_ids.size == 0:  # nothing to copy (checked: the layers are in range)
             return
         if kv.is_cuda and not self.to_host:
-            one = self._one_chunk.get(span.count, False)
-            if one is False:
-                one = self._one_chunk[span.count] = self._plan_one_chunk(span.count)
+            if span.count not in self._one_chunk:
+                self._one_chunk[span.count] = self._plan_one_chunk(span.count)
+            one = self._one_chunk[span.count]
             if one is not None:
                 with on_device(kv):
                     self._launch_one_chunk(one, span, _current_raw_stream(kv.device.index) if stream is None
@@ -130,14 +130,16 @@ class StagedCopy:
         if any(c is None for c in copies):
             return None
         with on_device(self.stager.kv):
-            return _OneChunk(copies, chunk.launches, [RawEvent() for _ in buffers], [RawEvent() for _ in buffers],
-                             RawEvent())
+            # none of the copies is None (checked above)
+            return _OneChunk(cast(list[SingleCopy], copies), chunk.launches, [RawEvent() for _ in buffers],
+                             [RawEvent() for _ in buffers], RawEvent())
 
     def _launch_one_chunk(self, one: _OneChunk, span: LayerSpan, work: int) -> None:
         """Issue a one-chunk load of ``span`` behind the raw stream ``work``: the copy on the copy stream after
         ``work``'s work so far and the buffer's last reader, the scatter on ``work`` after the copy; the buffer's
         free event after the scatter. If the scatter's launch raises, ``work`` waits for the copy."""
         d = self._direction
+        assert d.copy_stream is not None  # a CUDA device
         copy_stream = d.copy_stream.cuda_stream
         b = d.take_buffer()
         one.follow.record(work)

@@ -22,7 +22,7 @@ caller's to choose (``TierConfig.num_programs``).
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import triton
@@ -135,8 +135,8 @@ class KernelLaunch:
         self.blocks_layer0 = blocks_layer0
         self.consts = (to_blocks, geo.kv_count, geo.page_size, row_words, chunk, segs, kv.align_words)
         self.num_warps = num_warps
-        self.kernel = None  # the compiled kernel, found on the first CUDA launch
-        self._runners: dict[int, object] = {}  # grid -> the compiled kernel's launcher for it
+        self.kernel: Any = None  # the compiled kernel (Triton's), found on the first CUDA launch
+        self._runners: dict[int, Any] = {}  # grid -> the compiled kernel's launcher for it
 
     def fire(self, span: LayerSpan, num_programs: int, stream: Optional[int],
              blocks_layer0: Optional[int] = None) -> None:
@@ -266,7 +266,7 @@ class on_stream:
     """Context: the kernel's device and, when given, a torch stream (or anything with ``cuda_stream``)."""
 
     def __init__(self, kv: PagedKV, stream) -> None:
-        self._ctx = []
+        self._ctx: list[contextlib.AbstractContextManager] = []
         if kv.is_cuda:
             self._ctx.append(torch.cuda.device(kv.device))
             if stream is not None:

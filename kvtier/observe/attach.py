@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from kvtier.observe.transfer_log import TransferLog
+
+if TYPE_CHECKING:  # the metrics module imports the Prometheus client: only when metrics are on
+    from kvtier.observe.metrics import TierMetrics
 
 __all__ = ["attach", "Observability"]
 
@@ -18,8 +21,8 @@ class Observability:
 
     def __init__(self, tier=None) -> None:
         self.tier = tier
-        self.metrics = None
-        self.server = None
+        self.metrics: Optional[TierMetrics] = None
+        self.server: Optional[Any] = None  # the Prometheus client's HTTP server
         self.port: Optional[int] = None
         self.observers: list = []  # what it added to the tier
 
@@ -60,11 +63,11 @@ def attach(tier, config=None, *, labels: Optional[Mapping[str, str]] = None, mul
         return out
     from kvtier.observe.metrics import TierMetrics, serve
 
-    out.metrics = TierMetrics(tier.stats, labels=labels, multiprocess=multiprocess)
-    out.add(out.metrics)
+    out.metrics = metrics = TierMetrics(tier.stats, labels=labels, multiprocess=multiprocess)
+    out.add(metrics)
     if port is not None:
         try:
-            out.server, _ = serve(out.metrics, port)
+            out.server, _ = serve(metrics, port)
         except OSError as e:
             out.close()
             raise ValueError(f"kvtier config: metrics_port {config.metrics_port} (+{port_offset} for this rank): "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from kvtier.tier.observers import TierObserver, Transfer
 
@@ -143,9 +143,9 @@ class TierMetrics(TierObserver):
         self._last: dict[tuple, float] = {}
         self.registry = registry if registry is not None else prom.CollectorRegistry(auto_describe=True)
         self.registry.register(_SyncOnCollect(self))  # first: the values are synced before they are read
-        self._metrics = []
+        self._metrics: list[tuple[Metric, Any]] = []  # each with its client metric: a Counter or a Gauge (m.kind)
         for m in METRICS:
-            kw = dict(registry=self.registry)
+            kw: dict[str, Any] = dict(registry=self.registry)
             if m.kind == "gauge":
                 kw["multiprocess_mode"] = "mostrecent"
             cls = prom.Counter if m.kind == "counter" else prom.Gauge

@@ -29,5 +29,6 @@ class TransferLog(TierObserver):
             return
         what = _WHAT.get((t.tier, t.op), f"{t.tier} {t.op}")
         gbps = t.gbps
-        timing = f" in {t.seconds * 1e3:.2f} ms ({gbps:.1f} GB/s)" if gbps is not None else ""
+        timing = (f" in {t.seconds * 1e3:.2f} ms ({gbps:.1f} GB/s)" if gbps is not None and t.seconds is not None
+                  else "")
         self.logger.info("kvtier: %s: %d pages, %.2f MiB%s", what, t.pages, t.nbytes / (1 << 20), timing)

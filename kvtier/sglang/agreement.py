@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,7 @@ class RankAgreement:
         if self.pp_size > 1 and _size(pp_group) != self.pp_size:
             raise ValueError(f"the PP group has {_size(pp_group)} ranks, pp_size is {pp_size}")
         self.pp_group = pp_group if self.pp_size > 1 else None
-        self._pending: list[tuple[object, list[torch.Tensor]]] = []  # sends not yet received downstream
+        self._pending: list[tuple[Any, list[torch.Tensor]]] = []  # sends (torch's Work) not yet received downstream
 
     @property
     def active(self) -> bool:
@@ -161,6 +161,7 @@ class RankAgreement:
         return t.tolist()
 
     def _peer(self, stage: int) -> int:
+        assert self.pp_group is not None  # asked only with pipeline stages
         return dist.get_global_rank(self.pp_group, stage)
 
     def _send(self, kind: int, values: list[int]) -> None:

@@ -45,7 +45,7 @@ import dataclasses
 import time
 import types
 from array import array
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -197,7 +197,7 @@ class Engine:
             self.wait_host_copies()
             self.cache.shutdown()  # detaches an L3 storage backend
             self.cache.reset()
-        self.kv_pool = self.allocator = self.req_to_token_pool = self.cache = None
+        self.kv_pool = self.allocator = self.req_to_token_pool = self.cache = None  # type: ignore[assignment]  # closed
 
 
 @dataclasses.dataclass
@@ -218,14 +218,17 @@ class Record:
 
     @property
     def ttft_s(self) -> float:
+        assert self.first_token_s is not None  # asked of a finished request
         return self.first_token_s - self.arrival_s
 
     @property
     def queue_s(self) -> float:
+        assert self.admitted_s is not None  # asked of a finished request
         return self.admitted_s - self.arrival_s
 
     @property
     def e2e_s(self) -> float:
+        assert self.finished_s is not None  # asked of a finished request
         return self.finished_s - self.arrival_s
 
 
@@ -578,7 +581,7 @@ class _Given:
     def __init__(self, arrivals: list[Arrival]) -> None:
         self.arrivals = arrivals
 
-    def take(self, now_s: float, finished: list) -> list[Arrival]:
+    def take(self, now_s: float, finished: Sequence) -> list[Arrival]:
         out, self.arrivals = self.arrivals, []
         return out
 

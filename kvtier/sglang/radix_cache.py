@@ -212,6 +212,7 @@ class KVTierRadixCache(RadixCache):
     def set_layerwise(self, enabled: bool) -> None:
         """Load host hits layer by layer (the tier's counter registered on the KV pool) or whole (none registered).
         Takes effect from the next ``init_load_back``."""
+        assert self.tier is not None  # called on an enabled backend
         self.tier.wait_all()  # a registered counter may still be waited on by an in-flight layerwise load
         self.layerwise = bool(enabled)
         self.tier.counter.set_consumer(-1)
@@ -273,6 +274,7 @@ class KVTierRadixCache(RadixCache):
         marker = self._markers.pop(req.cache_request_handle, None) if req is not None else None
         if self.disable or marker is None or params.host_hit_length <= 0:
             return 0, last_node
+        assert self.tier is not None  # a marker comes from an enabled backend's match
         device_slots = self.path_device_indices(last_node)
         if len(device_slots) != marker.device_len or (last_node.evicted and last_node is not self.root_node):
             return 0, last_node  # the device tree changed since the match: recompute
@@ -356,6 +358,7 @@ class KVTierRadixCache(RadixCache):
         """Make the forward pass wait for a whole load, GPU-side. SGLang runs the forward on the model runner's
         forward stream with overlap scheduling or pipeline stages, and on the scheduler's current stream without
         (``--disable-overlap-schedule``): both streams wait."""
+        assert self.tier is not None  # a load's task
         self.tier.wait_on_current_stream(task)
         if self.forward_stream is not None and torch.cuda.is_available() \
                 and self.forward_stream != torch.cuda.current_stream():
@@ -389,6 +392,7 @@ class KVTierRadixCache(RadixCache):
         self._store(req.rid, tokens, ns, slots, req.last_node)
 
     def _store(self, rid, tokens, ns, slots: torch.Tensor, node: TreeNode) -> None:
+        assert self.tier is not None  # a store runs on an enabled backend
         task = self.tier.store(tokens, ns, slots)
         if self._track(task, node, slots):
             self._store_of_req[rid] = task.id
@@ -413,6 +417,7 @@ class KVTierRadixCache(RadixCache):
         verdict. Issue the same copy again (the CPU blocks and device slots it was given, still held and locked:
         every stage's host pool and index stay as the first stage's) and wait for it; raise if it fails again:
         this stage's KV would differ from the other stages'."""
+        assert self.tier is not None  # a task's
         if self.tier.retry(task):
             self.tier.wait(task)
         if task.status is TaskStatus.FAILED:
@@ -489,6 +494,7 @@ class KVTierRadixCache(RadixCache):
         completed its share of the ``n`` oldest copies before any finalizes them (a rank that finalized its own
         share alone let a stored page into its index, or a loaded block go back to the pool, while another rank's
         share was still being copied: a load of that page read the other share's layers unwritten)."""
+        assert self.tier is not None  # tasks in flight
         for task, bad in zip(list(self._order)[:n], failed):
             self._repair_if_failed_here_only(task, bad)
             self.tier.wait(task)

@@ -254,7 +254,7 @@ class Server:
         if self.tier is not None:
             self.cache.wait_all()
             self.tier.reset()
-        self.kv_pool = self.allocator = self.req_to_token_pool = self.cache = None
+        self.kv_pool = self.allocator = self.req_to_token_pool = self.cache = None  # type: ignore[assignment]  # closed
 
     def _sync(self) -> None:
         if self.model.device.type == "cuda":

@@ -89,6 +89,7 @@ def share_pool(agreement: RankAgreement, geometry: KVGeometry, layout: str, bloc
             logger.warning("kvtier: another pipeline stage cannot share its host pool, so this one keeps a pool "
                            "per rank too")
         return None
+    assert segment is not None  # shared: every rank mapped the segment
     pool = HostBlockPool(geometry, num_blocks, layout=layout, memory=segment.tensor[:nbytes],
                          budget_bytes=None if budget_bytes is None else budget_bytes * ranks)
     p, layers = agreement.stage_position, geometry.num_layers

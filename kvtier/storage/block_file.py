@@ -31,7 +31,7 @@ import errno
 import fcntl
 import logging
 import os
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, cast
 
 import numpy as np
 
@@ -190,13 +190,16 @@ class BlockFile:
 
     @property
     def _store_id(self) -> bytes:
-        return unpack_file_header(self._head).store_id
+        head = unpack_file_header(self._head)
+        assert head is not None and head.store_id is not None  # checked and given a store id at open
+        return head.store_id
 
     def _read_head(self) -> None:
         """The head page as on disk (a version 1 header is given a store id first: its journal is then another
         store's and is rebuilt from the headers)."""
         read_all(self._fd, self._head, 0)
         got = unpack_file_header(self._head)
+        assert got is not None  # the file was checked (or made) before its head is read
         if got.store_id is None:
             logger.info("kvtier: block file %s is of the previous format: giving it a store id", self.path)
             self._head[:] = np.frombuffer(pack_file_header(got._replace(store_id=os.urandom(16))), dtype=np.uint8)
@@ -268,7 +271,8 @@ class BlockFile:
             fd = -1
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
-                os.preadv(fd, [_aligned(ALIGN)], 0)  # some file systems refuse O_DIRECT only at the first read
+                # some file systems refuse O_DIRECT only at the first read (the ignore: an ndarray is a buffer)
+                os.preadv(fd, [_aligned(ALIGN)], 0)  # type: ignore[list-item]
                 self.direct = True
                 return fd
             except OSError as e:
@@ -339,6 +343,7 @@ class BlockFile:
         if not named:
             return
         fresh = set(named).difference(self._freed)
+        assert self.journal is not None  # slots are named only with a journal
         self.journal.append(Record(FREE, s, 0, 0, 0, 0, np.empty(0, np.int64)) for s in sorted(fresh))
         self._freed += sorted(fresh)
         self._sync_journal()
@@ -408,9 +413,9 @@ class BlockFile:
             return found
         if self.journal is not None:
             return self.journal.replay_hashes()
-        found = self.scan()
-        return (np.array([s for s, _ in found], dtype=np.int64),
-                np.array([h.chain_hash for _, h in found], dtype=np.uint64))
+        scanned = self.scan()
+        return (np.array([s for s, _ in scanned], dtype=np.int64),
+                np.array([h.chain_hash for _, h in scanned], dtype=np.uint64))
 
     def read(self, slot: int, out: np.ndarray) -> Optional[BlockHeader]:
         """Read ``slot`` into ``out`` (uint8, at least the payload's length); its header, or None when the slot is
@@ -442,7 +447,7 @@ class BlockFile:
             bounced.append(not payload.in_place(out, span, exact=False))
             if bounced[-1] and bounce is None:
                 bounce = scratch("payloads", len(outs) * span).reshape(len(outs), span)
-            dest.append(bounce[i] if bounced[-1] else rows[0][:span])
+            dest.append(bounce[i] if bounced[-1] and bounce is not None else rows[0][:span])
             iov += [heads[i], dest[-1]]
         read_all_v(self._fd, iov, offset)
         got: list[Optional[BlockHeader]] = []
@@ -451,11 +456,11 @@ class BlockFile:
             whole = (h is not None and h.fingerprint == self.fingerprint
                      and h.payload_len <= min(outs[i].nbytes, self.slot_payload_bytes)
                      and payload_checksum(buf[:h.payload_len]) == h.payload_checksum)
-            ok = whole and (accept is None or accept(i, h))
+            ok = whole and (accept is None or accept(i, cast(BlockHeader, h)))  # whole: h is a header
             if whole and not ok and rejected is not None:
                 rejected[i] = h
             if ok and bounced[i]:
-                payload.scatter(buf[:h.payload_len], outs[i])
+                payload.scatter(buf[:cast(BlockHeader, h).payload_len], outs[i])
             got.append(h if ok else None)
         return got
 

@@ -4,9 +4,9 @@ A block file is a head page (4 KiB) followed by slots; a slot is a block header 
 block's KV bytes) padded to 4 KiB, so that O_DIRECT reads and writes stay aligned. The head page holds the file header
 (its first 512-byte sector: fingerprint, slot geometry, and the store id, 16 random bytes drawn when the file is made)
 and two seals (a sector each, written in turn, so a torn write leaves the other whole): the last journal page known
-durable, which a journal cut short or rolled back falls below (:mod:`kvtier.storage.journal`). A block header holds the format
-version, the fingerprint of what the KV belongs to, the namespace and chain hash of the block, its tokens, the
-payload's length and checksum (xxh3-64), and a checksum of the header itself. A header that fails its own checksum
+durable, which a journal cut short or rolled back falls below (:mod:`kvtier.storage.journal`). A block header holds
+the format version, the fingerprint of what the KV belongs to, the namespace and chain hash of the block, its tokens,
+the payload's length and checksum (xxh3-64), and a checksum of the header itself. A header that fails its own checksum
 is an empty slot; a payload that fails its checksum, or tokens that differ from the caller's, is a miss.
 
 Fingerprints: a 16-byte xxh3-128 digest of a canonical description (model identity, geometry, dtype, page size,
@@ -85,7 +85,7 @@ class Seal(NamedTuple):
     """A seal of the head page: the ``count``-th written, naming journal page ``journal_seq`` of the journal of
     ``generation`` as durable."""
 
-    count: int
+    count: int  # type: ignore[assignment]  # a field named as on disk: it shadows tuple.count
     journal_seq: int
     generation: bytes
 

@@ -178,6 +178,7 @@ class Journal:
 
     def _room(self) -> int:
         """Bytes the reserve holds: the most the journal can take, less what it takes now."""
+        assert self.num_slots is not None  # a journal that writes knows its block file's slots
         return reserve_bytes(self.num_slots, self.tokens) - (self.end if self.valid else 0)
 
     def _head(self, first_seq: int, must_reach: int, generation: bytes) -> np.ndarray:
@@ -226,7 +227,9 @@ class Journal:
             pages[p, k * rb:k * rb + rec.size] = rec
         for p, page in enumerate(pages):
             page[_BODY:_SUMMED] = np.frombuffer(_SEQ.pack(first_seq + p), dtype=np.uint8)
-            page[_SUMMED:] = np.frombuffer(_CHECK.pack(xxhash.xxh3_64_intdigest(page[:_SUMMED])), dtype=np.uint8)
+            # the ignore: an ndarray is a buffer (numpy's stubs say so from Python 3.12 on)
+            digest = xxhash.xxh3_64_intdigest(page[:_SUMMED])  # type: ignore[arg-type]
+            page[_SUMMED:] = np.frombuffer(_CHECK.pack(digest), dtype=np.uint8)
         return pages.reshape(-1)
 
     def append(self, records: Iterable[Record]) -> None:
@@ -350,6 +353,7 @@ class Journal:
         """Cut off the pages past the last intact one of the last replay (an append a crash tore: never
         acknowledged), so that appends follow the intact pages; returns the pages cut."""
         self._writable()
+        assert self.health is not None, "cut_torn_tail() before a replay"
         keep = self.health.last_intact + 1
         cut = self.pages - keep
         if cut > 0:
@@ -445,6 +449,7 @@ class Journal:
     def page_health(self) -> tuple[int, int]:
         """(record pages, pages that fail their checksum) of a valid journal."""
         self._scan(())
+        assert self.health is not None  # set by the scan
         return self.health.pages, self.health.pages - self.health.intact
 
     def _writable(self) -> None:
@@ -509,7 +514,7 @@ def head_tokens(path: str) -> Optional[int]:
 def _intact(pages: np.ndarray) -> np.ndarray:
     """Which of ``pages`` (rows of :data:`ALIGN` bytes) match the checksum they end with."""
     stored = np.ascontiguousarray(pages[:, _SUMMED:]).view("<u8").reshape(-1).tolist()
-    flat = memoryview(pages.reshape(-1))
+    flat = memoryview(pages.reshape(-1))  # type: ignore[arg-type]  # an ndarray is a buffer (numpy's stubs: 3.12+)
     digest = xxhash.xxh3_64_intdigest
     return np.fromiter((digest(flat[i * ALIGN:i * ALIGN + _SUMMED]) == c for i, c in enumerate(stored)), dtype=bool,
                        count=len(stored))

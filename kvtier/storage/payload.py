@@ -49,6 +49,7 @@ def scatter(src: np.ndarray, arr: np.ndarray) -> None:
     """Copy the flat uint8 ``src`` into ``arr``'s bytes in order, as far as it reaches (``arr`` is contiguous or
     has contiguous rows)."""
     rows = byte_rows(arr)
+    assert rows is not None  # arr is contiguous or has contiguous rows
     if src.size == rows.size:
         np.copyto(rows, src.reshape(rows.shape))
         return

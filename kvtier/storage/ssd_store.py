@@ -192,9 +192,10 @@ class SsdStore:
         last ``on_durable`` count are unspecified: the caller treats them as empty and frees them."""
         if len(slots) != len(blocks):
             raise ValueError(f"{len(slots)} slots for {len(blocks)} blocks")
-        for b in blocks:
-            if np.asarray(b.payload).nbytes > self.block_bytes:
-                raise ValueError(f"a payload of {np.asarray(b.payload).nbytes} B exceeds the {self.block_bytes} B block")
+        for block in blocks:
+            if np.asarray(block.payload).nbytes > self.block_bytes:
+                raise ValueError(
+                    f"a payload of {np.asarray(block.payload).nbytes} B exceeds the {self.block_bytes} B block")
         where = [self._where(s) for s in slots]
         n = len(slots)
         step = max(1, batch or n)
@@ -385,7 +386,10 @@ class SsdStore:
         outs = [aligned(padded(self.block_bytes)) for _ in range(min(len(cand), _DUPLICATE_READS))]
         for a in range(0, len(cand), _DUPLICATE_READS):
             part = cand[a:a + _DUPLICATE_READS]
-            got = self.read([s for s, _ in part], outs[:len(part)], accept=lambda i, hd: hd.chain_hash == part[i][1])
+
+            def accept(i: int, hd: BlockHeader, part: list[tuple[int, int]] = part) -> bool:
+                return hd.chain_hash == part[i][1]
+            got = self.read([s for s, _ in part], outs[:len(part)], accept=accept)
             for i, ((slot, h), hd) in enumerate(zip(part, got.headers)):
                 if hd is not None:
                     whole.setdefault(h, slot)

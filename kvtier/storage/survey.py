@@ -128,10 +128,14 @@ def survey_file(path: str, *, verify: bool = False) -> FileSurvey:
         stride = ALIGN + padded(fh.slot_payload_bytes)
         journal = _journal_state(path + ".journal", fh)
         if journal.state == "ok":
+            assert journal.tokens_per_record is not None  # known when the journal is valid
+            # store_id: a version 1 file has none, read as _journal_state read it
             with Journal(journal.path, fingerprint=fh.fingerprint, tokens=journal.tokens_per_record, direct=False,
-                         read_only=True, num_slots=fh.num_slots, store_id=fh.store_id) as j:
+                         read_only=True, num_slots=fh.num_slots, store_id=fh.store_id or bytes(16)) as j:
                 held = [(r.slot, _header(fh.fingerprint, r)) for r in j.replay().records()]
-                journal.pages, journal.damaged_pages = j.health.pages, j.health.pages - j.health.intact
+                health = j.health
+                assert health is not None  # set by the replay
+                journal.pages, journal.damaged_pages = health.pages, health.pages - health.intact
                 seal = unpack_seals(head)
                 journal.problem = j.problem(None if seal is None else seal.journal_seq,
                                             None if seal is None else seal.generation)

@@ -104,7 +104,8 @@ class CostAdmission:
         base = self.prefill.seconds(tokens)
         if base is None or self.prefill.tokens_per_s is not None or not self.extend.known:
             return base
-        return max(base, self.extend.seconds(tokens, hold=True))
+        extend = self.extend.seconds(tokens, hold=True)  # known: a number
+        return base if extend is None else max(base, extend)
 
     @property
     def read_gbps(self) -> Optional[float]:

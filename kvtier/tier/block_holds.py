@@ -7,11 +7,19 @@ holding it has ended. Nothing rewrites a block an IO still uses. Single-owner: c
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol, TypeVar
 
 import numpy as np
 
 from kvtier.tier.host_pool import HostBlockPool
+
+
+class _HoldsBlocks(Protocol):
+    @property
+    def host_ids(self) -> np.ndarray: ...
+
+
+Job = TypeVar("Job", bound=_HoldsBlocks)  # an IO job of a lower tier
 
 __all__ = ["BlockHolds"]
 
@@ -41,7 +49,7 @@ class BlockHolds:
         self.free_later[ids[busy]] = True
         self.pool.free(ids[~busy])
 
-    def settle(self, jobs: list, ended: Callable[[object], bool], account: Callable[[object], None]) -> list:
+    def settle(self, jobs: list[Job], ended: Callable[[Job], bool], account: Callable[[Job], None]) -> list[Job]:
         """Of IO ``jobs`` holding blocks (``job.host_ids``), account each that has ``ended`` and drop its
         holds; the jobs still running."""
         running = []

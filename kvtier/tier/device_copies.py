@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -97,6 +97,7 @@ class DeviceCopies:
         path = self.policy.path(CopyPlan(to_host=False, block_ids=ids, layers=1))
         # checked, indices uploaded (on the stream) and planned once for all layers, launched per layer
         check = _range_check(dst)
+        copy: Union[DirectCopy, StagedCopy]
         if path is Path.DIRECT:
             copy = DirectCopy(self.kv, self.pool.host, dst, torch.from_numpy(ids), to_host=False,
                               layout=self.layout, num_programs=self.num_programs, stream=stream,
@@ -137,6 +138,6 @@ class DeviceCopies:
             for layer in range(self.num_layers):
                 copy.launch(layer, stream=stream)
         else:
-            fn = store_pages if to_host else load_pages
-            fn(self.kv, self.pool.host, slots, block_ids, layout=self.layout, layers=None if whole else layers,
-               num_programs=self.num_programs, stream=stream, check=check, skip_tokens=skip)
+            pages = store_pages if to_host else load_pages
+            pages(self.kv, self.pool.host, slots, block_ids, layout=self.layout, layers=None if whole else layers,
+                  num_programs=self.num_programs, stream=stream, check=check, skip_tokens=skip)

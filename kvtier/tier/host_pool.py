@@ -130,6 +130,7 @@ class HostBlockPool:
         if (num_blocks is None) == (cpu_cache_gb is None):
             raise ValueError("give exactly one of num_blocks and cpu_cache_gb")
         if num_blocks is None:
+            assert cpu_cache_gb is not None  # exactly one of the two (checked above)
             if not cpu_cache_gb > 0:
                 raise ValueError(f"cpu_cache_gb must be > 0, got {cpu_cache_gb!r}")
             num_blocks = int(cpu_cache_gb * GiB) // geometry.block_bytes

@@ -39,7 +39,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib
-from typing import Callable, Iterator, Mapping, NamedTuple, Optional, Protocol
+from typing import Any, Callable, Generic, Iterator, Mapping, NamedTuple, Optional, Protocol, TypeVar
 
 import numpy as np
 
@@ -55,7 +55,7 @@ class ReadPlan(NamedTuple):
     hashes: np.ndarray
     namespace: int
     tokens: np.ndarray  # (blocks, block_tokens)
-    detail: object = None
+    detail: Any = None  # the tier's own type
 
 
 class SharedRead(NamedTuple):
@@ -80,7 +80,9 @@ def shared_read(entry: tuple[int, np.ndarray], hashes: np.ndarray, known: bool =
 class ReadJob(Protocol):
     """A lower tier's read, as its owner polls it."""
 
-    host_ids: np.ndarray  # the CPU blocks it fills (empty until :meth:`LowerTier.fill`)
+    @property
+    def host_ids(self) -> np.ndarray:
+        """The CPU blocks it fills (empty until :meth:`LowerTier.fill`)."""
 
     def awaiting_blocks(self) -> bool:
         """Whether it wants CPU blocks now (its count known, none given yet)."""
@@ -91,8 +93,14 @@ class ReadJob(Protocol):
     def seconds(self) -> Optional[float]:
         """Its IO time, once done."""
 
+    def wait(self) -> object:
+        """Block until it has ended."""
 
-class LowerTier(abc.ABC):
+
+J = TypeVar("J", bound=ReadJob)  # a tier's read job
+
+
+class LowerTier(abc.ABC, Generic[J]):
     """A tier below the CPU pool (see the module docstring). ``name`` labels its stats, metrics and transfers."""
 
     name: str = "lower"
@@ -143,40 +151,40 @@ class LowerTier(abc.ABC):
         read; the read in flight from the same block; None when there is nothing to read (or admission refuses)."""
 
     @abc.abstractmethod
-    def start_read(self, plan: ReadPlan, task_id: int) -> Optional[ReadJob]:
+    def start_read(self, plan: ReadPlan, task_id: int) -> Optional[J]:
         """Begin ``plan``'s read for task ``task_id`` (None: it cannot start, e.g. the tier is down)."""
 
     @contextlib.contextmanager
-    def pinned(self, job: ReadJob) -> Iterator[None]:
+    def pinned(self, job: J) -> Iterator[None]:
         """While the owner allocates ``job``'s CPU blocks (making room may write back evicted CPU blocks): what the
         job reads stays put."""
         yield
 
     @abc.abstractmethod
-    def blocks_wanted(self, job: ReadJob, tokens: int, held_tokens: int) -> int:
+    def blocks_wanted(self, job: J, tokens: int, held_tokens: int) -> int:
         """CPU blocks ``job`` should read into now that its count is known (0: it ends unread); ``tokens``: the
         request's, ``held_tokens``: those the CPU holds."""
 
     @abc.abstractmethod
-    def fill(self, job: ReadJob, ids: np.ndarray) -> None:
+    def fill(self, job: J, ids: np.ndarray) -> None:
         """Read ``job``'s leading blocks into CPU blocks ``ids`` (owned by the job's task until it ends)."""
 
-    def wait_read(self, job: ReadJob, released: Callable[[], contextlib.AbstractContextManager]) -> bool:
+    def wait_read(self, job: J, released: Callable[[], contextlib.AbstractContextManager]) -> bool:
         """Block until ``job`` makes progress (done, or wanting blocks), with the owner's lock let go of
         (``released()``); False when it was given up on (past the tier's deadline)."""
         with released():
             job.wait()
         return True
 
-    def before_discard(self, job: ReadJob) -> None:
+    def before_discard(self, job: J) -> None:
         """``job``'s task is about to be dropped (a reset): wait for what must not run on (by default, the job)."""
         job.wait()
 
-    def check_deadline(self, job: ReadJob) -> None:
+    def check_deadline(self, job: J) -> None:
         """Give up on ``job`` if it is past the tier's deadline (a poll, never waited for, meets the same bound)."""
 
     @abc.abstractmethod
-    def end_read(self, job: ReadJob, cancelled: bool) -> int:
+    def end_read(self, job: J, cancelled: bool) -> int:
         """``job``'s task is being finalized: the leading blocks that arrived verified (0 when ``cancelled``);
         blocks an IO still uses stay held until it returns."""
 

@@ -21,6 +21,12 @@ from kvtier.tier.observers import Transfer
 from kvtier.tier.tasks import InsertRecord, TaskKind
 from kvtier.tier.tier_stats import TierHit
 
+
+def _tier(rec: InsertRecord) -> LowerTier:
+    """The lower tier of a read's record (every read's record names one)."""
+    assert rec.tier is not None
+    return rec.tier
+
 __all__ = ["LowerTiers"]
 
 
@@ -122,8 +128,8 @@ class LowerTiers:
         """A read that never ran (it got no CPU block): gone from the task table, ended, its prefix unlocked."""
         del self.owner._inflight[rec.task.id]
         if rec.completion.awaiting_blocks():
-            rec.tier.fill(rec.completion, np.empty(0, np.int64))
-        rec.tier.end_read(rec.completion, cancelled=True)
+            _tier(rec).fill(rec.completion, np.empty(0, np.int64))
+        _tier(rec).end_read(rec.completion, cancelled=True)
         if rec.handle is not None:
             self.owner.index.unlock(m)
 
@@ -131,7 +137,7 @@ class LowerTiers:
         """A read's count is known: allocate CPU blocks for what its tier admits and start reading into them (none:
         it ends unread)."""
         o = self.owner
-        job, tier, held = rec.completion, rec.tier, rec.prefix_ids.size
+        job, tier, held = rec.completion, _tier(rec), rec.prefix_ids.size
         k = tier.blocks_wanted(job, rec.tokens.size, held * o.block_tokens)
         ids = np.empty(0, np.int64)
         if k:
@@ -146,13 +152,13 @@ class LowerTiers:
         it meets the same bound)."""
         if rec.completion.awaiting_blocks():
             self.advance(rec)
-        rec.tier.check_deadline(rec.completion)
+        _tier(rec).check_deadline(rec.completion)
 
     def wait(self, rec: InsertRecord, discard: bool) -> None:
         """Block until the read is done, each call at most its tier's deadline (past it, it is given up on: it
         brings nothing, and its CPU blocks stay held until its IO returns); ``discard``: it is dropped after the
         wait, so it is waited for only as its tier requires."""
-        job, tier = rec.completion, rec.tier
+        job, tier = rec.completion, _tier(rec)
         if discard:
             tier.before_discard(job)
             return
@@ -166,7 +172,7 @@ class LowerTiers:
         """A read's verified leading blocks enter the index; the others go back to the pool, once no IO uses them
         (a read given up on: its tier holds them)."""
         o = self.owner
-        job, tier, G = rec.completion, rec.tier, o._pages_per_block
+        job, tier, G = rec.completion, _tier(rec), o._pages_per_block
         ok = tier.end_read(job, cancelled)
         o.holds.release(rec.block_ids[ok:])
         inserted = int(o._insert(rec, ok).sum()) * G if ok else 0

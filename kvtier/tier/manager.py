@@ -27,7 +27,7 @@ import functools
 import logging
 import threading
 import time
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Union, cast
 
 import numpy as np
 
@@ -289,9 +289,9 @@ class KVTier(HostTier):
         return self.tasks.take_finished()
 
     @synchronized
-    def wait(self, task: Union[TierTask, int]) -> TierTask:
+    def wait(self, task: Union[TierTask, int]) -> Union[TierTask, int]:
         """Block the host until ``task``'s copy has completed, and finalize it (also reported by the next poll;
-        ``finalize="ordered"``: only block)."""
+        ``finalize="ordered"``: only block). The task; ``task`` itself when it is no longer in flight."""
         rec = self._record(task)
         if rec is not None:
             self._wait(rec)
@@ -467,7 +467,7 @@ class KVTier(HostTier):
         if not rec.task.kind.reads_lower_tier:
             rec.completion.wait()
             return
-        self.below.wait(rec, discard)
+        self.below.wait(cast(InsertRecord, rec), discard)  # a read's record
 
     def _record(self, task: Union[TierTask, int]) -> Optional[CopyRecord]:
         return self._inflight.get(task.id if isinstance(task, TierTask) else int(task))
@@ -546,7 +546,7 @@ class KVTier(HostTier):
             t.drain()
         for rec in list(self._inflight.values()):
             if rec.task.kind.reads_lower_tier:
-                self.below.poll(rec)
+                self.below.poll(cast(InsertRecord, rec))  # a read's record
             if rec.completion.done():
                 self._finalize(rec, cancelled=False)
 
@@ -579,11 +579,11 @@ class KVTier(HostTier):
             if cancelled:
                 self.pool.free(rec.block_ids)
             else:
-                owned = self._insert(rec, rec.block_ids.size)
+                owned = self._insert(cast(InsertRecord, rec), rec.block_ids.size)  # a store's record
                 self._stats.pages_stored += int(owned.sum()) * self._pages_per_block
                 self._stats.pages_store_duplicate += int((~owned).sum()) * self._pages_per_block
         elif task.kind.reads_lower_tier:
-            self.below.finalize(rec, cancelled)
+            self.below.finalize(cast(InsertRecord, rec), cancelled)  # a read's record
         else:
             self._stats.bytes_h2d += rec.nbytes
             self._stats.seconds_h2d += secs or 0.0

@@ -60,7 +60,7 @@ def remote_fingerprint(geometry: KVGeometry, block_tokens: int, identity: Mappin
                        dtype=str(geometry.dtype), block_tokens=block_tokens, payload="page_first")
 
 
-class RemoteLink(LowerTier):
+class RemoteLink(LowerTier[RemoteJob]):
     """The CPU tier's remote tier (see the module docstring); built by :meth:`open`."""
 
     name = "remote"
@@ -92,6 +92,7 @@ class RemoteLink(LowerTier):
         """
         if config.remote_backend is None:
             return None
+        assert config.remote_master is not None  # TierConfig requires it with remote_backend
         try:
             check_master_answers(config.remote_master, min(5.0, max(1.0, config.remote_timeout_s)))
             store = MooncakeStore(config.remote_master, protocol=config.remote_protocol, device=config.remote_device,

@@ -106,7 +106,7 @@ def _ranges(rows: np.ndarray) -> list[tuple[int, int]]:
 def _checksum(rows: np.ndarray) -> int:
     """xxh3-64 of a block's bytes in row order (equal to that of the rows copied back to back)."""
     if rows.flags.c_contiguous:
-        return xxhash.xxh3_64_intdigest(rows)
+        return xxhash.xxh3_64_intdigest(rows)  # type: ignore[arg-type]  # an ndarray is a buffer (numpy's stubs: 3.12+)
     h = xxhash.xxh3_64()
     for r in rows:
         h.update(r)
@@ -364,6 +364,7 @@ class RemoteTier:
                         ids, [self._view(int(b)) for b in ids.tolist()])
         self._pending_blocks += k
         self.stats.puts += 1
+        assert self._putter is not None  # a store: the workers run until close
         self._putter.submit(lambda: self._run_put(job), job)
         return job
 
@@ -375,6 +376,7 @@ class RemoteTier:
         job = RemoteJob("fetch", hashes.astype(np.uint64), namespace, np.array(tokens, dtype=np.int64),
                         np.empty(0, np.int64))
         self.stats.probes += 1
+        assert self._prober is not None  # can_fetch(): the workers run
         self._prober.submit(lambda: self._run_probe(job), job)
         return job
 
@@ -395,6 +397,7 @@ class RemoteTier:
         job.views = [self._view(int(b)) for b in job.host_ids.tolist()]
         job.io_seconds = 0.0  # the get's own time (read_gbps): not the probe's
         self.stats.fetches += 1
+        assert self._fetcher is not None  # a probed fetch: the workers run
         self._fetcher.submit(lambda: self._run_get(job), job)
 
     def end(self, job: RemoteJob) -> None:
@@ -598,7 +601,7 @@ class RemoteTier:
         batch's call does. No call starts once the job is abandoned, the tier is down or the last call found the
         master unreachable. Returns only once no call runs (none still writes a buffer or a CPU block)."""
         spans = [(a, min(a + self._batch, n)) for a in range(0, n, self._batch)]
-        last = None  # (a, b, buf, future) of the call in flight
+        last: Optional[tuple[int, int, np.ndarray, concurrent.futures.Future]] = None  # the call in flight
         try:
             for k, (a, b) in enumerate(spans):
                 buf = worker.buffers[k % 2]
@@ -651,6 +654,7 @@ class RemoteTier:
             job.ok = len(job.stored)
             return not job.down
 
+        assert self._putter is not None  # a put job runs on it
         self._pipeline(job, self._putter, job.num_blocks, prepare, call, check)
 
     def _run_probe(self, job: RemoteJob) -> None:
@@ -694,7 +698,7 @@ class RemoteTier:
                 self._remove(job, a + ok)
                 return False
             if got < b - a:  # gone since the probe, the master down, its holder dead, or a value of another size
-                code = codes[got]
+                code: Optional[int] = codes[got]
                 if transfer_failed(code):  # a dead or hung holder, or a value of another size: ask the master
                     size = _timed(job, "side_call_at", self.store.size, self.keys(job.hashes[a + got:a + got + 1])[0])
                     code = size if size < 0 else (code if size == self.value_bytes else None)
@@ -708,6 +712,7 @@ class RemoteTier:
                 return False
             return True
 
+        assert self._fetcher is not None  # a get runs on it
         self._pipeline(job, self._fetcher, job.host_ids.size, lambda a, b, buf: None, call, check)
 
     def _remove(self, job: RemoteJob, i: int) -> None:

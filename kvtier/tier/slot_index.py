@@ -90,7 +90,7 @@ class SlotIndex:
         return out
 
     def _evict(self, n: int) -> int:
-        victims = []
+        victims: list[int] = []
         for s in self._lru:  # LRU first; the walk stops at the n-th unlocked slot (no copy of the whole order)
             if len(victims) == n:
                 break
@@ -175,7 +175,7 @@ class SlotIndex:
         if self._locks.any() or self._pending:
             raise RuntimeError("clear() with SSD slots locked or pending")
         held, on_removed = list(self._slot_of), self.on_removed
-        self.__init__(self.num_slots)
+        self.__init__(self.num_slots)  # type: ignore[misc]  # every field as a new index has it
         self.on_removed = on_removed
         self._removed(held)
 

@@ -81,7 +81,7 @@ class Promotion:
         return None if self.io is None else self.io.io_seconds
 
 
-class SsdLink(LowerTier):
+class SsdLink(LowerTier[Promotion]):
     """The CPU tier's SSD tier (see the module docstring); built by :meth:`open`."""
 
     name = "ssd"

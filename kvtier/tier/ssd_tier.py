@@ -167,8 +167,9 @@ class SsdTier:
             logger.info("kvtier: SSD tier recovered %d blocks from %s in %.2f s", self.stats.blocks_recovered,
                         ";".join(store.dirs), self.recovery_seconds)
         self._batch = max(1, BATCH_BYTES // self.block_bytes)
-        self._writer = _Worker("kvtier-ssd-write", self._run_writer_job)
-        self._reader = _Worker("kvtier-ssd-read", self._run_read)
+        # None once closed (close() is idempotent; nothing is submitted after it)
+        self._writer: _Worker = _Worker("kvtier-ssd-write", self._run_writer_job)
+        self._reader: _Worker = _Worker("kvtier-ssd-read", self._run_read)
 
     # --- owner's side (under its lock) ---
 
@@ -317,7 +318,8 @@ class SsdTier:
         """Finish the queued jobs, stop the threads, close the files; idempotent."""
         if self._writer is None:
             return
-        writer, reader, self._writer, self._reader = self._writer, self._reader, None, None
+        writer, reader = self._writer, self._reader
+        self._writer = self._reader = None  # type: ignore[assignment]  # closed: see __init__
         run_all(writer.close, reader.close, self.store.close)
 
     def snapshot(self) -> dict:
@@ -337,6 +339,7 @@ class SsdTier:
             return
         try:  # a record of a read slot: nobody waits for it; a failure costs a miss after a restart, no more
             if job.kind == "adopt":
+                assert job.other is not None  # an adopt job names the header
                 self.store.adopt(int(job.slots[0]), job.other)
             else:  # "free"
                 self.store.free(job.slots.tolist())

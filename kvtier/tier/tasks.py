@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvtier.index import InsertResult, MatchResult, Namespace
+    from kvtier.tier.lower import LowerTier
 
 __all__ = ["TaskKind", "TaskStatus", "TierTask", "CopyRecord", "LoadRecord", "InsertRecord", "COMPLETED", "InFlight",
            "TaskTable"]
@@ -100,11 +104,11 @@ class CopyRecord:
     """
 
     task: TierTask
-    completion: object
+    completion: Any  # an executor's fence (each executor's own type) or a lower tier's read job
     block_ids: np.ndarray
-    handle: object
+    handle: Optional[Union[MatchResult, InsertResult]]
     nbytes: int
-    ns: Optional[object] = None
+    ns: Optional[Namespace] = None
     retry: Optional[Callable[[], "CopyRecord"]] = dataclasses.field(default=None, repr=False)
     retry_pages: int = 0
     reads: Optional[object] = dataclasses.field(default=None, repr=False)
@@ -127,7 +131,7 @@ class InsertRecord(CopyRecord):
 
     tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
     prefix_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
-    tier: Optional[object] = dataclasses.field(default=None, repr=False)
+    tier: Optional[LowerTier] = dataclasses.field(default=None, repr=False)
 
 
 class _Completed:
@@ -188,7 +192,8 @@ class TaskTable:
 
     def view(self) -> dict[int, InFlight]:
         """Every task in flight by id, as read-only copies."""
-        inserts = (isinstance(rec, InsertRecord) for rec in self.records.values())
-        return {tid: InFlight(rec.task, _frozen(rec.block_ids), _frozen(rec.tokens) if ins else None,
-                              _frozen(rec.prefix_ids) if ins else None, rec.ns, rec.completion)
-                for (tid, rec), ins in zip(self.records.items(), inserts)}
+        return {tid: InFlight(rec.task, _frozen(rec.block_ids),
+                              _frozen(rec.tokens) if isinstance(rec, InsertRecord) else None,
+                              _frozen(rec.prefix_ids) if isinstance(rec, InsertRecord) else None, rec.ns,
+                              rec.completion)
+                for tid, rec in self.records.items()}
