@@ -10,9 +10,8 @@ layer through :attr:`KVTier.counter` for a layerwise load. Room for new blocks i
 (:mod:`kvtier.tier.block_room`); copies take the path the transfer policy picks (:mod:`kvtier.tier.device_copies`).
 
 Lower tiers (:mod:`kvtier.tier.lower`, fastest first) hear of every block that enters or leaves the CPU index; past
-the CPU hit, a lookup starts a ``"read"`` task on the first that holds the next block
-(:mod:`kvtier.tier.lower_tiers`) and never waits on it: :meth:`KVTier.lookup_tiers` returns the task, for an
-engine that does.
+the CPU hit, a lookup starts a ``"read"`` task on the first that holds the next block (:mod:`kvtier.tier.lower_tiers`)
+and never waits on it: :meth:`KVTier.lookup_tiers` returns the task, for an engine that does.
 
 Invariants: pages read by an in-flight load or under an in-flight store or read are locked in the index, so never
 evicted; blocks written by an in-flight store or read belong to the task (not free, not in the index); nothing is
