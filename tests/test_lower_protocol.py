@@ -177,3 +177,18 @@ def test_a_read_that_gets_no_cpu_block_starts_no_task(toy):
     assert tier.stats()["reads"] == 0 and tier.index.protected_pages == 0
     tier.wait(store)
     tier.destroy()
+
+
+def test_the_in_flight_view_is_read_only_and_builtin_tiers_stay_registered(toy):
+    tier = make(3)
+    tier.executor = DeferredExecutor()
+    store = tier.store(prompt(5, 4), None, page_slots(0, 4, P))
+    view = tier.in_flight()[store.id]
+    assert view.task is store and view.block_ids.size == 4 and view.tokens.size == 4 * P
+    with pytest.raises(ValueError):
+        view.block_ids[0] = -1  # a copy, and frozen: the tier's own record is out of reach
+    tier.wait(store)
+    assert tier.in_flight() == {}
+    with pytest.raises(ValueError, match="ships with kvtier"):
+        unregister("ssd")
+    tier.destroy()
