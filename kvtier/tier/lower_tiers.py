@@ -116,22 +116,22 @@ class LowerTiers:
             try:
                 self.advance(rec)
             except BaseException:  # making room failed (an eviction policy's bug): nothing of the read is left
-                self._undo(rec, m)
+                self._undo(rec)
                 raise
             if rec.block_ids.size == 0:  # no CPU block could be had: no read runs
-                self._undo(rec, m)
+                self._undo(rec)
                 return None
         o._stats.reads += 1
         return task
 
-    def _undo(self, rec: InsertRecord, m) -> None:
+    def _undo(self, rec: InsertRecord) -> None:
         """A read that never ran (it got no CPU block): gone from the task table, ended, its prefix unlocked."""
         del self.owner._inflight[rec.task.id]
         if rec.completion.awaiting_blocks():
             _tier(rec).fill(rec.completion, np.empty(0, np.int64))
         _tier(rec).end_read(rec.completion, cancelled=True)
         if rec.handle is not None:
-            self.owner.index.unlock(m)
+            self.owner.index.unlock(rec.handle)
 
     def advance(self, rec: InsertRecord) -> None:
         """A read's count is known: allocate CPU blocks for what its tier admits and start reading into them (none:
