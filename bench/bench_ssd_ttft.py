@@ -26,6 +26,7 @@ Run on the GPU machine: ``python bench/bench_ssd_ttft.py --dir /var/tmp/kvtier-t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -125,6 +126,72 @@ def run_dir(model, cfg, directory: str, admission: str, args) -> list[dict]:
     return rows
 
 
+def run_idle_server(model, cfg, directory: str, admission: str, policy: str, args) -> list[dict]:
+    """Issue 50's measure: one request at a time reaches an idle server (SGLang 0.5.23's scheduler objects,
+    :mod:`kvtier.sglang.batch_server`, with ``--enable-lmcache``'s prefetch gate) with its prefix on the SSD only;
+    against a request of the same length that nothing holds (recompute). Whole loads, no graphs."""
+    from kvtier.sglang.batch_server import Arrival, BatchServer, Engine, EngineConfig
+
+    shutil.rmtree(directory, ignore_errors=True)
+    longest = max(args.prefix) + args.suffix + args.new_tokens
+    kv_gb = longest * kv_bytes_per_token(model) / 2**30
+    tier = dict(ssd_admission=admission, prefetch_policy=policy, ssd_io_threads=args.ssd_io_threads)
+    engine = Engine(model, EngineConfig(
+        mode="kvtier_ssd", kv_tokens=-(-3 * longest // PAGE) * PAGE, page_size=PAGE, max_running_requests=2,
+        max_context=longest + PAGE, host_gb=max(1 / 64, 2.5 * kv_gb), ssd_dir=directory, ssd_gb=max(1 / 16, 3 * kv_gb),
+        tier_overrides=tier))
+    server = BatchServer(engine)
+    gen = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+
+    def serve(tokens, ssd_only: bool):
+        engine.flush_device()
+        if ssd_only:
+            engine.tier.reset()  # the CPU tier is empty; the SSD keeps what was written through
+        (rec,) = server.run([Arrival(tokens, args.new_tokens)], timeout_s=120)
+        engine.wait_host_copies()
+        engine.tier.flush_lower()
+        return rec
+
+    for n in (64, 64, 64, min(args.prefix)):  # warm: kernels, and the prefills admission weighs reads against
+        serve(rand(n), False)
+    rows = []
+    for plen in args.prefix:
+        prefix = rand(plen)
+        serve(prefix + rand(args.suffix), False)  # the prefix reaches the CPU tier and, written through, the SSD
+        rec, ssd, cached = [], [], []
+        for _ in range(args.reps):
+            rec.append(serve(rand(plen + args.suffix), False).ttft_s)
+            r = serve(prefix + rand(args.suffix), True)
+            ssd.append(r.ttft_s)
+            cached.append(r.host_hit)
+        s = engine.tier.stats()
+        waits = engine.cache.prefetch.counts
+        rows.append({"dir": directory, "admission": admission, "policy": policy, "prefix": plen,
+                     "recompute_ttft_ms": [x * 1e3 for x in rec], "ssd_ttft_ms": [x * 1e3 for x in ssd],
+                     "cached_tokens": cached, "ratio": statistics.median(ssd) / statistics.median(rec),
+                     "ssd_read_gbps": s["ssd_read_gbps"], "ssd_refused": s["ssd_refused"],
+                     "prefill_1k_tokens_s": s["ssd_prefill_1k_tokens_s"], "waits": dataclasses.asdict(waits)})
+        print(f"idle {directory} {admission} {policy} prefix {plen}: recompute {statistics.median(rec) * 1e3:.1f} ms, "
+              f"ssd {statistics.median(ssd) * 1e3:.1f} ms ({rows[-1]['ratio']:.3f}), cached {cached}", flush=True)
+    engine.close()
+    shutil.rmtree(directory, ignore_errors=True)
+    return rows
+
+
+def idle_summary(rows: list[dict], dirs: list) -> dict:
+    """``idle_ssd_<disk|ram>_ttft_over_recompute_<k>k`` per prefix (the waiting policy's cells; disk: admission on)
+    and the same for ``best_effort`` (what an idle server did before the prefetch gate)."""
+    out = {}
+    for name, d in dirs:
+        for r in rows:
+            if r["dir"] != d or (name == "disk" and r["admission"] != "cost"):
+                continue
+            tail = "" if r["policy"] != "best_effort" else "_best_effort"
+            out[f"idle_ssd_{name}_ttft_over_recompute_{r['prefix'] // 1024}k{tail}"] = r["ratio"]
+    return out
+
+
 def parse_ttft_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
     """The TTFT benches' common arguments (prefix lengths, suffix, model, repetitions, --smoke, --out) added to
     ``ap``, parsed; ``--smoke`` shrinks the sizes."""
@@ -151,9 +218,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", required=True, help="an SSD cache directory on the disk to measure")
     ap.add_argument("--ram-dir", default="", help="an SSD cache directory on a RAM-backed file system")
+    ap.add_argument("--idle-server", action="store_true",
+                    help="an idle server through SGLang's scheduler objects (needs sglang) instead of the tier engine")
+    ap.add_argument("--policy", default="timeout", help="--idle-server: the waiting policy measured")
     args = parse_ttft_args(ap, argv)
     cfg, model = model_for(args)
     dirs = [("disk", args.dir)] + ([("ram", args.ram_dir)] if args.ram_dir else [])
+    if args.idle_server:
+        if args.smoke:
+            args.prefix = [320]  # past the 256-token prefetch threshold
+        rows = [r for name, d in dirs for adm in (("cost",) if name == "disk" else ("always",))
+                for pol in (args.policy, "best_effort") for r in run_idle_server(model, cfg, d, adm, pol, args)]
+        summary = idle_summary(rows, dirs)
+        write_json(args.out, {"env": env_info(), "args": vars(args), "model_layers": cfg.num_hidden_layers,
+                              "summary": summary, "idle": rows})
+        print(summary)
+        return 0
     rows = [r for _, d in dirs for adm in ("cost", "always") for r in run_dir(model, cfg, d, adm, args)]
     summary = {}
     for name, d in dirs:

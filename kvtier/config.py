@@ -77,6 +77,18 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
   part of every key, and Mooncake's tenant id (``tenant_id``).
 * ``remote_admission`` (``"cost"`` | ``"always"``, default ``"cost"``) and ``remote_read_gbps`` (float > 0 or
   null): as ``ssd_admission`` and ``ssd_read_gbps``, for fetches from the remote tier.
+* ``prefetch_policy`` (``"best_effort"`` | ``"wait_complete"`` | ``"timeout"``, default ``"timeout"``): what a
+  waiting request does while its prefix is being read from the SSD or the remote tier (SGLang HiCache's
+  ``--hicache-storage-prefetch-policy``, same names and default): ``best_effort`` is admitted at once (what the read
+  has not brought by then is recomputed), ``wait_complete`` waits for the read, ``timeout`` waits at most
+  ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens / 1024`` seconds from its first blocked
+  admission. Under SGLang 0.5.23 the scheduler holds a request back only with ``--enable-lmcache`` (kvtier
+  answers the hooks that flag turns on; LMCache itself is not imported): without it every policy acts as
+  ``best_effort``, and the start-up log says so (:mod:`kvtier.sglang.prefetch`).
+* ``prefetch_threshold`` (int >= 0, default 256): a read that brings fewer tokens is not waited for (HiCache's
+  ``prefetch_threshold``).
+* ``prefetch_timeout_base`` (float >= 0, default 1.0) and ``prefetch_timeout_per_ki_token`` (float >= 0, default
+  0.25): the ``timeout`` policy's wait, in seconds (HiCache's names and SGLang 0.5.23's defaults).
 * ``metrics_port`` (int 0..65535 or null, default null): kvtier's own Prometheus endpoint,
   ``http://0.0.0.0:PORT/metrics`` (the process of rank r, its torch.distributed rank, serves on PORT + r); 0: a
   free port on every rank (logged); null: none. Under SGLang with
@@ -109,6 +121,7 @@ SSD_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")
 SSD_ADMISSIONS: tuple[str, ...] = ("cost", "always")
 REMOTE_BACKENDS: tuple[str, ...] = ("mooncake",)
 REMOTE_PROTOCOLS: tuple[str, ...] = ("tcp", "rdma")
+PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")  # HiCache's
 
 
 MAX_GB = float(1 << 20)  # the largest size a *_gb key takes (1 PiB): larger ones are typos
@@ -205,6 +218,10 @@ class TierConfig:
     remote_tenant: str = "default"
     remote_admission: str = "cost"
     remote_read_gbps: float | None = None
+    prefetch_policy: str = "timeout"
+    prefetch_threshold: int = 256
+    prefetch_timeout_base: float = 1.0
+    prefetch_timeout_per_ki_token: float = 0.25
     metrics_port: int | None = None
     log_transfers: bool = True
 
@@ -260,6 +277,7 @@ class TierConfig:
             if v is not None and (not _is_number(v) or v <= 0):
                 raise _error(f"{key} must be a number > 0 or null, got {_got(v)}")
         self._check_remote()
+        self._check_prefetch()
         if self.metrics_port is not None and (not is_int(self.metrics_port) or not 0 <= self.metrics_port <= 65535):
             raise _error(f"metrics_port must be an int in 0..65535 or null, got {_got(self.metrics_port)}")
         if not isinstance(self.log_transfers, bool):
@@ -278,6 +296,20 @@ class TierConfig:
                      and getattr(self, f.name) != f.default]
             if given:
                 raise _error(f"{', '.join(given)} set but the tier is off: set {on} to turn it on, or drop them")
+
+    def _check_prefetch(self) -> None:
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise _error(f"prefetch_policy must be one of {list(PREFETCH_POLICIES)}, got {self.prefetch_policy!r}")
+        if not is_int(self.prefetch_threshold) or self.prefetch_threshold < 0:
+            raise _error(f"prefetch_threshold must be an int >= 0 (tokens), got {_got(self.prefetch_threshold)}")
+        for key in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token"):
+            v = getattr(self, key)
+            if not _is_number(v) or v < 0:
+                raise _error(f"{key} must be a number >= 0 (seconds), got {_got(v)}")
+
+    def prefetch_timeout_s(self, tokens: int) -> float:
+        """How long the ``timeout`` policy holds back a request whose read brings ``tokens`` tokens."""
+        return self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * tokens / 1024
 
     def _check_remote(self) -> None:
         if self.remote_backend is not None and self.remote_backend not in REMOTE_BACKENDS:

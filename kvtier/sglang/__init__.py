@@ -177,6 +177,9 @@ def factory(ctx):
         logger.info("kvtier: default host pool of %.1f GiB per rank exceeds this rank's share of host memory; "
                     "using %.2f GiB (set cpu_cache_gb in $%s to choose)", config.cpu_cache_gb, gb, ENV_VAR)
         config = dataclasses.replace(config, cpu_cache_gb=gb)
+    note = prefetch_gate_note(config, ctx.server_args)
+    if note is not None:
+        logger.log(note[0], "kvtier: %s", note[1])
     forward_stream = None
     try:
         forward_stream = ctx.tp_worker.model_runner.forward_stream
@@ -185,6 +188,22 @@ def factory(ctx):
     return KVTierRadixCache(params, config, agreement=rank_agreement(ctx), forward_stream=forward_stream,
                             host_budget_bytes=budget, model_identity=model_identity(ctx),
                             metrics_labels=metrics_labels(ctx))
+
+
+def prefetch_gate_note(config, server_args) -> tuple[int, str] | None:
+    """The start-up log line on the prefetch policy (level, text), when a lower tier is on: SGLang 0.5.23 holds a
+    waiting request back for its read only under ``--enable-lmcache`` (:mod:`kvtier.sglang.prefetch`)."""
+    if config.ssd_cache_gb <= 0 and config.remote_backend is None:
+        return None
+    policy = config.prefetch_policy
+    if policy == "best_effort":
+        return logging.INFO, "prefetch_policy best_effort: a request never waits for its SSD or remote read"
+    if getattr(server_args, "enable_lmcache", False):
+        return logging.INFO, (f"prefetch_policy {policy}: a waiting request is held back for its SSD or remote read "
+                              "(SGLang's prefetch gate, on with --enable-lmcache; LMCache is not imported)")
+    return logging.WARNING, (f"prefetch_policy {policy} acts as best_effort: SGLang 0.5.23 holds a waiting request "
+                             "back for its read only with --enable-lmcache (kvtier answers that gate; LMCache is not "
+                             "imported). Add --enable-lmcache, or set prefetch_policy: best_effort to silence this")
 
 
 def _ranks_text(ctx) -> str:

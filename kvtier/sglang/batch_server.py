@@ -3,18 +3,21 @@
 :class:`BatchServer` serves many requests at once over one mode's pools (:class:`Engine`), a step at a time in the
 order of SGLang's ``Scheduler.event_loop_normal`` (no overlap scheduling):
 
-1. arrivals join the waiting queue (with an L3 storage backend, a prefetch starts, as ``_prefetch_kvcache`` does);
-2. HiCache modes: ``tree_cache.check_hicache_events()`` (SGLang calls it only with hierarchical caching; kvtier
-   drains its transfers in the calls below);
+1. arrivals join the waiting queue; with a storage gate (an L3 backend: ``hicache_file``; ``--enable-lmcache``:
+   the kvtier modes, :mod:`kvtier.sglang.prefetch`) each is matched and its prefetch starts (``_prefetch_kvcache``);
+2. HiCache modes and gated ones: ``tree_cache.check_hicache_events()`` (SGLang calls it only with hierarchical
+   caching or a storage gate; kvtier also drains its transfers in the calls below);
 3. the chunked request of the last step is checkpointed (``checkpoint_kv_cache``); the last extend batch, less the
    chunked request, joins the running batch (``filter_batch`` / ``merge_batch``); finished requests leave it;
 4. a prefill batch, when one can be made (``_get_new_batch_prefill_raw``): ``SchedulePolicy.calc_priority`` orders
    the waiting queue; a ``PrefillAdder`` under the token budgets (``max_prefill_tokens``, the chunk size, the free
    device pool, ``max_running_requests``) takes the chunked request first (``add_chunked_req``), then waiting
-   requests in order: each is matched again (``init_next_round_input``: the device match and the host hit) and
-   offered to ``add_one_req``, which calls ``init_load_back`` for a host hit, until one does not fit (the one that
-   fits only in part is chunked); then ``ScheduleBatch.init_new``, HiCache's ``ready_to_load_host_cache`` (the
-   layer counter's consumer for this batch), ``prepare_for_extend`` (device slots, ``req_to_token`` rows);
+   requests in order: with a storage gate, one whose prefetch is not done is skipped (``check_prefetch_progress``),
+   what a finished one loaded is popped (``pop_prefetch_loaded_span``); each is matched again
+   (``init_next_round_input``: the device match and the host hit) and offered to ``add_one_req``, which calls
+   ``init_load_back`` for a host hit, until one does not fit (the one that fits only in part is chunked); then
+   ``ScheduleBatch.init_new``, HiCache's ``ready_to_load_host_cache`` (the layer counter's consumer for this
+   batch), ``prepare_for_extend`` (device slots, ``req_to_token`` rows);
 5. else a decode step of the running batch (``update_running_batch``): ``check_decode_mem``, ``retract_decode``
    when the pool is short (the retracted requests go back to the waiting queue), ``prepare_for_decode``;
 6. the batch's forward: :meth:`~kvtier.e2e.model.PagedDecoder.forward_batch` (the GEMMs over every request of the
@@ -66,6 +69,7 @@ from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  #
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
@@ -97,6 +101,8 @@ class EngineConfig:
     ssd_gb: float = 0.0
     transfer_mode: str = "auto"
     tier_overrides: dict = dataclasses.field(default_factory=dict)  # more TierConfig keys for the kvtier modes
+    # kvtier modes: --enable-lmcache, which turns on SGLang's prefetch gate (kvtier.sglang.prefetch)
+    prefetch_gate: bool = True
 
     def server_args(self) -> ServerArgs:
         hi = self.mode in CUDA_MODES
@@ -107,6 +113,8 @@ class EngineConfig:
             kw.update(enable_hierarchical_cache=True, hicache_size=max(1, round(self.host_gb)))
         if self.mode == "hicache_file":
             kw.update(hicache_storage_backend="file", file_storage_path=self.ssd_dir)
+        if self.mode.startswith("kvtier") and self.prefetch_gate:
+            kw.update(enable_lmcache=True)
         return ServerArgs(**kw)
 
 
@@ -160,8 +168,11 @@ class Engine:
         self.free_at_start = self.allocator.available_size()
 
     def activate(self) -> None:
-        """Make this engine's server arguments SGLang's process-wide ones (the scheduler objects read them)."""
+        """Make this engine's server arguments SGLang's process-wide ones (the scheduler objects read them), and
+        this process rank 0 of every parallel group (HiCache's storage backends ask for their ranks)."""
         set_global_server_args_for_scheduler(self.server_args)
+        get_parallel().override_permanently(**{f"{g}_rank": 0 for g in ("tp", "pp", "attn_tp", "attn_cp",
+                                                                         "attn_dcp", "attn_dp")})
 
     @property
     def tier(self):
@@ -171,6 +182,11 @@ class Engine:
     @property
     def hicache(self) -> bool:
         return self.mode in CUDA_MODES
+
+    @property
+    def storage_gate(self) -> bool:
+        """SGLang's scheduler runs its storage-prefetch steps (``enable_hicache_storage or enable_lmcache``)."""
+        return bool(self.server_args.hicache_storage_backend or self.server_args.enable_lmcache)
 
     def flush_device(self) -> None:
         """Drop every device-cached page (host copies stay): wait for host copies, then evict the whole tree."""
@@ -287,8 +303,27 @@ class BatchServer:
         sp.normalize(None)
         req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", arrival.tokens), sampling_params=sp)
         self.records[rid] = Record(arrival.tag, len(arrival.tokens), self.now())
+        self._prefetch(req)
         self.waiting.append(req)
         return rid
+
+    def _prefetch(self, req: Req) -> None:
+        """``Scheduler._prefetch_kvcache``: with a storage gate, the arriving request is matched and its prefetch
+        from the lower tiers starts (a HiCache L3 backend's, or the read kvtier's match began)."""
+        if not self.engine.storage_gate:
+            return
+        tc = self.cache
+        req.init_next_round_input(tc, cow_mamba=False)
+        matched = req.prefix_len + req.host_hit_length
+        anchor = req.last_host_node
+        if not (tc.is_backuped(anchor) or tc.is_root(anchor)):
+            return
+        ids = req.full_untruncated_fill_ids
+        end = req._compute_max_prefix_len(len(ids))
+        keys = tc.get_prefix_hash_values(anchor) if tc.hicache_storage_pass_prefix_keys else None
+        tc.prefetch_from_storage(req.cache_request_handle, anchor, ids[matched:end], tc.get_last_hash_value(anchor),
+                                 keys, matched_prefix_tokens=ids[:matched], extra_key=req.extra_key,
+                                 cache_salt=req.cache_salt)
 
     @property
     def busy(self) -> bool:
@@ -326,7 +361,7 @@ class BatchServer:
     def step(self) -> Optional[ScheduleBatch]:
         """One scheduler step (see the module docstring); the batch it ran, if any."""
         self.engine.activate()
-        if self.engine.hicache:
+        if self.engine.hicache or self.engine.storage_gate:
             self.cache.check_hicache_events()
         self._merge_last_batch()
         batch = self._new_prefill_batch()
@@ -334,6 +369,8 @@ class BatchServer:
             batch = self._update_running_batch()
         if batch is not None and not batch.is_empty():
             self._run(batch)
+        elif self.engine.storage_gate:
+            time.sleep(0)  # on_idle: storage workers need the GIL between their IO calls
         self.cache.flush_pending_backups()
         self.last_batch = batch
         self.steps += 1
@@ -399,7 +436,7 @@ class BatchServer:
                 running.batch_is_full = True
             if running.batch_is_full:
                 break
-            if self.engine.mode == "hicache_file" and not self._storage_ready(req):
+            if self.engine.storage_gate and not self._storage_ready(req):
                 continue
             req.init_next_round_input(self.cache)
             matched[req.rid] = (req.prefix_len, req.host_hit_length)
@@ -419,6 +456,7 @@ class BatchServer:
             self.chunked_req.inflight_middle_chunks += 1
         now = self.now()
         for req in can_run:
+            req.time_stats.set_forward_entry_time()  # set_time_batch(can_run_list, "set_forward_entry_time")
             rec = self.records[req.rid]
             if rec.admitted_s is None:
                 rec.admitted_s = now

@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from typing import Any, Optional
 
 import torch
@@ -46,6 +47,7 @@ from kvtier.index import Namespace
 from kvtier.kernels import PagedKV
 from kvtier.observe.attach import Observability, attach
 from kvtier.tier import CudaExecutor, KVTier, TaskStatus, TierTask
+from kvtier.tier.tier_stats import TierHit
 
 _kvtier_sglang.check_sglang_version()
 
@@ -62,6 +64,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode  # n
 from kvtier.sglang.agreement import RankAgreement  # noqa: E402
 from kvtier.sglang.shared_pool import SharedPool, share_pool  # noqa: E402
 from kvtier.sglang.kv_events import HostKvEvents  # noqa: E402
+from kvtier.sglang.prefetch import PrefetchWaits  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +133,9 @@ class KVTierRadixCache(RadixCache):
         self.multi_rank = self.agreement.active
         self.forward_stream = forward_stream
         self._markers: dict[Any, _LoadMarker] = {}  # cache_request_handle -> host hit found by match_prefix
+        self._reads: dict[Any, TierHit] = {}  # cache_request_handle -> the lower-tier read its last match started
+        self.prefetch = PrefetchWaits(self.tier_config)  # requests held back for their read (the prefetch policy)
+        self._prefilled: set[str] = set()  # requests whose prefill was reported to the tier (_report_prefill)
         # task id -> (node locked for the task, the device slot tensor its copy reads, a call issuing the same copy
         # again). The slot tensor is kept referenced until the copy completes: on CUDA it was allocated on the
         # engine's stream and the copy reads it on kvtier's stream, so dropping it early would let the caching
@@ -233,6 +239,9 @@ class KVTierRadixCache(RadixCache):
         if hasattr(self, "_inflight"):
             self._inflight.clear()  # the tree their locks were on is gone
             self._markers.clear()
+            self._reads.clear()
+            self.prefetch.clear()
+            self._prefilled.clear()
             self._store_of_req.clear()
             self._req_of_store.clear()
             self._held_store.clear()
@@ -257,8 +266,10 @@ class KVTierRadixCache(RadixCache):
             self._markers.pop(req.cache_request_handle, None)
             return base
         ns = _namespace(key.extra_key, key.cache_salt)
-        pages = self.tier.lookup(tokens, ns)  # several ranks: the same on every rank (see _sync), no collective
-        host_len = pages * self.page_size - device_len
+        hit = self.tier.lookup_tiers(tokens, ns)  # several ranks: the same on every rank (see _sync), no collective
+        if hit.read is not None:
+            self._reads[req.cache_request_handle] = hit  # prefetch_from_storage (on arrival) may wait for it
+        host_len = hit.cpu_pages * self.page_size - device_len
         if host_len <= 0:
             self._markers.pop(req.cache_request_handle, None)
             return base
@@ -372,6 +383,7 @@ class KVTierRadixCache(RadixCache):
         if self.disable or self.tier is None:
             return
         self._drain()
+        self._report_prefill(req, up_to)
         if self.is_eagle:
             return
         n = req.kv.cache_protected_len  # tree-owned, page-aligned prefix (the base checkpoint just set it)
@@ -390,6 +402,18 @@ class KVTierRadixCache(RadixCache):
             self._held_store[req.rid] = (tokens, ns, slots, req.last_node)
             return
         self._store(req.rid, tokens, ns, slots, req.last_node)
+
+    def _report_prefill(self, req, up_to: int) -> None:
+        """The checkpoint that ends a request's prefill reports it to the tier (``KVTier.note_prefill``: tokens
+        computed past those cached, seconds since its first forward): the lower tiers' admission by cost weighs a
+        read against it."""
+        t0 = getattr(getattr(req, "time_stats", None), "forward_entry_time", 0.0)
+        if req.rid in self._prefilled or up_to < len(req.origin_input_ids) or t0 <= 0 or req.retracted_stain:
+            return
+        assert self.tier is not None  # an enabled backend's checkpoint
+        self._prefilled.add(req.rid)
+        cached = min(req.cached_tokens, up_to)
+        self.tier.note_prefill(up_to - cached, time.perf_counter() - t0, cached)
 
     def _store(self, rid, tokens, ns, slots: torch.Tensor, node: TreeNode) -> None:
         assert self.tier is not None  # a store runs on an enabled backend
@@ -514,11 +538,57 @@ class KVTierRadixCache(RadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
-        self._markers.pop(req.cache_request_handle, None)
+        self._forget(req.cache_request_handle)
 
     def release_aborted_request(self, handle) -> None:
         super().release_aborted_request(handle)
+        self._forget(handle)
+
+    def _forget(self, handle) -> None:
+        self._prefilled.discard(handle.rid)
         self._markers.pop(handle, None)
+        self._reads.pop(handle, None)
+        self.prefetch.drop(handle)
+
+    # --- the prefetch gate (kvtier.sglang.prefetch): SGLang 0.5.23 calls these under --enable-lmcache ---
+
+    hicache_storage_pass_prefix_keys = False  # _prefetch_kvcache: no per-page hash keys to hand over
+
+    def is_backuped(self, node) -> bool:
+        return True  # kvtier looks pages up by their tokens: any device node anchors a prefetch
+
+    def is_root(self, node) -> bool:
+        return node is self.root_node
+
+    def get_last_hash_value(self, node) -> Optional[str]:
+        return None  # no hash chain in the tree: the tiers hash the tokens themselves
+
+    def prefetch_from_storage(self, handle, last_host_node, new_input_tokens, last_hash=None, prefix_keys=None,
+                              matched_prefix_tokens=None, extra_key=None, cache_salt=None, storage_hit_end=None):
+        """A request joined the waiting queue, just matched (``_prefetch_kvcache``): if that match started a read
+        from a lower tier, the prefetch policy may hold the request back until it is done."""
+        hit = self._reads.pop(handle, None)
+        if hit is not None and not self.multi_rank:  # several ranks run no lower tier (the factory refuses it)
+            self.prefetch.start(handle, hit, self.page_size)
+
+    def check_prefetch_progress(self, handle) -> bool:
+        """Whether the waiting request may be admitted this round (the scheduler skips it otherwise)."""
+        if not self.prefetch.pending:
+            return True
+        self._drain()  # a completed read's blocks enter the CPU index: the admission match finds them
+        return self.prefetch.ready(handle)
+
+    def pop_prefetch_loaded_span(self, handle) -> tuple[int, Optional[int]]:
+        return self.prefetch.pop_loaded(handle)
+
+    def has_pending_cache_operations(self) -> bool:
+        """The scheduler is not idle while a request waits for its read or a copy is in flight."""
+        return self.prefetch.pending or bool(self._inflight)
+
+    def clear_storage_backend(self) -> bool:
+        logger.warning("kvtier: /clear_hicache_storage_backend does nothing here; /flush_cache drops the blocks of "
+                       "every kvtier tier")
+        return False
 
     def release_host_resources(self) -> None:
         """SGLang's graceful shutdown: wait for kvtier's copies, then unpin and free the host pool (idempotent)."""
