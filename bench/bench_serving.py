@@ -395,12 +395,10 @@ def summary(res: dict, modes: list) -> dict:
 def plot(path: str, res: dict) -> None:
     """Four panels: swe pass-2 TTFT CDF per mode (the first rate), req/s and p99 TTFT against the offered rate, and
     the multiturn hit rate per round."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: it probes IPython, which the GPU runs' bootstrap stubs
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 4, figsize=(21, 4.6))
+    fig = Figure(figsize=(21, 4.6))
+    ax = fig.subplots(1, 4)
     swe, mt = res.get("swe"), res.get("multiturn")
     if swe and swe["runs"]:
         first = swe["runs"][0]["qps"]
@@ -433,7 +431,6 @@ def plot(path: str, res: dict) -> None:
         ax[3].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv=None) -> int:

@@ -189,7 +189,9 @@ class PagedDecoder:
                 x = layer.input_layernorm(h)
                 h = h + attend(i, layer.self_attn, pool, x, cos, sin, parts, write)
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = inner.norm(h[:, [b - 1 for b in ends]])
+        last = ends[0] - 1
+        # one segment (what CUDA graphs capture) takes a slice: a list index is a host-to-device copy
+        h = inner.norm(h[:, last:last + 1] if len(ends) == 1 else h[:, [b - 1 for b in ends]])
         return self.model.lm_head(h)[0].float()
 
     def _mha(self, layer: int, attn, pool, x, cos, sin, parts: list["_Part"], write) -> torch.Tensor:
