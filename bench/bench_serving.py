@@ -488,7 +488,9 @@ def main(argv=None) -> int:
     model = build_model(plan)
     res: dict = {"env": env_info(), "plan": {k: (str(v) if isinstance(v, torch.dtype) else v)
                                              for k, v in dataclasses.asdict(plan).items()},
-                 "modes": modes, "args": vars(args)}
+                 "modes": modes, "args": vars(args),
+                 # UnifiedRadixCache's TreeCore (the Rust one needs the torch sglang was built for)
+                 "sglang_tree_core": os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "rust")}
     workloads = args.workloads.split(",")
     if "swe" in workloads:
         res["swe"] = run_swe(model, plan, modes, dirs, args.repeats, log)
