@@ -176,3 +176,34 @@ def test_the_start_up_log_says_whether_a_request_waits():
     assert level == logging.INFO and "held back" in text
     level, text = ks.prefetch_gate_note(TierConfig(prefetch_policy="best_effort", **ssd), no_gate)
     assert level == logging.INFO and "never waits" in text
+
+
+def test_an_idle_servers_request_waits_for_its_prefix_in_the_shared_store(model, tmp_path):
+    """The prefix only in the remote store (a real mooncake_master; the device tree and the CPU tier dropped, the
+    values stay in this instance's segment): the request waits for the probe and the get, and is served from them."""
+    from tests.mooncake_master import Master
+
+    master = Master(str(tmp_path))
+    try:
+        cfg = EngineConfig(mode="kvtier", kv_tokens=1024, page_size=PAGE, max_running_requests=4, max_context=512,
+                           chunked_prefill_size=256, max_prefill_tokens=512, host_gb=1 / 64,
+                           tier_overrides=dict(remote_backend="mooncake", remote_master=master.addr,
+                                               remote_segment_gb=1 / 16, remote_admission="always",
+                                               prefetch_policy="wait_complete"))
+        engine = Engine(model, cfg)
+        server = BatchServer(engine)
+        rng = random.Random(0)
+        prefix = [rng.randrange(1, 256) for _ in range(PREFIX)]
+        server.run([Arrival(prefix + [3] * 9, 2)])
+        engine.wait_host_copies()
+        engine.tier.flush_lower()
+        engine.flush_device()
+        engine.tier.reset()  # the store keeps the prefix
+        assert engine.tier.stats()["remote_blocks_put"] == PREFIX // PAGE
+        (rec,) = server.run([Arrival(prefix + [7] * 5, 2)], timeout_s=60)
+        assert rec.host_hit == PREFIX and rec.device_hit == 0
+        assert engine.cache.prefetch.counts.completed == 1
+        assert engine.leaked_slots() == 0
+        engine.close()
+    finally:
+        master.kill()

@@ -897,3 +897,25 @@ def test_a_hung_then_dead_peer_is_a_counted_transfer_failure_never_corruption(tm
         peer.kill()
         peer.wait(10)
         master.kill()
+
+
+def test_flush_lower_waits_for_the_queued_puts(mooncake_master):
+    """flush_lower makes every queued put land (the remote tier had no flush: puts were still pending after it)."""
+    a = make_remote_tier(mooncake_master.addr, num_blocks=32)
+    slowed(a.lower_tier("remote").medium.store, "put", 0.3)
+    a.wait(a.store(prompt(7, 4), None, page_slots(0, 4, P)))
+    assert a.stats()["remote_blocks_pending_put"] == 4
+    a.flush_lower()
+    s = a.stats()
+    assert s["remote_blocks_pending_put"] == 0 and s["remote_blocks_put"] == 4
+    a.destroy()
+
+
+def test_flush_lower_gives_up_on_a_hung_put_by_the_timeout(mooncake_master):
+    a = make_remote_tier(mooncake_master.addr, num_blocks=32)
+    slowed(a.lower_tier("remote").medium.store, "put", 3 * TIMEOUT + 2)
+    a.wait(a.store(prompt(8, 2), None, page_slots(0, 2, P)))
+    t0 = time.monotonic()
+    a.flush_lower()
+    assert time.monotonic() - t0 < TIMEOUT + 1.0
+    a.destroy()

@@ -160,6 +160,11 @@ class RemoteLink(LowerTier[RemoteJob]):
         self._abandoned = self.holds.settle(self._abandoned, RemoteJob.finished, self.medium.finish)
         self.medium.tick()
 
+    def flush(self) -> None:
+        """Wait for every queued put, for at most ``remote_timeout_s`` (a put past it is given up on: the tier goes
+        down, and the puts queued behind it are skipped, counted failed)."""
+        self.drain(wait=True, until=time.monotonic() + self.medium.timeout_s)
+
     def _wait_job(self, job: RemoteJob, until: Optional[float]) -> None:
         """Wait for ``job`` to finish, giving up on calls past their timeout (and a job queued behind one); with
         ``until``, not for a job given up on, nor past ``until``."""
