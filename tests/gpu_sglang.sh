@@ -186,6 +186,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         m = mock.MagicMock(name=spec.name)
         m.__name__, m.__path__, m.__spec__, m.__file__, m.__loader__ = spec.name, [], spec, None, self
         m.__version__ = "0.0.0"
+        m.version_info = (99, 0)  # matplotlib compares IPython's version_info with a tuple
         return m
 
     def exec_module(self, module):

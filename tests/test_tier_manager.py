@@ -269,9 +269,9 @@ def test_gpu_layerwise_never_reads_stale_bytes(backend, wait):
         pytest.importorskip("cupy")
     geo = QWEN_LIKE
     pages = 64  # 1024 tokens, 4 MiB per layer
+    # the backend at construction: the tier's copies signal the counter it was built with
     tier = make_tier(geo, num_slots=4 * pages * geo.page_size, num_blocks=2 * pages, device="cuda",
-                     layout="layer_first", mode="auto")
-    tier.counter = type(tier.counter)(geo.num_layers, device="cuda", backend=backend)
+                     layout="layer_first", mode="auto", counter_backend=backend)
     toks = _tokens(pages * geo.page_size)
     src = page_slots(0, pages, geo.page_size)
     tier.wait(tier.store(toks, None, src))

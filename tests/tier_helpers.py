@@ -19,7 +19,8 @@ TINY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float16,
 
 def make_tier(geo: KVGeometry = TINY, *, num_slots: int = 128, num_blocks: int = 16, device: str = "cpu",
               layout: str = "layer_first", mode: str = "auto", executor=None, seed: int = 0,
-              finalize: str = "auto", tokens_per_block: Optional[int] = None, eviction_policy: str = "lru") -> KVTier:
+              finalize: str = "auto", tokens_per_block: Optional[int] = None, eviction_policy: str = "lru",
+              counter_backend: str = "auto") -> KVTier:
     """A tier over a tiny random KV pool; host blocks of ``tokens_per_block`` tokens (default: one page)."""
     gen = torch.Generator().manual_seed(seed)
     kv = make_kv(geo, num_slots, device, gen)
@@ -27,7 +28,7 @@ def make_tier(geo: KVGeometry = TINY, *, num_slots: int = 128, num_blocks: int =
     cfg = TierConfig(page_size=geo.page_size, tokens_per_block=block, host_layout=layout, transfer_mode=mode,
                      cpu_cache_gb=1.0, eviction_policy=eviction_policy)
     pool = HostBlockPool(dataclasses.replace(geo, page_size=block), num_blocks, layout=layout)
-    return KVTier(kv, cfg, pool=pool, executor=executor, counter_backend="auto", finalize=finalize)
+    return KVTier(kv, cfg, pool=pool, executor=executor, counter_backend=counter_backend, finalize=finalize)
 
 
 def slot_bytes(tier: KVTier, slots) -> list[torch.Tensor]:
