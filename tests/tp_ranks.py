@@ -399,8 +399,10 @@ class Ranks:
         for q, p in zip(self.commands, self.procs):
             if p.is_alive():
                 q.put(("stop", ()))
+        deadline = time.monotonic() + 10  # one bound for all: ranks that hang on exit are killed together
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
                 p.join()
