@@ -140,27 +140,27 @@ def test_the_policy_alone():
     cfg = TierConfig(prefetch_policy="timeout", prefetch_timeout_base=1.0, prefetch_timeout_per_ki_token=0.5)
     w = PrefetchWaits(cfg, clock=lambda: now[0])
     read = _read(pages=64)
-    assert w.start("a", TierHit(2, 64, read), PAGE)
+    assert w.start("a", TierHit(2, 64, read))
     assert not w.ready("a")  # the deadline starts here: 1 + 0.5 * 1024 / 1024 s
     now[0] = 1.49
     assert not w.ready("a")
     now[0] = 1.5
     assert w.ready("a") and w.counts.timed_out == 1 and w.pop_loaded("a") == (0, None)
-    assert not w.start("b", TierHit(0, 8, _read(pages=8)), PAGE)  # 128 tokens < the 256-token threshold
-    assert w.start("c", TierHit(0, 0, read), PAGE)  # a count not known yet is waited for
+    assert not w.start("b", TierHit(0, 8, _read(pages=8)))  # 128 tokens < the 256-token threshold
+    assert w.start("c", TierHit(0, 0, read))  # a count not known yet is waited for
     read.status, read.num_pages = TaskStatus.DONE, 64
     assert w.ready("c") and w.pop_loaded("c") == (1024, 0) and w.pop_loaded("c") == (0, None)
     failed = _read()
-    assert w.start("d", TierHit(1, 16, failed), PAGE)
+    assert w.start("d", TierHit(1, 16, failed))
     failed.status = TaskStatus.FAILED
     assert w.ready("d") and w.counts.failed == 1 and w.pop_loaded("d") == (0, None)
     forever = PrefetchWaits(TierConfig(prefetch_policy="wait_complete"), clock=lambda: now[0])
-    assert forever.start("e", TierHit(0, 32, _read()), PAGE)
+    assert forever.start("e", TierHit(0, 32, _read()))
     now[0] = 1e9
     assert not forever.ready("e") and forever.pending
     forever.drop("e")
     assert not forever.pending and forever.counts.dropped == 1
-    assert not PrefetchWaits(TierConfig(prefetch_policy="best_effort")).start("f", TierHit(0, 32, _read()), PAGE)
+    assert not PrefetchWaits(TierConfig(prefetch_policy="best_effort")).start("f", TierHit(0, 32, _read()))
 
 
 def test_the_start_up_log_says_whether_a_request_waits():

@@ -37,7 +37,6 @@ __all__ = ["PrefetchWaits", "PrefetchCounts"]
 class _Wait:
     read: TierTask
     start_tokens: int  # the CPU-held prefix the read continues
-    page_size: int
     deadline: Optional[float] = None  # set at the first blocked admission round (timeout policy)
 
 
@@ -67,25 +66,23 @@ class PrefetchWaits:
         """Some request waits (the scheduler is not idle while one does)."""
         return bool(self._waits)
 
-    def __len__(self) -> int:
-        return len(self._waits)
-
-    def start(self, handle: Hashable, hit: TierHit, page_size: int) -> bool:
+    def start(self, handle: Hashable, hit: TierHit) -> bool:
         """The request ``handle`` was matched on arrival and ``hit`` is what the tiers hold of its prefix: hold it
         back for ``hit.read`` under the policy; True when it waits."""
         self._waits.pop(handle, None)
         self._loaded.pop(handle, None)
         if self.config.prefetch_policy == "best_effort" or hit.read is None or hit.read.done:
             return False
+        page_size = self.config.page_size
         tokens = hit.lower_pages * page_size  # 0 while the read's count is not known yet (a remote probe)
         if 0 < tokens < self.config.prefetch_threshold:
             return False
-        self._waits[handle] = _Wait(hit.read, hit.cpu_pages * page_size, page_size)
+        self._waits[handle] = _Wait(hit.read, hit.cpu_pages * page_size)
         return True
 
     def ready(self, handle: Hashable) -> bool:
-        """Whether the request may be admitted now (True for one that does not wait). The caller has drained the
-        tier's completions first, so a finished read's blocks are in the CPU index."""
+        """Whether the request may be admitted now (True for one that does not wait). A read is done once the tier
+        has finalized it, so a finished read's blocks are in the CPU index."""
         w = self._waits.get(handle)
         if w is None:
             return True
@@ -94,7 +91,7 @@ class PrefetchWaits:
             del self._waits[handle]
             if read.status is TaskStatus.DONE and read.num_pages:
                 self.counts.completed += 1
-                self._loaded[handle] = (read.num_pages * w.page_size, w.start_tokens)
+                self._loaded[handle] = (read.num_pages * self.config.page_size, w.start_tokens)
             else:
                 self.counts.failed += 1
             return True
@@ -102,7 +99,7 @@ class PrefetchWaits:
             now = self.clock()
             if w.deadline is None:
                 self.counts.waited += 1
-                w.deadline = now + self.config.prefetch_timeout_s(read.num_pages * w.page_size)
+                w.deadline = now + self.config.prefetch_timeout_s(read.num_pages * self.config.page_size)
             elif now >= w.deadline:
                 del self._waits[handle]
                 self.counts.timed_out += 1

@@ -569,13 +569,11 @@ class KVTierRadixCache(RadixCache):
         from a lower tier, the prefetch policy may hold the request back until it is done."""
         hit = self._reads.pop(handle, None)
         if hit is not None and not self.multi_rank:  # several ranks run no lower tier (the factory refuses it)
-            self.prefetch.start(handle, hit, self.page_size)
+            self.prefetch.start(handle, hit)
 
     def check_prefetch_progress(self, handle) -> bool:
-        """Whether the waiting request may be admitted this round (the scheduler skips it otherwise)."""
-        if not self.prefetch.pending:
-            return True
-        self._drain()  # a completed read's blocks enter the CPU index: the admission match finds them
+        """Whether the waiting request may be admitted this round (the scheduler skips it otherwise). The round's
+        ``check_hicache_events``, which SGLang calls before admission under the same flag, has drained the tier."""
         return self.prefetch.ready(handle)
 
     def pop_prefetch_loaded_span(self, handle) -> tuple[int, Optional[int]]:
