@@ -135,7 +135,8 @@ def run_idle_server(model, cfg, directory: str, admission: str, policy: str, arg
     shutil.rmtree(directory, ignore_errors=True)
     longest = max(args.prefix) + args.suffix + args.new_tokens
     kv_gb = longest * kv_bytes_per_token(model) / 2**30
-    tier = dict(ssd_admission=admission, prefetch_policy=policy, ssd_io_threads=args.ssd_io_threads)
+    tier = dict(ssd_admission=admission, prefetch_policy=policy, ssd_io_threads=args.ssd_io_threads,
+                prefetch_idle_poll_s=args.idle_poll_s)
     engine = Engine(model, EngineConfig(
         mode="kvtier_ssd", kv_tokens=-(-3 * longest // PAGE) * PAGE, page_size=PAGE, max_running_requests=2,
         max_context=longest + PAGE, host_gb=max(1 / 64, 2.5 * kv_gb), ssd_dir=directory, ssd_gb=max(1 / 16, 3 * kv_gb),
@@ -167,7 +168,8 @@ def run_idle_server(model, cfg, directory: str, admission: str, policy: str, arg
             cached.append(r.host_hit)
         s = engine.tier.stats()
         waits = engine.cache.prefetch.counts
-        rows.append({"dir": directory, "admission": admission, "policy": policy, "prefix": plen,
+        rows.append({"dir": directory, "admission": admission, "policy": policy, "idle_poll_s": args.idle_poll_s,
+                     "prefix": plen,
                      "recompute_ttft_ms": [x * 1e3 for x in rec], "ssd_ttft_ms": [x * 1e3 for x in ssd],
                      "cached_tokens": cached, "ratio": statistics.median(ssd) / statistics.median(rec),
                      "ssd_read_gbps": s["ssd_read_gbps"], "ssd_refused": s["ssd_refused"],
@@ -221,6 +223,8 @@ def main(argv=None) -> int:
     ap.add_argument("--idle-server", action="store_true",
                     help="an idle server through SGLang's scheduler objects (needs sglang) instead of the tier engine")
     ap.add_argument("--policy", default="timeout", help="--idle-server: the waiting policy measured")
+    ap.add_argument("--idle-poll-s", type=float, default=TierConfig.prefetch_idle_poll_s,
+                    help="--idle-server: prefetch_idle_poll_s (0: the scheduler spins while a request waits)")
     args = parse_ttft_args(ap, argv)
     cfg, model = model_for(args)
     dirs = [("disk", args.dir)] + ([("ram", args.ram_dir)] if args.ram_dir else [])

@@ -89,6 +89,10 @@ Keys (FlexKV-like; every key is optional, unknown keys are an error that names t
   ``prefetch_threshold``).
 * ``prefetch_timeout_base`` (float >= 0, default 1.0) and ``prefetch_timeout_per_ki_token`` (float >= 0, default
   0.25): the ``timeout`` policy's wait, in seconds (HiCache's names and SGLang 0.5.23's defaults).
+* ``prefetch_idle_poll_s`` (float >= 0, default 0.002): while requests wait for their reads and none holds device KV
+  (the scheduler has nothing to run), each scheduler round blocks up to this long for one of the reads instead of
+  returning to a loop that spins, which takes the GIL from the threads the reads run on; new arrivals are seen at
+  most this late. 0: never blocks.
 * ``metrics_port`` (int 0..65535 or null, default null): kvtier's own Prometheus endpoint,
   ``http://0.0.0.0:PORT/metrics`` (the process of rank r, its torch.distributed rank, serves on PORT + r); 0: a
   free port on every rank (logged); null: none. Under SGLang with
@@ -222,6 +226,7 @@ class TierConfig:
     prefetch_threshold: int = 256
     prefetch_timeout_base: float = 1.0
     prefetch_timeout_per_ki_token: float = 0.25
+    prefetch_idle_poll_s: float = 0.002
     metrics_port: int | None = None
     log_transfers: bool = True
 
@@ -302,7 +307,7 @@ class TierConfig:
             raise _error(f"prefetch_policy must be one of {list(PREFETCH_POLICIES)}, got {self.prefetch_policy!r}")
         if not is_int(self.prefetch_threshold) or self.prefetch_threshold < 0:
             raise _error(f"prefetch_threshold must be an int >= 0 (tokens), got {_got(self.prefetch_threshold)}")
-        for key in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token"):
+        for key in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_idle_poll_s"):
             v = getattr(self, key)
             if not _is_number(v) or v < 0:
                 raise _error(f"{key} must be a number >= 0 (seconds), got {_got(v)}")

@@ -36,8 +36,8 @@ class ToyJob:
     def done(self) -> bool:
         return self.given
 
-    def wait(self) -> None:
-        pass
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return True
 
     def seconds(self) -> Optional[float]:
         return 0.0

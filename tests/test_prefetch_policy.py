@@ -4,8 +4,10 @@ reaching an idle server with its prefix only on the SSD waits for its read under
 (``--enable-lmcache``), is admitted at its deadline when the read hangs, and never holds back the requests behind
 it. The SSD is real; its reads are held at a gate the test opens (a disk that answers late)."""
 
+import dataclasses
 import random
 import threading
+import time
 
 import pytest
 
@@ -126,6 +128,45 @@ def test_a_hung_read_admits_the_request_at_its_deadline_and_the_others_go_first(
     assert waiting.admitted_s - waiting.arrival_s >= 0.3
     counts = engine.cache.prefetch.counts
     assert (counts.waited, counts.timed_out, counts.completed) == (1, 1, 0)
+    engine.close()
+
+
+def test_an_idle_scheduler_blocks_for_the_read_instead_of_spinning(model, tmp_path, monkeypatch):
+    """With a request waiting for its read and none holding device KV, a scheduler round (``check_hicache_events``)
+    blocks up to ``prefetch_idle_poll_s`` for the read, returns as soon as the read's IO does, and does not block
+    while a request holds device KV (a batch to run)."""
+    engine, server, prefix = ssd_only_server(model, tmp_path, prefetch_policy="wait_complete", prefetch_idle_poll_s=0.3)
+    rng = random.Random(2)
+    server.run([Arrival([rng.randrange(1, 256) for _ in range(40)], 2)])  # a device node to lock later
+    reads = HeldReads(monkeypatch)
+    cache = engine.cache
+    try:
+        server.submit(Arrival(prefix + [7] * 5, 2))
+        (req,) = server.waiting
+        for _ in range(50):  # the read gets its CPU blocks in a round and reaches the (held) disk
+            cache.check_hicache_events()
+            if reads.started.wait(0.05):
+                break
+        assert reads.started.is_set() and not cache.check_prefetch_progress(req.cache_request_handle)
+
+        def round_s() -> float:
+            t = time.perf_counter()
+            cache.check_hicache_events()
+            return time.perf_counter() - t
+
+        assert 0.25 <= round_s() < 2.0  # blocked for the read, up to the bound
+        node = next(iter(cache.root_node.children.values()))
+        cache.inc_lock_ref(node)  # a request holds device KV: the round must not block
+        assert round_s() < 0.1
+        cache.dec_lock_ref(node)
+        cache.tier_config = dataclasses.replace(cache.tier_config, prefetch_idle_poll_s=20.0)
+        threading.Timer(0.2, reads.gate.set).start()
+        assert round_s() < 5.0  # returned when the read did, not at the bound
+        assert cache.check_prefetch_progress(req.cache_request_handle)  # and the read was finalized
+    finally:
+        reads.gate.set()
+    server.run([], timeout_s=30)
+    assert engine.cache.prefetch.counts.completed == 1
     engine.close()
 
 

@@ -66,6 +66,10 @@ class PrefetchWaits:
         """Some request waits (the scheduler is not idle while one does)."""
         return bool(self._waits)
 
+    def oldest_read(self) -> Optional[TierTask]:
+        """The read of the request that has waited longest and whose read is still running (None: none)."""
+        return next((w.read for w in self._waits.values() if not w.read.done), None)
+
     def start(self, handle: Hashable, hit: TierHit) -> bool:
         """The request ``handle`` was matched on arrival and ``hit`` is what the tiers hold of its prefix: hold it
         back for ``hit.read`` under the policy; True when it waits."""

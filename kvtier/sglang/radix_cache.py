@@ -530,6 +530,14 @@ class KVTierRadixCache(RadixCache):
         self._sync()
 
     def check_hicache_events(self) -> None:
+        """SGLang calls this once per scheduler round, before admission. With requests waiting for their reads and
+        none holding device KV (nothing to run), it first blocks up to ``prefetch_idle_poll_s`` for the oldest read:
+        the loop would otherwise spin and take the GIL from the IO threads the read runs on."""
+        poll_s = self.tier_config.prefetch_idle_poll_s
+        if poll_s > 0 and self.tier is not None and self.protected_size() == 0:
+            read = self.prefetch.oldest_read()
+            if read is not None:
+                self.tier.wait_progress(read, poll_s)
         self._drain()
 
     def evict(self, params: EvictParams) -> EvictResult:

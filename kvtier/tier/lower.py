@@ -93,8 +93,8 @@ class ReadJob(Protocol):
     def seconds(self) -> Optional[float]:
         """Its IO time, once done."""
 
-    def wait(self) -> object:
-        """Block until it has ended."""
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until it has ended, or at most ``timeout`` seconds; whether it has ended."""
 
 
 J = TypeVar("J", bound=ReadJob)  # a tier's read job

@@ -299,6 +299,20 @@ class KVTier(HostTier):
         return rec.task if rec is not None else task
 
     @synchronized
+    def wait_progress(self, task: TierTask, timeout_s: float) -> None:
+        """Block at most ``timeout_s`` until the lower-tier read ``task`` makes progress (its IO returns, or it wants
+        CPU blocks), this thread's hold on the tier let go of; nothing is finalized (the next :meth:`poll` does).
+        An engine with nothing to run waits here instead of spinning: the read's IO threads need the GIL."""
+        rec = self._record(task)
+        if rec is None or not rec.task.kind.reads_lower_tier:
+            return
+        job = cast(InsertRecord, rec).completion
+        if job.done() or job.awaiting_blocks():
+            return
+        with self.below.released():
+            job.wait(timeout_s)
+
+    @synchronized
     def wait_all(self) -> None:
         """Block until every in-flight copy has completed, and finalize them (``"ordered"``: only block)."""
         for rec in list(self._inflight.values()):

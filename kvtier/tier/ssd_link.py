@@ -73,9 +73,8 @@ class Promotion:
     def done(self) -> bool:
         return self.ended or (self.io is not None and self.io.done())
 
-    def wait(self) -> None:
-        if self.io is not None:
-            self.io.wait()
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self.io.wait(timeout) if self.io is not None else self.done()
 
     def seconds(self) -> Optional[float]:
         return None if self.io is None else self.io.io_seconds

@@ -77,8 +77,8 @@ class IoJob:
     def done(self) -> bool:
         return self._event.is_set()
 
-    def wait(self) -> None:
-        self._event.wait()
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._event.wait(timeout)
 
     def seconds(self) -> Optional[float]:
         return self.io_seconds
