@@ -95,6 +95,7 @@ class Plan:
     max_running: int
     chunk: int
     max_prefill: int
+    stop_at: float = float("inf")  # time.monotonic() past which no new (repeat, mode) run starts (--deadline-s)
 
 
 def gpu_plan(layers: int) -> Plan:
@@ -201,11 +202,14 @@ def each_mode(model, plan: Plan, modes: list, dirs: dict, repeats: int, log, out
               host_gb: float, max_context: int, body) -> None:
     """``body(engine, server, mode, rep)`` for every repeat and mode, the modes in an order rotated each repeat, a
     fresh engine each (warmed first); a mode that raises is recorded in ``out["errors"]`` with its traceback and
-    not run again."""
+    not run again; past ``plan.stop_at`` the runs not started are listed in ``out["not_run"]``."""
     failed = out.setdefault("errors", {})
     for rep in range(repeats):
         for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
             if mode in failed:
+                continue
+            if time.monotonic() > plan.stop_at:
+                out.setdefault("not_run", []).append(f"{mode} rep {rep}")
                 continue
             engine = None
             try:
@@ -448,6 +452,8 @@ def main(argv=None) -> int:
     ap.add_argument("--qps", default=None, help="swe pass-2 rates, comma-separated ('inf': all at once)")
     ap.add_argument("--multiturn", default=None, help="CLIENTS,ROUNDS,TURN_TOKENS (the plan's by default)")
     ap.add_argument("--distinct", type=int, default=None, help="distinct prompts (the plan's by default)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no new run after this many seconds (the JSON lists what did not run)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "serving.json"))
     args = ap.parse_args(argv)
     from kvtier.sglang.batch_server import CUDA_MODES, MODES
@@ -465,6 +471,8 @@ def main(argv=None) -> int:
         plan.mt_clients, plan.mt_rounds, plan.mt_turn = (int(x) for x in args.multiturn.split(","))
     if args.distinct:
         plan.distinct_prompts = args.distinct
+    if args.deadline_s is not None:
+        plan.stop_at = time.monotonic() + args.deadline_s
     if plan.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the gpu plan needs CUDA (--plan smoke runs on a CPU)")
     modes = args.modes.split(",") if args.modes else [m for m in MODES if m != "radix" and (
@@ -487,7 +495,7 @@ def main(argv=None) -> int:
     progress.plan(per_mode * len(modes) * args.repeats)
     model = build_model(plan)
     res: dict = {"env": env_info(), "plan": {k: (str(v) if isinstance(v, torch.dtype) else v)
-                                             for k, v in dataclasses.asdict(plan).items()},
+                                             for k, v in dataclasses.asdict(plan).items() if k != "stop_at"},
                  "modes": modes, "args": vars(args),
                  # UnifiedRadixCache's TreeCore (the Rust one needs the torch sglang was built for)
                  "sglang_tree_core": os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "rust")}
