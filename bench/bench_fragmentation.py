@@ -256,12 +256,10 @@ def _check_store(kv, host, layout, slots, ids, fn) -> None:
         raise AssertionError(f"a fragmented store differs from the reference ({layout})")
 
 
-def churn(convs: int, system_len: int, pool_blocks: int, steps: int, *, seed: int = 3, pool_cls=HostBlockPool,
-          tier_cls=KVTier, eviction_policy: str = "lru") -> dict:
-    """Serve a multi-turn workload through a tier whose pool is ``pool_blocks`` blocks; once the pool is full (no
-    free block, or a store evicted) record the run lengths of the host block ids each load and store sees, and the
-    pages the index already held of each request (hits). The pool is a ``pool_cls``, the tier a ``tier_cls``
-    evicting by ``eviction_policy``."""
+def churn(convs: int, system_len: int, pool_blocks: int, steps: int, *, seed: int = 3) -> dict:
+    """Serve a multi-turn workload through a tier whose pool is ``pool_blocks`` blocks (LRU eviction); once the pool
+    is full (no free block, or a store evicted) record the run lengths of the host block ids each load and store
+    sees, and the pages the index already held of each request (hits)."""
     from kvtier.e2e.workloads import multi_turn
 
     geo = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=64, dtype=torch.bfloat16, page_size=16)
@@ -270,8 +268,8 @@ def churn(convs: int, system_len: int, pool_blocks: int, steps: int, *, seed: in
                                turns=(3, 8))
     longest = max(len(c.system) + sum(len(u) + 32 for u in c.user_turns) for c in conversations)  # with the replies
     kv = make_pool(geo, 2 * longest + 64, device)
-    pool = pool_cls(geo, pool_blocks, layout="layer_first")
-    tier = tier_cls(kv, TierConfig(page_size=16, cpu_cache_gb=1.0, eviction_policy=eviction_policy), pool=pool)
+    pool = HostBlockPool(geo, pool_blocks, layout="layer_first")
+    tier = KVTier(kv, TierConfig(page_size=16, cpu_cache_gb=1.0, eviction_policy="lru"), pool=pool)
     slots = torch.arange(longest + 16, dtype=torch.int64, device=device)
     loads, stores, fill = [], [], None
     hits = {"all": [0, 0], "full": [0, 0]}  # [pages held, pages asked]

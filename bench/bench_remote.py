@@ -167,7 +167,6 @@ class Bench:
         self.name = layout + (f":{variant}" if variant else "")
         self.V = ALIGN + geo.block_bytes  # value bytes: header + block
         self.batch = max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // geo.block_bytes))
-        self.n_max = max_blocks
         # Pools of 2x the largest prefix: a put queue holds up to half the pool, a fetch takes up to half of it.
         saved = remote_tier.STAGE_RANGES
         if variant == "zero_copy":
@@ -180,7 +179,6 @@ class Bench:
         finally:
             remote_tier.STAGE_RANGES = saved
         self.staged = self.a.lower_tier("remote").medium.staged
-        t = time.perf_counter()
         rng = np.random.default_rng(7)
         flat = self.a.pool.host.view(-1).view(torch.uint8).numpy()
         step = 256 * MiB
@@ -193,7 +191,6 @@ class Bench:
             rc = stores.raw.register_buffer(buf.ctypes.data, buf.nbytes)
             if rc != 0:
                 raise RuntimeError(f"register_buffer failed ({rc})")
-        self.fill_s = time.perf_counter() - t
         # the ranges kvtier hands Mooncake for a block of this cell, as sizes in value order
         rows = self.a.pool.block_rows(0)
         self.range_sizes = [self.V] if self.staged else [ALIGN] + [n for _, n in _ranges(rows)]

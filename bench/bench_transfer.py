@@ -100,14 +100,12 @@ class Setup:
         return self.host_bytes[:n].view(self.geo.dtype).view(shape)
 
 
-def method_fns(s: Setup, tokens: int, layout: str, to_host: bool, hicache, gen: torch.Generator,
-               contiguous_blocks: bool = False) -> dict:
+def method_fns(s: Setup, tokens: int, layout: str, to_host: bool, hicache, gen: torch.Generator) -> dict:
     """name -> (fn, bytes) moving ``tokens`` tokens of layer 0 in one direction."""
     geo, kv = s.geo, s.kv
     pages = tokens // geo.page_size
     slots = random_slots(pages, geo.page_size, s.num_slots, generator=gen)
-    blocks = (torch.arange(pages) if contiguous_blocks else torch.randperm(s.num_blocks, generator=torch.Generator()
-              .manual_seed(pages))[:pages]).to(torch.int64)
+    blocks = torch.randperm(s.num_blocks, generator=torch.Generator().manual_seed(pages))[:pages].to(torch.int64)
     blocks_dev = blocks.cuda()
     host = s.host(layout)
     nbytes = tokens * geo.row_bytes * geo.kv_count
@@ -120,7 +118,7 @@ def method_fns(s: Setup, tokens: int, layout: str, to_host: bool, hicache, gen: 
     sop = staged.store if to_host else staged.load
     contig = torch.arange(pages, dtype=torch.int64)
     fns["kvtier_staged_contig"] = (lambda: sop(slots, contig, layers=0, check=False), nbytes)
-    if pages <= 1024 and not contiguous_blocks:  # random blocks: one copy per block; host-bound beyond
+    if pages <= 1024:  # random blocks: one copy per block; host-bound beyond
         fns["kvtier_staged_random"] = (lambda: sop(slots, blocks, layers=0, check=False), nbytes)
     # torch: gather into a device buffer, one copy to pinned host (and the reverse), layer 0's buffers
     bufs = kv.layer_buffers(0)

@@ -12,7 +12,6 @@ from typing import Callable, Optional
 
 import torch
 
-from bench.progress import plan as progress_plan, step as progress_step  # noqa: F401  (kvtier bench's bar)
 from kvtier.geometry import KVGeometry
 from kvtier.kernels import PagedKV
 
@@ -164,13 +163,6 @@ def env_info() -> dict:
     except Exception:
         info["cupy"] = None
     return info
-
-
-def finish_probe(res: dict, pool, out: str, t0: float) -> None:
-    """A probe's end: free its host pool, note its seconds since ``t0`` and write ``res`` to ``out``."""
-    pool.destroy()
-    res["seconds"] = time.time() - t0
-    write_json(out, res)
 
 
 def write_json(path: str, obj: dict) -> None:
