@@ -26,20 +26,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import json
 import os
 import statistics
 import sys
 import time
+import traceback
 from typing import Optional
 
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import env_info, write_json  # noqa: E402
+from bench.common import ROOT, env_info, png_beside, pyplot, read_json, save_png, write_json  # noqa: E402
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.e2e.model import PagedDecoder, qwen3_config  # noqa: E402
 from kvtier.e2e.workloads import fixed_prefix, long_prompts, multi_turn  # noqa: E402
@@ -347,8 +348,6 @@ def _memory() -> str:
 
 
 def _free_gpu() -> None:
-    import gc
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -423,11 +422,7 @@ def _summarize_fixed(s: dict, cells: list) -> None:
 
 
 def plot(path: str, summary: dict, long_rows: list) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     modes = ("recompute", "device", "kvtier_whole", "kvtier_layerwise")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     cells = summary["fixed_cells"]
@@ -448,8 +443,7 @@ def plot(path: str, summary: dict, long_rows: list) -> None:
     ax2.set_ylabel("fraction of prompts")
     ax2.set_title(f"{len(long_rows) // len(modes)} long prompts, pass 2, {summary['long_layers']} layers")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 def try_plot(path: str, summary: dict, long_rows: list, result_path: str) -> None:
@@ -463,12 +457,7 @@ def merge(paths: list, out: str) -> int:
     """Merge result files of separate runs of this script (one per workload set: a device machine runs at most
     10 minutes a command) into ``out``; every figure in the summary comes from rows and cells of one run, whose
     copy-engine bound is its own (``runs`` lists each run's workloads, bound and environment)."""
-    import json
-
-    parts = []
-    for path in paths:
-        with open(path) as f:
-            parts.append(json.load(f))
+    parts = [read_json(path) for path in paths]
     plans = {json.dumps(p["plan"], sort_keys=True) for p in parts}
     if len(plans) != 1:
         raise SystemExit(f"{paths}: the runs used different plans; merge only runs of one plan")
@@ -492,7 +481,7 @@ def merge(paths: list, out: str) -> int:
     write_json(out, result)
     print_summary(summary)
     if cells and pick("long"):
-        try_plot(os.path.splitext(out)[0] + ".png", summary, pick("long"), out)
+        try_plot(png_beside(out), summary, pick("long"), out)
     print(f"merged {len(paths)} runs into {out}")
     return 1 if result["failed"] else 0
 
@@ -523,12 +512,8 @@ def main(argv=None) -> int:
     if args.merge:
         return merge(args.merge, args.out)
     if args.plot:
-        import json
-
-        with open(args.plot) as f:
-            res = json.load(f)
-        long_rows = [r for r in res["rows"] if r["workload"] == "long"]
-        plot(os.path.splitext(args.plot)[0] + ".png", res["summary"], long_rows)
+        res = read_json(args.plot)
+        plot(png_beside(args.plot), res["summary"], [r for r in res["rows"] if r["workload"] == "long"])
         return 0
     plan = smoke_plan() if args.smoke else gpu_plan(args.long_layers)
     if args.page_size is not None:
@@ -550,8 +535,6 @@ def main(argv=None) -> int:
         try:
             return fn(*a)
         except Exception:
-            import traceback
-
             traceback.print_exc()
             failed.append(name)
             return None
@@ -585,7 +568,7 @@ def main(argv=None) -> int:
               "seconds": time.time() - t0}
     write_json(args.out, result)
     if long_rows and cells:
-        try_plot(os.path.splitext(args.out)[0] + ".png", summary, long_rows, args.out)
+        try_plot(png_beside(args.out), summary, long_rows, args.out)
     print_summary(summary)
     print(f"wrote {args.out} in {time.time() - t0:.0f} s" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0

@@ -24,7 +24,6 @@ Run: ``bash tests/gpu_sglang.sh exec python3 bench/bench_fragmentation.py --out 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,12 +31,10 @@ import time
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (env_info, gemm_beside, host_us_per_call, make_pool, random_slots,  # noqa: E402
-                          time_in_rounds, write_json)
+from bench.common import (ROOT, env_info, gemm_beside, host_us_per_call, make_pool, random_slots,  # noqa: E402
+                          png_beside, pyplot, read_json, save_png, time_in_rounds, write_json)
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import DirectCopy, StagedTransfer, copy_pages_ref, load_pages, store_pages  # noqa: E402
@@ -116,8 +113,7 @@ def _cases(args):
 def resummarize(args, path: str) -> dict:
     """Recompute ``auto``'s picks and the summary of a committed run from its rows, by the policy of this checkout
     (the rows measure every path; which one auto takes is the policy's): tuning the policy needs no GPU run."""
-    with open(path) as f:
-        res = json.load(f)
+    res = read_json(path)
     geo = _transfer_geometry(args)
     res["auto"] = {}
     for layout, tokens, run, ids in _cases(args):
@@ -368,9 +364,7 @@ def summarize(res: dict) -> dict:
 def plot(res: dict, path: str) -> None:
     """One panel per host layout: what ``auto`` picks for a whole load, a layerwise load and a store, its GPU time over
     the one-run time of the same kind, by run length R, 1k and 8k tokens; the path picked is written at each point."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     gpu = {(r["layout"], r["tokens"], r["run"], r["op"], r["path"]): r["gpu_ms"] for r in res["rows"]}
     runs = [r for r in res["runs"] if r] + [0]
     layouts = list(res["auto"])
@@ -392,9 +386,7 @@ def plot(res: dict, path: str) -> None:
         ax.set_title(f"{layout}: auto's pick, GPU time over one run", fontsize=9)
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("time / one-run time (target <= 1.10)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_png(fig, path, dpi=130)
 
 
 def main(argv=None) -> int:
@@ -406,8 +398,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a run's JSON (next to it)")
     args = ap.parse_args(argv)
     if args.plot:
-        with open(args.plot) as f:
-            plot(json.load(f), os.path.splitext(args.plot)[0] + ".png")
+        plot(read_json(args.plot), png_beside(args.plot))
         return 0
     if args.smoke:
         args.layers, args.heads, args.head_dim, args.tokens, args.reps, args.host_reps = 2, 1, 64, (64, 256), 1, 1
@@ -435,7 +426,7 @@ def main(argv=None) -> int:
     res["summary"] = summarize(res)
     res["seconds"] = time.time() - t0
     write_json(args.out, res)
-    plot(res, os.path.splitext(args.out)[0] + ".png")
+    plot(res, png_beside(args.out))
     for k, v in res["summary"].items():
         print(f"{k}: {v}")
     print(f"wrote {args.out} in {res['seconds']:.0f} s")

@@ -33,14 +33,12 @@ import sys
 import time
 import warnings
 from array import array
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import ROOT, command, machine, pyplot, save_png, write_json  # noqa: E402
 from kvtier.config import default_tokens_per_block  # noqa: E402
 from kvtier.index import PageTrie  # noqa: E402
 
@@ -249,7 +247,7 @@ def compile_times():
             "print(t1-t, time.perf_counter()-t1)")
     out = {}
     for label, env in (("no_cache", {"KVTIER_NUMBA_CACHE": "0"}), ("cache_fill", {}), ("cached", {})):
-        e = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+        e = dict(os.environ, PYTHONPATH=ROOT, **env)
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, cwd=ROOT)
         imp, first = (float(x) for x in r.stdout.split())
         out[label] = {"import_s": imp, "first_calls_s": first}
@@ -293,7 +291,7 @@ def memory_10m(pages=10_000_000, page=16, seq_pages=4096, seed=3):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/index_cpu.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "index_cpu.json"))
     ap.add_argument("--mem-pages", type=int, default=10_000_000)
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--no-plot", action="store_true")
@@ -383,15 +381,13 @@ def main():
         "sglang_insert_us": mt.get("sglang_radix", {}).get("insert_us_median"),
     }
     out = {"summary": summary, "compile": comp, "memory": mem, "results": results, "versions": versions,
-           "notes": notes, "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
-           "command": " ".join([Path(sys.executable).as_posix()] + sys.argv)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+           "notes": notes, "machine": machine(), "command": command()}
+    write_json(args.out, out)
     print(json.dumps(summary, indent=1))
     print(table(results))
     if not args.no_plot:
         try:
-            plot(results, Path(args.out).with_suffix(".png").with_name("index_cpu.png"))
+            plot(results, os.path.join(os.path.dirname(args.out), "index_cpu.png"))
         except Exception as e:  # matplotlib missing: the JSON is the result
             print("plot skipped:", e)
 
@@ -433,9 +429,7 @@ def table(results):
 
 
 def plot(results, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     keys = list(results)
     libs = [lib for lib in ("kvtier", "sglang_radix", "sglang_unified_rust") if lib in results[keys[0]]]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
@@ -448,9 +442,7 @@ def plot(results, path):
         ax.set_yscale("log")
         ax.set_title(title + " (median, log scale)")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print("wrote", path)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import env_info, write_json  # noqa: E402
+from bench.common import env_info, make_pool, sm_clock_hz, write_json  # noqa: E402
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import PagedKV, StagedTransfer, Tuning  # noqa: E402
@@ -239,15 +239,7 @@ def bench_new_tokens(m: Model, geo: KVGeometry, device: str, prefix_tokens: int,
                      layout: str = "layer_first") -> dict:
     P = geo.page_size
     pages = prefix_tokens // P
-    new_pages = -(-new_tokens // P)
-    num_slots = (2 * pages + new_pages + 1) * P
-    bufs = []
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    for _ in range(2 * geo.num_layers):
-        b = torch.empty(geo.device_shape(num_slots), dtype=geo.dtype, device=device)
-        b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
-        bufs.append(b)
-    kv = PagedKV.mha(bufs[0::2], bufs[1::2], page_size=P)
+    kv = make_pool(geo, (2 * pages + -(-new_tokens // P) + 1) * P, device)
     pool_gb = 2 * pages * geo.block_bytes / GiB + 0.01
     cfg = TierConfig(cpu_cache_gb=pool_gb, page_size=P, host_layout=layout,
                      transfer_mode=transfer_mode)
@@ -351,22 +343,18 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.dry
     if not cuda and not args.dry:
         sys.exit("no CUDA device: run with --dry for a CPU smoke test")
-    m = QWEN3_8B if not args.dry else DRY
-    page = 16 if not args.dry else 2
-    prefix = args.prefix_tokens if not args.dry else 8
-    news = [int(x) for x in args.new_tokens.split(",")] if not args.dry else [4]
-    reps = args.reps if not args.dry else 1
+    if args.dry:
+        args.prefix_tokens, args.new_tokens, args.reps = 8, "4", 1
+    m, page = (DRY, 2) if args.dry else (QWEN3_8B, 16)
+    prefix, reps = args.prefix_tokens, args.reps
+    news = [int(x) for x in args.new_tokens.split(",")]
     device = "cuda" if cuda else "cpu"
     geo = KVGeometry(num_layers=m.num_layers, num_kv_heads=m.kv_heads, head_dim=m.head_dim,
-                     dtype=torch.bfloat16 if not args.dry else torch.float16, page_size=page)
-    spin = 0
-    if cuda:
-        props = torch.cuda.get_device_properties(0)
-        spin = int(args.spin_ms * 1e-3 * getattr(props, "clock_rate", 1_980_000) * 1e3)
-    results = {"env": env_info(), "config": {"model": dataclasses.asdict(m) | {"dtype": str(m.dtype)},
-                                             "page_size": page, "layout": args.layout,
-                                             "prefix_tokens": prefix, "reps": reps,
-                                             "dry": args.dry}, "runs": []}
+                     dtype=torch.float16 if args.dry else torch.bfloat16, page_size=page)
+    spin = int(args.spin_ms * 1e-3 * sm_clock_hz()) if cuda else 0
+    results = {"env": env_info(), "runs": [],
+               "config": {"model": dataclasses.asdict(m) | {"dtype": str(m.dtype)}, "page_size": page,
+                          "layout": args.layout, "prefix_tokens": prefix, "reps": reps, "dry": args.dry}}
     runs = [(mode, ()) for mode in args.modes.split(",")]
     runs += [(runs[0][0], tuple(int(x) for x in c.split(":"))) for c in args.staged_configs.split(",") if c]
     for n in news:

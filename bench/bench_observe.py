@@ -31,12 +31,10 @@ import urllib.request
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import progress  # noqa: E402
-from bench.common import env_info, make_pool, write_json  # noqa: E402
+from bench.common import ROOT, call_us, env_info, make_pool, write_json  # noqa: E402
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.observe.metrics import TierMetrics, serve  # noqa: E402
@@ -118,11 +116,7 @@ def run(args) -> dict:
                                             for key in keys} for i in (0, 1)} for name, rs in runs.items()}
     metrics = watchers[0][1]
     _watch(tiers[0], watchers[0], (0, 1), True)
-    scrape = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        metrics.sync()
-        scrape.append((time.perf_counter() - t0) * 1e6)
+    scrape = call_us(metrics.sync, 20)
     with urllib.request.urlopen(f"http://127.0.0.1:{watchers[0][2].server_port}/metrics", timeout=10) as r:
         exposition = r.read().decode()
     assert "kvtier_transfer_tokens_total" in exposition

@@ -47,33 +47,26 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
-import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake's INFO lines off; its warnings (queue-full, failures) stay
 
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import (ROOT, SkipCopies, call_us, command, kill, machine, png_beside, pyplot, read_json,  # noqa: E402
+                          save_png, write_json)
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.index import page_hashes  # noqa: E402
-from kvtier.storage.block_format import ALIGN  # noqa: E402
-from kvtier.tier import HostBlockPool, KVTier  # noqa: E402
-from kvtier.tier.executor import ImmediateExecutor  # noqa: E402
-from kvtier.tier import remote_tier  # noqa: E402
-from kvtier.storage.block_format import BlockHeader, pack_block_header  # noqa: E402
+from kvtier.storage.block_format import ALIGN, BlockHeader, pack_block_header  # noqa: E402
+from kvtier.tier import HostBlockPool, KVTier, remote_tier  # noqa: E402
 from kvtier.tier.remote_tier import BATCH_BYTES, MAX_BATCH_BLOCKS, _checksum, _ranges  # noqa: E402
 from tests.kv_helpers import make_kv  # noqa: E402
 from tests.mooncake_master import Master  # noqa: E402
@@ -91,14 +84,6 @@ rc = s.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "",
 print("ready" if rc == 0 else f"failed {rc}", flush=True)
 sys.stdin.read()  # until the bench closes the pipe or kills this process
 """
-
-
-class SkipStoreCopy(ImmediateExecutor):
-    """CPU executor whose store copies (D2H) are skipped: the host blocks keep the bytes they hold; loads run."""
-
-    def run(self, name, fn, own_stream=False):
-        if name != "store":
-            super().run(name, fn, own_stream)
 
 
 @dataclasses.dataclass
@@ -129,7 +114,7 @@ class Stores:
             return cls(master, holder, raw)
         except BaseException:
             if holder is not None:
-                _kill(holder)
+                kill(holder)
             master.kill()
             raise
 
@@ -137,14 +122,8 @@ class Stores:
         try:
             self.raw.close()
         finally:
-            _kill(self.holder)
+            kill(self.holder)
             self.master.kill()
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
 
 
 def med(xs):
@@ -206,7 +185,7 @@ class Bench:
                          remote_timeout_s=a.remote_timeout_s, remote_admission="always",
                          remote_key_prefix=f"bench-{self.name.replace(':', '-')}")
         pool = HostBlockPool(geo, num_blocks, layout=self.layout)
-        return KVTier(kv, cfg, pool=pool, executor=SkipStoreCopy() if skip_store_copy else None,
+        return KVTier(kv, cfg, pool=pool, executor=SkipCopies(skip=("store",)) if skip_store_copy else None,
                       model_identity=IDENTITY)
 
     def close(self) -> None:
@@ -333,12 +312,7 @@ class Bench:
         out = {}
         for name, fn in fns.items():
             fn()
-            ts = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t)
-            out[name] = med(ts) * 1e6
+            out[name] = med(call_us(fn, reps))
         per_block = out["checksum_block"] + out["header_pack"] + out["key"] + (
             out["staging_copy"] if self.staged else out["ranges"])
         out["put_path_us_per_block"] = per_block  # the get path: the same with the header unpacked instead
@@ -426,9 +400,7 @@ class Bench:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     cells = list(res["cells"])
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.4), gridspec_kw={"width_ratios": [2.2, 1]})
     ax = axes[0]
@@ -467,9 +439,7 @@ def plot(res: dict, path: str) -> None:
                      fontsize=9)
         ax.set_ylim(0, 1.25 * max(max(h["kvtier_ms"], h["raw_get_ms"]) for _, h in hits))
     ax.legend(fontsize=7, loc="upper center", ncol=1)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print("wrote", path)
+    save_png(fig, path)
 
 
 def summarize(res: dict) -> dict:
@@ -556,18 +526,17 @@ def _run_children(args, argv_of) -> dict:
             cmd = [sys.executable, os.path.abspath(__file__), *argv_of(i), "--runs", "1", "--no-plot", "--out", out]
             print(f"run {i + 1}/{args.runs}: {' '.join(cmd[2:])}", flush=True)
             subprocess.run(cmd, check=True)
-            runs.append(json.loads(Path(out).read_text()))
+            runs.append(read_json(out))
     return merge_runs(runs)
 
 
 def _write(res: dict, args, took: str) -> None:
     """The JSON at ``args.out`` and, unless ``--no-plot``, its PNG beside it."""
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     print(f"wrote {args.out} ({took})")
     if not args.no_plot:
         try:
-            plot(res, os.path.splitext(args.out)[0] + ".png")
+            plot(res, png_beside(args.out))
         except Exception as e:  # matplotlib missing: the JSON is the result
             print("plot skipped:", e)
 
@@ -597,7 +566,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON (next to it)")
     args = ap.parse_args(argv)
     if args.plot:
-        plot(json.loads(Path(args.plot).read_text()), os.path.splitext(args.plot)[0] + ".png")
+        plot(read_json(args.plot), png_beside(args.plot))
         return 0
     if args.runs < 1:
         ap.error("--runs must be at least 1")
@@ -608,8 +577,7 @@ def main(argv=None) -> int:
                 keep["hit_tokens"] = 0
             return [a for k, v in keep.items() for a in (f"--{k.replace('_', '-')}", str(v))]
         res = _run_children(args, argv_of)
-        res["command"] = " ".join([Path(sys.executable).as_posix()] + [shlex.quote(a) for a in sys.argv])
-        res["args"] = vars(args)
+        res["command"], res["args"] = command(), vars(args)
         print(json.dumps({k: v for k, v in res["summary"].items() if "/" not in k}, indent=1))
         _write(res, args, f"{res['seconds']:.0f} s in {args.runs} runs")
         return 0
@@ -621,7 +589,7 @@ def main(argv=None) -> int:
     res = {"summary": {}, "method": {
         "topology": "one mooncake_master and one segment-holder process (the store's only segment) on 127.0.0.1; "
                     "kvtier instances A, B and the raw client mount no segment: every value crosses loopback TCP",
-        "kvtier_put": "A.store of fresh blocks (D2H skipped: SkipStoreCopy; the pool holds random bytes) -> "
+        "kvtier_put": "A.store of fresh blocks (D2H skipped: SkipCopies; the pool holds random bytes) -> "
                       "A.wait (finalize: index insert, RemoteLink.entered submits the put job) -> "
                       "A.lower_tier('remote').drain(wait=True) until no put is pending; gbps = blocks put x value "
                       "bytes / that wall time (the summary's figure: it counts everything the tier adds). "
@@ -645,14 +613,14 @@ def main(argv=None) -> int:
         "zero_copy": "a ':zero_copy' cell builds the tier with remote_tier.STAGE_RANGES out of reach: every block "
                      "is handed to Mooncake in its own ranges (the tier before staging)",
         "staged": "a ':staged' cell builds the tier with remote_tier.STAGE_RANGES at 0: every block is staged"},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
+        "machine": machine(),
         "geometry": {"num_layers": geo.num_layers, "num_kv_heads": geo.num_kv_heads, "head_dim": geo.head_dim,
                      "dtype": "float16", "block_tokens": geo.page_size, "block_bytes": geo.block_bytes,
                      "value_bytes": ALIGN + geo.block_bytes,
                      "batch_blocks": max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // geo.block_bytes))},
         "mooncake_env": {k: os.environ.get(k) for k in MC_ENV},
         "args": vars(args),
-        "command": " ".join([Path(sys.executable).as_posix()] + [shlex.quote(a) for a in sys.argv]),
+        "command": command(),
         "cells": {}}
     try:
         from importlib.metadata import version

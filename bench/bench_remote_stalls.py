@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import signal
 import subprocess
@@ -44,7 +43,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's INFO and WARNING lines off (a chaos run logs plenty)
@@ -52,15 +50,12 @@ os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's INFO and WARNING li
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import ROOT, SkipCopies, command, kill, machine, send_signal, write_json  # noqa: E402
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
-from kvtier.tier import HostBlockPool, KVTier  # noqa: E402
-from kvtier.tier import remote_tier  # noqa: E402
-from kvtier.tier.executor import ImmediateExecutor  # noqa: E402
+from kvtier.tier import HostBlockPool, KVTier, remote_tier  # noqa: E402
 from tests.kv_helpers import make_kv  # noqa: E402
 from tests.mooncake_master import Master  # noqa: E402
 
@@ -69,13 +64,6 @@ IDENTITY = {"model": "bench-remote-stalls", "revision": "0", "tp_rank": 0, "tp_s
 PAGES = 8  # pages (= blocks) of every prefix
 HEARTBEAT_S = 0.005
 SLACK_S = 0.5  # the hung-master target's slack over remote_timeout_s
-
-
-class SkipCopies(ImmediateExecutor):
-    """CPU executor whose copies are skipped: host blocks and device slots keep the bytes they hold."""
-
-    def run(self, name, fn, own_stream=False):
-        pass
 
 
 def make_tier(master: Optional[str], timeout_s: float, num_blocks: int = 128, prefix: str = "stalls",
@@ -330,7 +318,7 @@ class Cluster:
     def heal(self) -> None:
         """Everything running again: stopped processes resumed, dead ones restarted."""
         for pid in list(self.stopped):
-            _signal(pid, signal.SIGCONT)
+            send_signal(pid, signal.SIGCONT)
         self.stopped.clear()
         if self.master.proc is None or self.master.proc.poll() is not None:
             self.master.start()
@@ -353,40 +341,26 @@ class Cluster:
         elif what == "stop_peer" and self.peers:
             self._stop_for(self.peers[j].pid, hold, stop_event)
         elif what == "kill_peer" and self.peers:
-            _kill(self.peers[j])
+            kill(self.peers[j])
             self.start_peer(j)  # ready in the background: it builds its tier meanwhile
         return what
 
     def _stop_for(self, pid: int, seconds: float, stop_event: threading.Event) -> None:
-        _signal(pid, signal.SIGSTOP)
+        send_signal(pid, signal.SIGSTOP)
         self.stopped.add(pid)
         stop_event.wait(seconds)
-        _signal(pid, signal.SIGCONT)
+        send_signal(pid, signal.SIGCONT)
         self.stopped.discard(pid)
 
     def close(self) -> None:
         for pid in list(self.stopped):
-            _signal(pid, signal.SIGCONT)
+            send_signal(pid, signal.SIGCONT)
         for p in self.peers + self.burners:
             if p is not None:
-                _kill(p)
+                kill(p)
         if self.master.proc is not None:
             self.master.resume()
         self.master.kill()
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _kill(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        _signal(p.pid, signal.SIGCONT)
-        _signal(p.pid, signal.SIGKILL)
-        p.wait(timeout=10)
 
 
 def _readline(p: subprocess.Popen, timeout_s: float) -> str:
@@ -523,9 +497,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     t0 = time.monotonic()
-    res: dict = {"command": " ".join([Path(sys.executable).name] + sys.argv), "args": vars(args),
-                 "machine": {"description": args.machine, "cpus": os.cpu_count(), "platform": platform.platform(),
-                             "python": platform.python_version(), "loadavg_start": os.getloadavg()}}
+    res: dict = {"command": command(), "args": vars(args),
+                 "machine": {"description": args.machine, **machine(), "loadavg_start": os.getloadavg()}}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-stalls-") as d:
         if "hung" in parts:
             res["hung_master"] = run_hung(args, d)
@@ -541,9 +514,7 @@ def main(argv=None) -> int:
                   flush=True)
     res["machine"]["loadavg_end"] = os.getloadavg()
     res["seconds"] = round(time.monotonic() - t0, 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"wrote {args.out}")
+    write_json(args.out, res, say=True)
     return 0
 
 

@@ -27,9 +27,7 @@ import tempfile
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_ssd_ttft import capture, kv_bytes_per_token, make_engine, model_for, parse_ttft_args  # noqa: E402
 from bench.common import env_info, write_json  # noqa: E402

@@ -31,7 +31,6 @@ import functools
 import gc
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -42,10 +41,10 @@ import time
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import progress  # noqa: E402
+from bench.common import ROOT, machine, read_json, write_json  # noqa: E402
 from kvtier.storage import Block, SsdStore, fingerprint  # noqa: E402
 from kvtier.storage.ssd_store import FILE_NAME  # noqa: E402
 from kvtier.storage.aligned_io import aligned as _aligned  # noqa: E402
@@ -54,7 +53,6 @@ from kvtier.tier.slot_index import SlotIndex  # noqa: E402
 from kvtier.tier.ssd_tier import SsdTier  # noqa: E402
 from kvtier.tier import HostBlockPool  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
-from bench import progress  # noqa: E402
 
 MiB = 1 << 20
 TOKENS, PLANES = 16, 36 * 2  # a block: 16 tokens; a page per (layer, K/V) of 8 KV heads x 128 x bf16 each
@@ -297,7 +295,7 @@ def main(argv=None) -> int:
     if args.only_recovery:
         return merge_recovery(args)
     progress.plan(((len(RAW_PATTERNS) + len(args.layouts)) * args.reps + 1) * (2 if args.ram_dir else 1))
-    res = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "block_bytes": BLOCK_BYTES,
+    res = {"machine": machine(), "block_bytes": BLOCK_BYTES,
            "args": vars(args), "disk": measure(args.dir, args)}
     if args.ram_dir:
         res["ram"] = measure(args.ram_dir, args)
@@ -310,8 +308,7 @@ def main(argv=None) -> int:
     if "ram" in res:
         res["summary"].update(ram_write_over_raw=res["ram"]["write_over_raw"],
                               ram_read_over_raw=res["ram"]["read_over_raw"])
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(args.out, res)
     print(json.dumps(res["summary"], indent=1))
     return 0
 
@@ -319,16 +316,14 @@ def main(argv=None) -> int:
 def merge_recovery(args) -> int:
     """``--only-recovery``: the recovery sections of ``--out``'s disk measurement, measured again."""
     progress.plan(1)
-    with open(args.out) as f:
-        res = json.load(f)
+    res = read_json(args.out)
     add_recovery(res["disk"], args.dir, args)
     d = res["disk"]
     res["summary"].update(recovery_s_per_million_blocks=d["recovery_s_per_million_blocks"],
                           recovery_headers_s_per_million_blocks=d["recovery_headers_s_per_million_blocks"])
     res["recovery_args"] = {"dir": args.dir, "blocks": args.recovery_blocks, "reps": args.reps,
                             "io_threads": args.io_threads}
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(args.out, res)
     print(json.dumps({k: v for k, v in res["summary"].items() if k.startswith("recovery")}, indent=1))
     return 0
 

@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (env_info, gbps, gemm_beside, host_us_per_call, make_pool, random_slots, time_gpu_ms,  # noqa: E402
-                          write_json)
+from bench.common import (env_info, gbps, gemm_beside, host_us_per_call, make_pool, png_beside, pyplot,  # noqa: E402
+                          random_slots, save_png, time_gpu_ms, write_json)
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import StagedTransfer, Tuning, copy_pages_ref, load_pages, store_pages  # noqa: E402
 
@@ -590,9 +590,7 @@ def plot(res: dict, path: str) -> None:
     for name in [m for m in sys.modules if m.split(".")[0] in _STUB]:
         del sys.modules[name]  # stubs from load_hicache confuse matplotlib's IPython hook
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _StubFinder)]
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     rows = [r for r in res.get("sizes", []) if r["geometry"] == "qwen3_8b" and r["page"] == 16
             and r["layout"] == "layer_first"]
     if not rows:
@@ -608,8 +606,7 @@ def plot(res: dict, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("GB/s")
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 def main() -> None:
@@ -656,7 +653,7 @@ def main() -> None:
             write_json(args.out, res)
     res["summary"] = summarize(res)
     write_json(args.out, res)
-    plot(res, os.path.splitext(args.out)[0] + ".png")
+    plot(res, png_beside(args.out))
     print("SUMMARY", res["summary"], flush=True)
 
 

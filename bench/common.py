@@ -1,19 +1,25 @@
-"""Shared helpers for the GPU benchmarks: CUDA-event timing, setup of paged KV pools and host blocks."""
+"""Shared helpers of the benchmarks: CUDA-event timing, paged KV pools, the run's environment, JSON and PNG output."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import shlex
+import signal
 import statistics
+import subprocess
 import sys
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from kvtier.geometry import KVGeometry
 from kvtier.kernels import PagedKV
+from kvtier.tier.executor import ImmediateExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def time_gpu_ms(fn: Callable[[], Optional[object]], reps: int = 20, warmup: int = 3,
@@ -24,7 +30,7 @@ def time_gpu_ms(fn: Callable[[], Optional[object]], reps: int = 20, warmup: int 
     Before each rep the GPU spins for ``hide_host_us`` so that the host has queued the rep's launches before the
     start event fires: the time is the device's, not the Python launcher's (measured apart as host overhead).
     """
-    spin_cycles = int(hide_host_us * 1e-6 * _sm_clock_hz())
+    spin_cycles = int(hide_host_us * 1e-6 * sm_clock_hz())
     def run_once() -> None:
         ev = fn()
         if isinstance(ev, torch.cuda.Event):
@@ -60,7 +66,8 @@ def time_in_rounds(cells: list, rounds: int, reps: int) -> None:
         row["gpu_ms"] = statistics.median(row["gpu_ms_rounds"])
 
 
-def _sm_clock_hz() -> float:
+def sm_clock_hz() -> float:
+    """The GPU's SM clock (cycles per second), for ``torch.cuda._sleep``."""
     return torch.cuda.get_device_properties(0).clock_rate * 1e3 if hasattr(
         torch.cuda.get_device_properties(0), "clock_rate") else 1.98e9
 
@@ -74,7 +81,7 @@ def host_us_per_call(fn: Callable[[], object], reps: int = 200) -> float:
     torch.cuda.synchronize()
     t = time.perf_counter()
     fn()
-    spin_cycles = int((2 * (time.perf_counter() - t) + 200e-6) * _sm_clock_hz())  # twice a warm issue + 200 us
+    spin_cycles = int((2 * (time.perf_counter() - t) + 200e-6) * sm_clock_hz())  # twice a warm issue + 200 us
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -96,7 +103,7 @@ def gemm_beside(fn: Callable[[], object], nbytes: int, a: torch.Tensor, b: torch
     fn()
     issue_s = time.perf_counter() - t  # host time to issue one call: the copies must all be queued first
     torch.cuda.synchronize()
-    head_cycles = int((2e-3 + 1.5 * n_copy * issue_s) * _sm_clock_hz())
+    head_cycles = int((2e-3 + 1.5 * n_copy * issue_s) * sm_clock_hz())
     out = []
     for _ in range(rounds):
         alone = time_gpu_ms(lambda: a @ b, reps=10, warmup=3, hide_host_us=0)["median_ms"]
@@ -104,7 +111,7 @@ def gemm_beside(fn: Callable[[], object], nbytes: int, a: torch.Tensor, b: torch
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n_gemm)]
         # The GEMMs queue first, behind a spin a little longer than the copies' (both spins start together), so
         # that host-bound copies are queued in full before either stream starts.
-        torch.cuda._sleep(head_cycles + int(1e-3 * _sm_clock_hz()))
+        torch.cuda._sleep(head_cycles + int(1e-3 * sm_clock_hz()))
         for e0, e1 in ev:
             e0.record()
             a @ b
@@ -127,6 +134,16 @@ def gemm_beside(fn: Callable[[], object], nbytes: int, a: torch.Tensor, b: torch
     with_ = sorted(r["with_ms"] for r in out)[len(out) // 2]
     return {"gemm_alone_ms": round(alone, 4), "gemm_with_h2d_ms": round(with_, 4),
             "slowdown_pct": round(100 * (with_ / alone - 1), 2), "rounds": out}
+
+
+def call_us(fn: Callable[[], object], reps: int) -> list[float]:
+    """Wall-clock microseconds of each of ``reps`` calls of ``fn``."""
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e6)
+    return out
 
 
 def gbps(nbytes: int, ms: float) -> float:
@@ -165,7 +182,79 @@ def env_info() -> dict:
     return info
 
 
-def write_json(path: str, obj: dict) -> None:
+def machine() -> dict:
+    """The CPU side of the machine: cores, platform, processor, Python."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "python": platform.python_version()}
+
+
+def command() -> str:
+    """This process's command line, shell-quoted."""
+    return " ".join([sys.executable] + [shlex.quote(a) for a in sys.argv])
+
+
+def write_json(path: str, obj: dict, say: bool = False) -> None:
+    """``obj`` as indented JSON at ``path`` (its directory made); ``say``: print where."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=False)
+    if say:
+        print(f"wrote {path}", flush=True)
+
+
+def read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig, path: str, dpi: int = 110) -> None:
+    """Lay out ``fig``, write it to ``path`` and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    print("wrote", path, flush=True)
+
+
+def png_beside(json_path: str) -> str:
+    return os.path.splitext(json_path)[0] + ".png"
+
+
+# --- CPU tiers and child processes (the remote-tier benches) ---
+
+class SkipCopies(ImmediateExecutor):
+    """CPU executor that skips the copies named in ``skip`` (all when None): on the CPU they run in the Triton
+    interpreter and are not what these benches measure; host blocks and device slots keep the bytes they hold."""
+
+    def __init__(self, skip: Optional[tuple] = None) -> None:
+        super().__init__()
+        self.skip = skip
+
+    def run(self, name, fn, own_stream=False):
+        if self.skip is not None and name not in self.skip:
+            super().run(name, fn, own_stream)
+
+
+def send_signal(pid: int, sig: int) -> None:
+    """``sig`` to ``pid``, unless it is gone."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` by its pid (resumed first, should it be stopped) and reap it."""
+    if proc.poll() is None:
+        send_signal(proc.pid, signal.SIGCONT)
+        send_signal(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
