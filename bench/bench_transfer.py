@@ -12,13 +12,17 @@ and a PNG. Sections (``--sections``, default all):
 
 Run on the GPU machine: ``python bench/bench_transfer.py --out $OUT/transfer_h200.json`` (needs sglang 0.5.23
 importable for the HiCache peer; see shared/probe/README.md; without it the peer is skipped and recorded so).
+``--pool-hicache`` (any machine) pools the ``hicache`` rounds of every committed result instead (see
+:func:`pool_hicache`).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib.abc
 import importlib.machinery
+import math
 import os
 import statistics
 import sys
@@ -29,8 +33,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (env_info, gbps, gemm_beside, host_us_per_call, make_pool, png_beside, pyplot,  # noqa: E402
-                          random_slots, save_png, time_gpu_ms, write_json)
+from bench.common import (ROOT, env_info, gbps, gemm_beside, host_us_per_call, make_pool, png_beside,  # noqa: E402
+                          pyplot, random_slots, read_json, save_png, time_gpu_ms, write_json)
 from kvtier.geometry import KVGeometry  # noqa: E402
 from kvtier.kernels import StagedTransfer, Tuning, copy_pages_ref, load_pages, store_pages  # noqa: E402
 
@@ -609,6 +613,59 @@ def plot(res: dict, path: str) -> None:
     save_png(fig, path)
 
 
+# --- kvtier's default kernel against HiCache's, pooled over every committed run (--pool-hicache) ---
+
+POOL_KVTIER = "kvtier_p4_w32_t64"  # the default direct kernel's key prefix in the committed runs
+
+
+def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """Distribution-free interval for the median: the widest symmetric pair of order statistics whose binomial
+    (n, 1/2) coverage is at least ``level``."""
+    xs, n = sorted(values), len(values)
+    tail, k = 0.0, 0
+    while k < n // 2:
+        p = math.comb(n, k) / 2 ** n  # P(exactly k of n below the median)
+        if 2 * (tail + p) > 1 - level:
+            break
+        tail, k = tail + p, k + 1
+    return xs[k], xs[n - 1 - k]
+
+
+def pool_hicache(kvtier: str = POOL_KVTIER) -> dict:
+    """Round i of ``kvtier`` paired with round i of HiCache in every committed JSON's ``hicache_alternating``, per
+    case (direction, page size, random or consecutive host pages): the median paired ratio with its 95% interval
+    (one slow round of either kernel cannot move it), the share of rounds kvtier wins, the per-run ratios' range."""
+    cases: dict[tuple, dict] = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "bench", "results", "**", "*.json"), recursive=True)):
+        data = read_json(path)
+        section = data.get("hicache_alternating") if isinstance(data, dict) else None
+        for entry in section.get("entries", []) if isinstance(section, dict) else []:
+            rounds = entry.get("round_gbps", {})
+            for pattern in ("random", "consecutive"):
+                kv, hc = rounds.get(f"{kvtier}_{pattern}"), rounds.get(f"sglang_hicache_{pattern}")
+                if kv and hc and len(kv) == len(hc):
+                    case = cases.setdefault((entry["direction"], entry["page"], pattern), {"ratios": [], "runs": {}})
+                    case["ratios"] += [k / h for k, h in zip(kv, hc)]
+                    case["runs"][path] = statistics.median(kv) / statistics.median(hc)
+    rows = {}
+    for (d, page, pattern), case in sorted(cases.items()):
+        ratios, runs = case["ratios"], list(case["runs"].values())
+        low, high = median_ci(ratios)
+        rows[f"{d}_p{page}_{pattern}"] = {
+            "rounds": len(ratios), "runs": len(runs), "ratio": statistics.median(ratios), "ci_low": low,
+            "ci_high": high, "kvtier_wins": sum(r > 1 for r in ratios) / len(ratios),
+            "run_ratio_min": min(runs), "run_ratio_max": max(runs)}
+    return rows
+
+
+def print_pooled(rows: dict) -> None:
+    print("| case | runs | rounds | median paired ratio (95% CI) | kvtier wins | per-run ratio of medians |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['runs']} | {r['rounds']} | {r['ratio']:.4f} ({r['ci_low']:.4f}-{r['ci_high']:.4f}) "
+              f"| {r['kvtier_wins']:.0%} | {r['run_ratio_min']:.4f}-{r['run_ratio_max']:.4f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/transfer_h200.json")
@@ -619,7 +676,17 @@ def main() -> None:
     ap.add_argument("--hicache-variants", default="",
                     help="extra direct configs against HiCache, as --sweep-configs")
     ap.add_argument("--hicache-rounds", type=int, default=7)
+    ap.add_argument("--pool-hicache", action="store_true",
+                    help="only pool the hicache rounds of every committed result and print the table")
+    ap.add_argument("--pool-kvtier", default=POOL_KVTIER, help="with --pool-hicache: the kvtier variant's key prefix")
+    ap.add_argument("--pool-json", help="with --pool-hicache: also write the table as JSON here")
     args = ap.parse_args()
+    if args.pool_hicache:
+        rows = pool_hicache(args.pool_kvtier)
+        print_pooled(rows)
+        if args.pool_json:
+            write_json(args.pool_json, rows)
+        return
     globals()["HICACHE_ROUNDS"] = args.hicache_rounds
     HICACHE_VARIANTS.extend(c for c in args.hicache_variants.split(",") if c)
     GEMM_EXTRA.extend(c for c in args.gemm_configs.split(",") if c)
