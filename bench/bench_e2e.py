@@ -169,8 +169,8 @@ def run_fixed(plan: Plan, model: PagedDecoder, bw_gbps: float, log) -> tuple[lis
     kv_tokens = 2 * longest + 4096
     host_gb = (longest * (plan.fixed_reps + 2)) * bpt / 2**30 + 0.05
     servers = {m: Server(model, m, kv_tokens=kv_tokens, page_size=page, tokens_per_block=plan.tokens_per_block,
-                         max_context=longest + page,
-                         cpu_cache_gb=host_gb) for m in ("recompute", "device") + KVTIER_MODES}
+                         max_context=longest + page, cpu_cache_gb=host_gb)
+               for m in ("recompute", "device") + KVTIER_MODES}
     warm_up(servers, plan.vocab, page, min(2048, max(plan.fixed_prefixes)))
     rows, cells = [], []
     for L in plan.fixed_prefixes:
@@ -224,10 +224,7 @@ def run_long(plan: Plan, model: PagedDecoder, log, deadline: float, rows: list,
     s = Server(model, "device", kv_tokens=total + len(prompts) * 2 * page + 2 * longest, page_size=page,
                max_context=longest)
     warm_up({"device": s}, plan.vocab, page, min(2048, longest // 2))
-    t = time.time()
-    for p in prompts:
-        s.serve(p, 1)
-    log(f"long device pass 1: {time.time() - t:.1f} s")
+    _fill(s, prompts, log, "long device pass 1")
     t = time.time()
     for i, p in enumerate(prompts):
         rows.append(row("long", "device", s.serve(p, plan.long_out), prompt=i, pass_=2))
@@ -238,14 +235,10 @@ def run_long(plan: Plan, model: PagedDecoder, log, deadline: float, rows: list,
     # kvtier: pass 1 fills the host tier; pass 2 whole, then pass 2 layerwise, device flushed before each request
     host_gb = (total + len(prompts) * (plan.long_out + 2 * page)) * bpt * 1.05 / 2**30 + 0.05
     s = Server(model, "kvtier_whole", kv_tokens=2 * longest + 4096, page_size=page,
-               tokens_per_block=plan.tokens_per_block, max_context=longest,
-               cpu_cache_gb=host_gb)
+               tokens_per_block=plan.tokens_per_block, max_context=longest, cpu_cache_gb=host_gb)
     warm_up({"kvtier_whole": s}, plan.vocab, page, min(2048, longest // 2))
     s.tier.reset()
-    t = time.time()
-    for p in prompts:
-        s.serve(p, 1)
-    log(f"long kvtier pass 1: {time.time() - t:.1f} s")
+    _fill(s, prompts, log, "long kvtier pass 1")
     for mode in KVTIER_MODES:
         t = time.time()
         s.set_layerwise(mode == "kvtier_layerwise")
@@ -275,6 +268,14 @@ def run_long(plan: Plan, model: PagedDecoder, log, deadline: float, rows: list,
     _close(s)
     log(f"long recompute done ({len(prompts)} prompts, {total} tokens)")
     return rows, tier_stats
+
+
+def _fill(server, prompts: list, log, what: str) -> None:
+    """Serve every prompt for one output token (a pass that fills the caches), and log its time."""
+    t = time.time()
+    for p in prompts:
+        server.serve(p, 1)
+    log(f"{what}: {time.time() - t:.1f} s")
 
 
 def run_chat(plan: Plan, model: PagedDecoder, log) -> list:

@@ -311,11 +311,6 @@ def churn(convs: int, system_len: int, pool_blocks: int, steps: int, *, seed: in
             "hit_rate_full": hits["full"][0] / max(1, hits["full"][1])}
 
 
-def run_churn(args, res: dict) -> None:
-    """Run lengths that a tier's loads and stores see once LRU churn has filled its pool."""
-    res["churn"] = churn(args.churn_convs, args.churn_system, args.churn_blocks, args.churn_steps)
-
-
 def summarize(res: dict) -> dict:
     rows = res.get("rows", [])
 
@@ -422,7 +417,7 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         run_gemm(args, res)
     write_json(args.out + ".partial", res)  # the transfers, should the churn part not finish
-    run_churn(args, res)
+    res["churn"] = churn(args.churn_convs, args.churn_system, args.churn_blocks, args.churn_steps)
     res["summary"] = summarize(res)
     res["seconds"] = time.time() - t0
     write_json(args.out, res)

@@ -43,6 +43,8 @@ from kvtier.config import default_tokens_per_block  # noqa: E402
 from kvtier.index import PageTrie  # noqa: E402
 
 pc = time.perf_counter
+SPEEDUPS = {"match": "match_us_median", "insert": "insert_us_median", "match_cold_loop": "match_us_cold_loop",
+            "evict_per_page": "evict_us_per_page"}  # a peer's figure over kvtier's, per operation
 
 
 # ---- workloads ------------------------------------------------------------------------------------
@@ -230,12 +232,9 @@ def run_library(cls, page, seqs, arrs, reps, evict_chunk_pages):
         "evict_us_per_page": med(r["evict_s"] / max(r["evicted"], 1) for r in per_rep) * 1e6,
         # per token: kvtier evicts host blocks (several engine pages at page 1), the peers engine pages
         "evict_us_per_token": med(r["evict_s"] / max(r["evicted"] * r["unit"], 1) for r in per_rep) * 1e6,
-        "pages_held": per_rep[-1]["pages"],
-        "pages_evicted": per_rep[-1]["evicted"],
+        "pages_held": per_rep[-1]["pages"], "pages_evicted": per_rep[-1]["evicted"],
         "insert_mtok_s": ntok / med(sum(r["insert"]) for r in per_rep) / 1e6,
-        "match_mtok_s": ntok / med(sum(r["match"]) for r in per_rep) / 1e6,
-        "reps": reps,
-    }
+        "match_mtok_s": ntok / med(sum(r["match"]) for r in per_rep) / 1e6, "reps": reps}
     return res, hits
 
 
@@ -354,12 +353,7 @@ def main():
             k = results[key]["kvtier"]
             for n in hits:
                 if n != "kvtier":
-                    o = results[key][n]
-                    results[key][f"speedup_vs_{n}"] = {
-                        "match": o["match_us_median"] / k["match_us_median"],
-                        "insert": o["insert_us_median"] / k["insert_us_median"],
-                        "match_cold_loop": o["match_us_cold_loop"] / k["match_us_cold_loop"],
-                        "evict_per_page": o["evict_us_per_page"] / k["evict_us_per_page"]}
+                    results[key][f"speedup_vs_{n}"] = {op: results[key][n][m] / k[m] for op, m in SPEEDUPS.items()}
         del arrs
         gc.collect()
 
@@ -367,19 +361,15 @@ def main():
     mem = memory_10m(args.mem_pages)
     mt = results.get("multi_turn/page16", {"kvtier": {}})
     sp = mt.get("speedup_vs_sglang_radix", {})
-    summary = {**worst_cells(results),
-        "match_speedup_vs_sglang": sp.get("match"),
-        "insert_speedup_vs_sglang": sp.get("insert"),
-        "match_speedup_vs_sglang_cold_loop": sp.get("match_cold_loop"),
-        "evict_speedup_vs_sglang": sp.get("evict_per_page"),
-        "bytes_per_page": mem["bytes_per_page"],
-        "mem_10M_pages_gib": mem["gib"] if args.mem_pages == 10_000_000 else None,
-        "workload": "multi_turn/page16",
-        "kvtier_match_us": mt["kvtier"].get("match_us_median"),
-        "kvtier_insert_us": mt["kvtier"].get("insert_us_median"),
-        "sglang_match_us": mt.get("sglang_radix", {}).get("match_us_median"),
-        "sglang_insert_us": mt.get("sglang_radix", {}).get("insert_us_median"),
-    }
+    summary = {**worst_cells(results), "match_speedup_vs_sglang": sp.get("match"),
+               "insert_speedup_vs_sglang": sp.get("insert"),
+               "match_speedup_vs_sglang_cold_loop": sp.get("match_cold_loop"),
+               "evict_speedup_vs_sglang": sp.get("evict_per_page"), "bytes_per_page": mem["bytes_per_page"],
+               "mem_10M_pages_gib": mem["gib"] if args.mem_pages == 10_000_000 else None,
+               "workload": "multi_turn/page16", "kvtier_match_us": mt["kvtier"].get("match_us_median"),
+               "kvtier_insert_us": mt["kvtier"].get("insert_us_median"),
+               "sglang_match_us": mt.get("sglang_radix", {}).get("match_us_median"),
+               "sglang_insert_us": mt.get("sglang_radix", {}).get("insert_us_median")}
     out = {"summary": summary, "compile": comp, "memory": mem, "results": results, "versions": versions,
            "notes": notes, "machine": machine(), "command": command()}
     write_json(args.out, out)

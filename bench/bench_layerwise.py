@@ -241,8 +241,7 @@ def bench_new_tokens(m: Model, geo: KVGeometry, device: str, prefix_tokens: int,
     pages = prefix_tokens // P
     kv = make_pool(geo, (2 * pages + -(-new_tokens // P) + 1) * P, device)
     pool_gb = 2 * pages * geo.block_bytes / GiB + 0.01
-    cfg = TierConfig(cpu_cache_gb=pool_gb, page_size=P, host_layout=layout,
-                     transfer_mode=transfer_mode)
+    cfg = TierConfig(cpu_cache_gb=pool_gb, page_size=P, host_layout=layout, transfer_mode=transfer_mode)
     tier = KVTier(kv, cfg)
     if staged:  # (staging MiB, scatter programs for loads) of the tier's staged path
         tier.copies.close()  # the default staging buffers' threads; this run's tuning replaces them
@@ -394,8 +393,7 @@ def main() -> None:
         summary["pinned_gib"] = results["pin"]["pinned_gib"]
     results["summary"] = summary
     write_json(args.out, results)
-    md = os.path.splitext(args.out)[0] + ".md"
-    with open(md, "w") as f:
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
         f.write(markdown(results))
     print(markdown(results))
     print("summary", summary)

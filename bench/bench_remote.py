@@ -260,20 +260,16 @@ class Bench:
         st, V = self.stores.raw, self.V
         self._tag += 1
         keys = [f"raw/{self.name}/{self._tag}/{i}" for i in range(n)]
-        if not ranges:
-            ptr_s = [self.src.ctypes.data + i * V for i in range(n)]
-            ptr_d = [self.dst.ctypes.data + i * V for i in range(n)]
-            put_s, pc = self._calls(st.batch_put_from, keys, ([ptr_s, [V] * n]))
-            self.dst[:n * V] = 0
-            get_s, gc = self._calls(st.batch_get_into, keys, ([ptr_d, [V] * n]))
-        else:
+        if ranges:
             offs = np.concatenate(([0], np.cumsum(self.range_sizes)[:-1])).tolist()
-            sizes = [self.range_sizes] * n
-            ptr_s = [[self.src.ctypes.data + i * V + o for o in offs] for i in range(n)]
-            ptr_d = [[self.dst.ctypes.data + i * V + o for o in offs] for i in range(n)]
-            put_s, pc = self._calls(st.batch_put_from_multi_buffers, keys, ([ptr_s, sizes]))
-            self.dst[:n * V] = 0
-            get_s, gc = self._calls(st.batch_get_into_multi_buffers, keys, ([ptr_d, sizes]))
+            ptrs = lambda buf: [[buf.ctypes.data + i * V + o for o in offs] for i in range(n)]  # noqa: E731
+            put, get, sizes = st.batch_put_from_multi_buffers, st.batch_get_into_multi_buffers, [self.range_sizes] * n
+        else:
+            ptrs = lambda buf: [buf.ctypes.data + i * V for i in range(n)]  # noqa: E731
+            put, get, sizes = st.batch_put_from, st.batch_get_into, [V] * n
+        put_s, pc = self._calls(put, keys, (ptrs(self.src), sizes))
+        self.dst[:n * V] = 0
+        get_s, gc = self._calls(get, keys, (ptrs(self.dst), sizes))
         put_ok = sum(c == 0 for c in pc)
         get_ok = sum(c == V for c in gc)
         good = [i for i in range(n) if pc[i] == 0 and gc[i] == V]
@@ -344,15 +340,12 @@ class Bench:
                   f" GB/s | kvtier put {put['blocks_put']}/{n} fetched {fetch['blocks_fetched']}/{n}", flush=True)
         timed = [r for r in rows if not r["warmup"]]
         col = lambda part, key: [r[part][key] for r in timed if r[part][key] is not None]  # noqa: E731
+        medians = {"kvtier_put_gbps": ("kvtier_put", "gbps"), "kvtier_put_job_gbps": ("kvtier_put", "job_gbps"),
+                   "kvtier_fetch_gbps": ("kvtier_fetch", "gbps"),
+                   "kvtier_fetch_get_job_gbps": ("kvtier_fetch", "get_job_gbps"),
+                   **{f"{p}_{op}_gbps": (p, f"{op}_gbps") for p in ("raw", "raw_ranges") for op in ("put", "get")}}
         out = {"blocks": n, "bytes_per_rep": n * self.V, "ranges_per_value": self.ranges_per_value,
-               "staged": self.staged,
-               "kvtier_put_gbps": med(col("kvtier_put", "gbps")),
-               "kvtier_put_job_gbps": med(col("kvtier_put", "job_gbps")),
-               "kvtier_fetch_gbps": med(col("kvtier_fetch", "gbps")),
-               "kvtier_fetch_get_job_gbps": med(col("kvtier_fetch", "get_job_gbps")),
-               "raw_put_gbps": med(col("raw", "put_gbps")), "raw_get_gbps": med(col("raw", "get_gbps")),
-               "raw_ranges_put_gbps": med(col("raw_ranges", "put_gbps")),
-               "raw_ranges_get_gbps": med(col("raw_ranges", "get_gbps")),
+               "staged": self.staged, **{k: med(col(*where)) for k, where in medians.items()},
                "kvtier_blocks_put_failed": sum(col("kvtier_put", "blocks_failed")),
                "kvtier_blocks_not_fetched": sum(r["kvtier_fetch"]["blocks"] - r["kvtier_fetch"]["blocks_fetched"]
                                                 for r in timed),
@@ -442,6 +435,12 @@ def plot(res: dict, path: str) -> None:
     save_png(fig, path)
 
 
+RUN_KEYS = ("put_over_raw", "put_job_over_raw", "get_over_raw", "put_over_raw_paired", "get_over_raw_paired",
+            "kvtier_put_gbps", "kvtier_fetch_gbps", "raw_put_gbps", "raw_get_gbps", "raw_ranges_put_gbps",
+            "raw_ranges_get_gbps")  # a cell's figures that take a median over runs
+CELL_KEYS = ("ranges_per_value", "staged", "kvtier_blocks_put_failed", "kvtier_blocks_not_fetched")
+
+
 def summarize(res: dict) -> dict:
     """The worst of the tier's cells (variant cells, ``:zero_copy`` and ``:staged``, are not the tier as it ships:
     reported apart), every cell's figures, the hit latency of the default host layout."""
@@ -460,17 +459,8 @@ def summarize(res: dict) -> dict:
         s.update(hit_8k_ms=h["kvtier_ms"], hit_8k_raw_get_ms=h["raw_get_ms"], hit_8k_over_raw=h["kvtier_over_raw_time"],
                  hit_tokens=h["tokens"], hit_cell=default, hit_all_fetched=h["all_fetched"])
     for c, t in per.items():
-        s.update({f"{c}/put_over_raw": t["put_over_raw"], f"{c}/put_job_over_raw": t["put_job_over_raw"],
-                  f"{c}/get_over_raw": t["get_over_raw"], f"{c}/put_over_raw_paired": t["put_over_raw_paired"],
-                  f"{c}/get_over_raw_paired": t["get_over_raw_paired"],
-                  f"{c}/kvtier_put_gbps": t["kvtier_put_gbps"], f"{c}/kvtier_fetch_gbps": t["kvtier_fetch_gbps"],
-                  f"{c}/raw_put_gbps": t["raw_put_gbps"], f"{c}/raw_get_gbps": t["raw_get_gbps"],
-                  f"{c}/raw_ranges_put_gbps": t["raw_ranges_put_gbps"],
-                  f"{c}/raw_ranges_get_gbps": t["raw_ranges_get_gbps"],
-                  f"{c}/ranges_per_value": t["ranges_per_value"], f"{c}/staged": t["staged"],
-                  f"{c}/kvtier_blocks_put_failed": t["kvtier_blocks_put_failed"],
-                  f"{c}/kvtier_blocks_not_fetched": t["kvtier_blocks_not_fetched"],
-                  f"{c}/raw_ranges_values_failed": t["raw_ranges_failed"]})
+        s.update({f"{c}/{k}": t[k] for k in RUN_KEYS + CELL_KEYS})
+        s[f"{c}/raw_ranges_values_failed"] = t["raw_ranges_failed"]
     for c, h in hits.items():
         s.update({f"{c}/hit_ms": h["kvtier_ms"], f"{c}/hit_raw_get_ms": h["raw_get_ms"],
                   f"{c}/hit_all_fetched": h["all_fetched"]})
@@ -478,9 +468,6 @@ def summarize(res: dict) -> dict:
     return s
 
 
-RUN_KEYS = ("put_over_raw", "put_job_over_raw", "get_over_raw", "put_over_raw_paired", "get_over_raw_paired",
-            "kvtier_put_gbps", "kvtier_fetch_gbps", "raw_put_gbps", "raw_get_gbps", "raw_ranges_put_gbps",
-            "raw_ranges_get_gbps")
 
 
 def merge_runs(runs: list[dict]) -> dict:

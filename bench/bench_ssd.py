@@ -58,8 +58,6 @@ MiB = 1 << 20
 TOKENS, PLANES = 16, 36 * 2  # a block: 16 tokens; a page per (layer, K/V) of 8 KV heads x 128 x bf16 each
 BLOCK_BYTES = TOKENS * PLANES * 8 * 128 * 2  # 2.25 MiB
 GEOMETRY = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=TOKENS)  # Qwen3-8B
-
-
 RAW_PATTERNS = ("regions", "shared", "slots")
 
 
@@ -122,8 +120,7 @@ def raw_bandwidth(directory: str, nbytes: int, threads: int, pattern: str) -> di
         if write:
             os.fdatasync(fd)
         return total / (time.perf_counter() - t) / 1e9
-    w = run(True)
-    r = run(False)
+    w, r = run(True), run(False)
     os.close(fd)
     os.unlink(path)
     pool.destroy()

@@ -177,21 +177,19 @@ def check_direct(s: Setup, layout: str, gen: torch.Generator) -> bool:
     blocks = torch.randperm(s.num_blocks)[:pages]
     host = s.host(layout)
     ok = True
-    for mode in ("direct", "staged"):
+    staged = lambda: StagedTransfer(kv, host, layout=layout)  # noqa: E731  (a fresh one each call, as before)
+    paths = ((lambda: store_pages(kv, host, src, blocks, layout=layout),
+              lambda: load_pages(kv, host, dst, blocks, layout=layout)),
+             (lambda: staged().store(src, blocks), lambda: staged().load(dst, blocks)))
+    for store, load in paths:  # the direct kernel, then the staged path
         host.view(torch.uint8).fill_(0xA5)
-        if mode == "direct":
-            store_pages(kv, host, src, blocks, layout=layout)
-        else:
-            StagedTransfer(kv, host, layout=layout).store(src, blocks)
+        store()
         torch.cuda.synchronize()
         expect = host.clone()
         expect.view(torch.uint8).fill_(0xA5)
         copy_pages_ref(kv, expect, src, blocks, to_host=True, layout=layout)
         ok &= torch.equal(host.view(torch.uint8), expect.view(torch.uint8))
-        if mode == "direct":
-            load_pages(kv, host, dst, blocks, layout=layout)
-        else:
-            StagedTransfer(kv, host, layout=layout).load(dst, blocks)
+        load()
         torch.cuda.synchronize()
         for b in kv.buffers:
             ok &= torch.equal(b[dst].view(torch.uint8), b[src].view(torch.uint8))
@@ -234,10 +232,8 @@ def run_sizes(res: dict, host_bytes: torch.Tensor, hicache, gen) -> None:
     out = []
     for name in GEOMETRIES:
         layers = 36 if name == "qwen3_8b" else 4
-        heads, hd, dt, _ = GEOMETRIES[name]
-        row_bytes = heads * hd * torch.empty((), dtype=dt).element_size()
-        kvc = 1 if GEOMETRIES[name][3] else 2
-        max_tokens = 64 * MiB // (row_bytes * kvc)
+        heads, hd, dt, mla = GEOMETRIES[name]
+        max_tokens = 64 * MiB // (heads * hd * dt.itemsize * (1 if mla else 2))
         num_slots = max(200_000, 4 * max_tokens)
         for page in PAGES:
             s = Setup(name, layers, page, num_slots, max_tokens, host_bytes)
@@ -529,10 +525,9 @@ def summarize(res: dict) -> dict:
     default = f"kvtier_direct_p{TUNED.programs}"
 
     def pick(method, direction, page=None, layout=None, geometry="qwen3_8b"):
-        rows = [r for r in sizes if r["method"] == method and r["direction"] == direction and
+        return [r for r in sizes if r["method"] == method and r["direction"] == direction and
                 r["geometry"] == geometry and r["bytes"] == 64 * MiB and (page is None or r["page"] == page)
                 and (layout is None or r["layout"] == layout)]
-        return rows
 
     if sizes:
         for d in ("d2h", "h2d"):
@@ -545,14 +540,12 @@ def summarize(res: dict) -> dict:
             rows = [r for p in (1, 2, 4) for r in pick(f"kvtier_direct_p{p}", d, layout="layer_first")]
             summ[f"direct_{d}_gbps_min_le4_programs"] = min(
                 max(r["gbps"] for r in rows if r["page"] == page) for page in PAGES) if rows else None
-        ratios = []
-        for d in ("d2h", "h2d"):
-            for p in PAGES:
-                hc = pick("sglang_hicache", d, p, "layer_first")
-                kt = pick(default, d, p, "layer_first")
-                if hc and kt:
-                    ratios.append(min(r["gbps"] for r in kt) / hc[0]["gbps"])
+            rows = pick("kvtier_staged_contig", d, layout="layer_first")
+            summ[f"staged_{d}_gbps_per_layer_min"] = min(r["gbps"] for r in rows) if rows else None
+        ratios = [min(r["gbps"] for r in kt) / hc[0]["gbps"] for d in ("d2h", "h2d") for p in PAGES
+                  if (hc := pick("sglang_hicache", d, p, "layer_first")) and (kt := pick(default, d, p, "layer_first"))]
         summ["hicache_ratio_min"] = round(min(ratios), 3) if ratios else None
+        summ["roundtrips_exact"] = all(r["roundtrip_exact"] for r in sizes)
     if "hicache_alternating" in res:
         alt = res["hicache_alternating"]
         for pat in ("random", "consecutive"):
@@ -562,15 +555,10 @@ def summarize(res: dict) -> dict:
         summ["hicache_ratio_min_sizes"] = summ.get("hicache_ratio_min")
         summ["hicache_ratio_min"] = min(summ["hicache_ratio_by_case_random"].values())
         summ["hicache_ratio_min_consecutive"] = min(summ["hicache_ratio_by_case_consecutive"].values())
-    if sizes:
-        summ["roundtrips_exact"] = all(r["roundtrip_exact"] for r in sizes)
-        for d in ("d2h", "h2d"):
-            rows = pick("kvtier_staged_contig", d, layout="layer_first")
-            summ[f"staged_{d}_gbps_per_layer_min"] = min(r["gbps"] for r in rows) if rows else None
     if "bidir" in res:
-        summ["staged_d2h_gbps"] = res["bidir"]["staged"]["store_gbps"]
-        summ["staged_h2d_gbps"] = res["bidir"]["staged"]["load_gbps"]
-        summ["bidirectional_gbps"] = res["bidir"]["staged"]["combined_gbps"]
+        st = res["bidir"]["staged"]
+        summ.update(staged_d2h_gbps=st["store_gbps"], staged_h2d_gbps=st["load_gbps"],
+                    bidirectional_gbps=st["combined_gbps"])
         alt = res["bidir"].get("alternating")
         if alt:  # medians over the alternating rounds, beside the copy engines' bound in the same rounds
             summ["bidirectional_gbps_alternating"] = round(alt["combined_gbps_median"]["staged"], 2)

@@ -39,10 +39,11 @@ def _join(*tables: str) -> str:
     return "\n\n".join(t for t in tables if t)
 
 
-def _row_if_committed(name: str, row: Callable[[dict], list]) -> list:
-    """``[row(result)]`` for the result file ``name`` when it is committed, else no row."""
-    res = _load(name)
-    return [] if res is None else [row(res)]
+def _from(name: str) -> Callable[[Callable[[dict], str]], Callable[[], str]]:
+    """A table drawn from the result file ``name``: "_no results yet_" while it is not committed."""
+    def wrap(table: Callable[[dict], str]) -> Callable[[], str]:
+        return lambda: "_no results yet_" if (res := _load(name)) is None else table(res)
+    return wrap
 
 
 # --- transfer kernels (bench_transfer.py) -----------------------------------------------------------------------
@@ -152,10 +153,8 @@ def _cost_table(res: dict) -> str:
                     "runs and machines)", f"{res['overhead']['store_pages_check_false_us']} µs"]])
 
 
-def transfer_table() -> str:
-    res = _load("transfer_h200.json")
-    if res is None:
-        return "_no results yet_"
+@_from("transfer_h200.json")
+def transfer_table(res: dict) -> str:
     return _join(_transfer_methods_table(res), _staged_table(res), _latency_table(res), _cost_table(res))
 
 
@@ -215,10 +214,8 @@ def headline_table() -> str:
 
 # --- host tier ---------------------------------------------------------------------------------------------------
 
-def layerwise_table() -> str:
-    res = _load("layerwise_h200.json")
-    if res is None:
-        return "_no results yet_"
+@_from("layerwise_h200.json")
+def layerwise_table(res: dict) -> str:
     s = res["summary"]
     runs = [r for r in res["runs"] if "error" not in r and not r.get("staged_config")
             and r["transfer_mode"] == s.get("transfer_mode", r["transfer_mode"])]
@@ -281,10 +278,8 @@ def fragmentation_table() -> str:
 
 # --- SSD and remote tiers ----------------------------------------------------------------------------------------
 
-def ssd_table() -> str:
-    res = _load("ssd_cpu.json")
-    if res is None:
-        return "_no results yet_"
+@_from("ssd_cpu.json")
+def ssd_table(res: dict) -> str:
     body = []
     for res_, machine in ((res, "CPU machine"), (_load("ssd_h200.json"), "H200 machine")):
         for key, label in (("disk", "disk"), ("ram", "RAM-backed directory")):
@@ -401,18 +396,15 @@ def _equal(counts: dict, modes) -> str:
 
 def _page1_rows() -> list:
     """The fixed prompts at SGLang --page-size 1 (kvtier's host blocks: 16 tokens), a run of their own."""
-    def row(res: dict) -> list:
-        s = res["summary"]
-        return ["fixed prompts at --page-size 1 (host blocks of 16 tokens), separate run",
-                f"{s['outputs_equal_kvtier_vs_device']:.3f}", f"{s['ttft_over_bound_layerwise']:.3f}",
-                f"{s['ttft_over_bound_whole']:.3f}"]
-    return _row_if_committed("e2e_h200_page1_fixed.json", row)
+    res = _load("e2e_h200_page1_fixed.json")
+    s = res["summary"] if res else None
+    return [["fixed prompts at --page-size 1 (host blocks of 16 tokens), separate run",
+             f"{s['outputs_equal_kvtier_vs_device']:.3f}", f"{s['ttft_over_bound_layerwise']:.3f}",
+             f"{s['ttft_over_bound_whole']:.3f}"]] if s else []
 
 
-def e2e_table() -> str:
-    res = _load("e2e_h200.json")
-    if res is None:
-        return "_no results yet_"
+@_from("e2e_h200.json")
+def e2e_table(res: dict) -> str:
     s = res["summary"]
     kv = ("kvtier_whole", "kvtier_layerwise")
     wls = [w for w in ("fixed", "chat", "long") if f"outputs_equal_{w}" in s]
@@ -464,10 +456,8 @@ def e2e_table() -> str:
 
 # --- host index --------------------------------------------------------------------------------------------------
 
-def index_table() -> str:
-    res = _load("index_cpu.json")
-    if res is None:
-        return "_no results yet_"
+@_from("index_cpu.json")
+def index_table(res: dict) -> str:
     s = res["summary"]
     rerun = _load("index_cpu_rerun.json")
     runs = [("index_cpu.json", s)] + ([("index_cpu_rerun.json", rerun["summary"])] if rerun else [])
@@ -498,10 +488,8 @@ def index_table() -> str:
 
 # --- observers ---------------------------------------------------------------------------------------------------
 
-def observe_table() -> str:
-    res = _load("observe_h200.json")
-    if res is None:
-        return "_no results yet_"
+@_from("observe_h200.json")
+def observe_table(res: dict) -> str:
     r = res["observed_over_bare"]
     sets = ("metrics", "log", "metrics+log")
     measures = [("issue_us", f"store + load issue calls, {res['pages_per_request']}-page "
