@@ -3,20 +3,10 @@ sequence (:mod:`kvtier.sglang.serving`), in four modes on the same prompts in on
 cache disabled), ``device`` (SGLang's RadixCache, prefixes still on the device: the best case), ``kvtier_whole``
 and ``kvtier_layerwise`` (KVTierRadixCache, device tree flushed, prefixes loaded from the host tier).
 
-Workloads:
-
-* ``fixed``: prefixes of 1k/8k/28k tokens with 32 and 1024 new tokens, Qwen3-8B shapes (36 layers); each cell's
-  prefix is served once to fill the caches, then every repetition serves the prefix with a fresh suffix in every
-  mode in turn. The bound of a cell is max(device-warm TTFT, prefix bytes / the contiguous copy-engine H2D
-  bandwidth measured in this run); the ceiling speedup is recompute / (prefix bytes at that bandwidth + device-warm
-  TTFT).
-* ``long``: 120 FlexKV-style prompts (p50 ~7k, max 28k tokens, groups sharing long prefixes); pass 1 fills, pass 2
-  measures (kvtier modes: the device tree flushed before each request, so every hit is a host hit). Qwen3-8B layer
-  shapes with ``--long-layers`` layers (default 9 = 36/4: the 120 prompts' KV at 36 layers, ~150 GB, exceeds the
-  machine's host memory; compute and KV bytes both scale with the layer count, so the ratios do not).
-* ``chat``: multi-turn conversations under a shared 2k-token system prompt, turns served round-robin, every turn's
-  prompt the whole history; a device pool too small for the history (LRU evicts) in ``device_small`` and the kvtier
-  modes, against ``device`` with room for everything. Same model as ``long``.
+Workloads: ``fixed`` (1k/8k/28k prefixes with 32 and 1024 new tokens, 36 layers; the bound of a cell is
+max(device-warm TTFT, prefix bytes at the copy engine's H2D rate measured in this run)), ``long`` (120 FlexKV-style
+prompts, pass 1 fills, pass 2 measures, at ``--long-layers``) and ``chat`` (multi-turn conversations under a shared
+system prompt, a device pool too small for the history in ``device_small`` and the kvtier modes).
 
 Run on the GPU machine (carry .whl-sgl): ``bash tests/gpu_sglang.sh exec python3 bench/bench_e2e.py --out
 $OUT/e2e_h200.json``. ``--smoke`` runs every workload at toy sizes on a CPU in seconds (CI runs it).

@@ -1,22 +1,13 @@
 """Fragmented host pools (issue 17): every transfer path when a prefix's host blocks come back as short runs.
 
-Part 1, transfers (H200): Qwen3-8B KV (36 layers, 8 KV heads x 128, bf16, page 16), prefixes of 1k and 8k tokens,
-host blocks in shuffled runs of R consecutive ids (R in 1, 2, 4, 8, 16, 64 and one run), both host layouts. Paths:
-``direct`` (load_pages/store_pages, all layers in one launch), ``direct_copy`` (a DirectCopy launched per layer, 36
-launches), ``staged`` (StagedTransfer, all layers), ``staged_copy`` (a StagedCopy launched per layer), for loads and
-stores, and ``auto``: what the tier's transfer policy in ``auto`` mode picks for a whole load, a layerwise load and
-a store of those blocks (it reads their runs, so the pick may differ per R). For each: GPU time (CUDA events,
-medians of 10 reps, in 3 rounds over the whole grid: a cell's time is the median of its rounds) and host issue time
-(the GPU kept busy), and every load is checked byte for byte once. Then (CUDA) an
-8192^3 bf16 GEMM beside back-to-back transfers of every path at R = 1 and one run. Summary:
-``frag_worst_over_one_run`` (what auto picks at the worst R over what it picks for one run, over both layouts and
-sizes, per kind), ``frag_layerwise_issue_ms_max`` (auto's layerwise load, 8k tokens, host issue ms at the worst R)
-and ``gemm_slowdown_pct`` (the worst GEMM slowdown beside what auto picks).
-
-Part 2, churn: a KVTier with a small pool serves a multi-turn workload (stores of every turn, loads of each
-conversation's history) under LRU eviction; after a warm-up that fills the pool, the run lengths of the host block ids
-each load and store sees (median, p10, and the distribution), and the hit rate (other allocators under the same
-churn: bench/results/README.md, "Fragmented host pools").
+Part 1, transfers: Qwen3-8B KV, prefixes of 1k and 8k tokens, host blocks in shuffled runs of R consecutive ids (R
+in 1, 2, 4, 8, 16, 64 and one run), both host layouts; every path (``direct``, ``direct_copy`` per layer,
+``staged``, ``staged_copy`` per layer) loads and stores, each load checked byte for byte, with its GPU time (in
+rounds over the grid) and host issue time, and what the transfer policy's ``auto`` picks for a whole load, a
+layerwise load and a store; then (CUDA) a GEMM beside every path at R = 1 and one run. Part 2, churn: a small pool
+under LRU eviction serves a multi-turn workload; the run lengths each load and store sees. Summary:
+``frag_worst_over_one_run`` (auto's pick at the worst R over one run), ``frag_layerwise_issue_ms_max``,
+``gemm_slowdown_pct`` and the churn's run lengths.
 
 Run: ``bash tests/gpu_sglang.sh exec python3 bench/bench_fragmentation.py --out $OUT/fragmentation_h200.json``
 (the GPU; ``--smoke``: toy sizes on the CPU through the Triton interpreter, seconds).

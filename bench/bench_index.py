@@ -1,18 +1,9 @@
 """Host-index benchmark (CPU): kvtier PageTrie vs SGLang 0.5.23 RadixCache in one process, one run.
 
-Workloads (token ids as Python-side ``array('q')``, the form SGLang's RadixKey holds):
-  multi_turn    probe/radix_bench.py's generator and seed: 2000 sequences, 8 system prompts of 2048
-                tokens, 1-7 turns of 512 (~4.1k tokens per sequence, 8.17M tokens)
-  long_context  2 documents of 96k tokens, each continued by 4 different 32k tails: 8 sequences of 128k
-  random        1000 unrelated random sequences of 512-8192 tokens
-Each library gets the same input: before every timed call the sequence is copied into a fresh
-``array('q')`` (untimed: a caller has just built its request key, so it is in cache), and the timed
-call includes each library's own conversion (RadixKey + params objects for SGLang, the numpy view for
-kvtier). Values (SGLang's kv-index tensor, kvtier's block ids) are built beforehand, untimed.
-"cold loop" figures loop over the prebuilt arrays instead (64 MB of keys: they come from DRAM).
-Per repeat: a fresh cache, insert every sequence, match every sequence, evict everything in chunks.
-Reported: medians over repeats of per-call medians (and means), tokens/s, bytes per page, numba
-compile time apart (fresh process without cache vs with cache), and the memory of 10M pages (page 16).
+Workloads: ``multi_turn`` (probe/radix_bench.py's generator: 2000 sequences under 8 system prompts), ``long_context``
+(8 sequences of 128k sharing 96k documents), ``random`` (1000 unrelated sequences). Each library gets the same
+``array('q')`` keys and its own conversion inside the timed call; per repeat: a fresh cache, insert, match and evict
+everything. Reported: medians over repeats of per-call medians, numba compile time apart, the memory of 10M pages.
 
 Run (SGLang must import in the same interpreter; see bench/results/index_notes.md for the venv):
     .venv-sglang/bin/python bench/bench_index.py            # full run, writes bench/results/index_cpu.json

@@ -1,25 +1,13 @@
 """Layerwise load benchmark on one GPU: does loading a host hit layer by layer hide the load behind the forward pass?
 
-Setup: Qwen3-8B KV geometry (36 layers, 8 KV heads x 128, bf16, page 16), an 8k-token prefix stored in the host tier
-(KVTier, ``--layout`` layer_first by default, ``--modes`` auto and staged by default). Per layer, the "forward" is
-sized like one Qwen3-8B decoder layer over the request's new tokens: QKV projection, writing the new K/V into the
-paged pool, a gather of the layer's prefix + new K/V by slot (so it reads exactly the loaded bytes), GQA attention
-(SDPA), output projection and the SwiGLU MLP (hidden 4096, intermediate 12288); one set of weights (386 MB, far above
-L2) serves every layer. Variants, each timed on the GPU from one start event to the end of the last layer (CUDA
-events; the GPU spins before the start event so that all host-side issuing is hidden, except where the variant blocks
-the host):
-
-* ``compute_only``: the 36 layers, KV already resident.
-* ``load_only`` / ``load_only_layerwise``: the prefix load alone, one all-layer launch / 36 per-layer launches.
-* ``load_then_compute``: load everything (one launch), the compute stream waits for it, then the 36 layers.
-* ``layerwise``: per-layer loads with the LayerDoneCounter (CuPy events when CuPy is installed); before layer i the
-  forward calls ``wait_until(i)``: a GPU-side wait, the host never blocks.
-* ``host_blocking``: the same loads, but the host synchronizes on layer i's event before issuing layer i (FlexKV's
-  per-layer host wait).
-
-Summary: ``layerwise_over_max_ratio`` = layerwise / max(load_only, compute_only) (target <= 1.1),
-``host_blocking_over_layerwise_ratio`` (target > 1), and ``pin_seconds_per_gib`` from pinning a 64 GiB pool in
-<= 64 GiB registrations. Writes the JSON (``--out``) and a Markdown table beside it (same name, ``.md``).
+An 8k-token prefix of Qwen3-8B KV (36 layers, 8 KV heads x 128, bf16, page 16) sits in the host tier; the "forward"
+is one Qwen3-8B decoder layer per layer over the new tokens (QKV, the new K/V written to the pool, attention over
+the gathered prefix + new K/V, output projection, SwiGLU MLP). Variants, timed on the GPU from one start event to
+the end of the last layer: ``compute_only``, ``load_only`` / ``load_only_layerwise``, ``load_then_compute``,
+``layerwise`` (per-layer loads, ``wait_until(i)`` a GPU-side wait before layer i) and ``host_blocking`` (the host
+waits for layer i's event, FlexKV-style). Summary: ``layerwise_over_max_ratio`` = layerwise / max(load_only,
+compute_only) (target <= 1.1), ``host_blocking_over_layerwise_ratio`` (target > 1), ``pin_seconds_per_gib``. Writes
+the JSON (``--out``) and a Markdown table beside it (``.md``).
 
 GPU: ``python bench/bench_layerwise.py --out $OUT/layerwise_h200.json``.
 CPU smoke test of the code paths (tiny sizes, Triton interpreter, no timing claims):

@@ -1,18 +1,10 @@
 """Overhead of kvtier's observers (metrics, transfer log) on the tier's engine-facing paths (issue 20).
 
-Two KVTiers over one device KV pool; one is observed, the other bare, and the observed instance alternates every
-repeat (so a difference between the two instances, their pools' placement or caches, does not pass for the
-observers' cost). Within a repeat the two run one cycle each in turn, the order alternating every cycle, and each
-cycle's observed time is divided by its neighbouring bare one: drift of the machine over a repeat cancels. Each cycle
-serves one request of ``--pages`` pages: ``store`` (issue), wait, ``lookup``, ``load`` (issue), wait; the requests
-cycle through more prefixes than the pool holds, so stores evict. Timed on the host: the issue calls (store +
-load), the lookup, the whole cycle (copies included). Three sets of observers, each measured so: ``metrics``
-(Prometheus metrics and their HTTP endpoint), ``log`` (the transfer log at INFO into a stream handler) and
-``metrics+log`` (what ``attach`` adds by default with ``metrics_port``). Figures: the median over repeats of each
-repeat's median paired ratio. A scrape (the metrics' sync, which takes the tier's lock) is timed apart.
-
-The index benchmark (``bench/bench_index.py``) runs ``PageTrie`` alone, which no observer touches: its overhead is
-nil by construction; the lookup here is the index through the tier.
+Two KVTiers over one device KV pool, one observed and one bare (the observed instance alternates every repeat), run
+one cycle each in turn, the order alternating; each cycle (store, wait, lookup, load, wait of a ``--pages`` request,
+stores evicting) is timed on the host, and each observed figure is divided by its neighbouring bare one. Observer
+sets: ``metrics``, ``log``, ``metrics+log``; figures: the median over repeats of each repeat's median paired ratio.
+A scrape (the metrics' sync) is timed apart.
 
 Run on the GPU machine: ``python bench/bench_observe.py --out $OUT/observe_h200.json``; ``--smoke`` on a CPU.
 """

@@ -1,42 +1,14 @@
 """The remote tier (Mooncake Store over loopback TCP) against Mooncake's own batch calls, in one run.
 
-One ``mooncake_master`` (started here, killed by its pid at the end, also on error) and one segment-holder process
-that mounts the store's only segment; every client below mounts none, so every value crosses loopback TCP to the
-holder, the same way for kvtier and for the raw client. For each cell (``--cells``: a host layout, or
-``LAYOUT:zero_copy``, the tier without staging, every block handed to Mooncake in its own ranges, as before it, or
-``LAYOUT:staged``, every block staged, one range per value, whatever the layout):
-
-* kvtier put: instance A (:class:`kvtier.tier.KVTier` with the remote tier) stores ``--blocks`` fresh blocks
-  (fresh tokens, so fresh keys) and its remote put job runs; timed from ``store`` to ``remote.drain(wait=True)``
-  returning (the put job is submitted when the store is finalized; its batches run on the put thread), and the
-  job's own seconds (``remote_seconds_put``). The store's D2H copy is skipped (:class:`SkipStoreCopy`): on CPU it
-  runs the Triton interpreter (~0.3 s a block) and is not the remote tier's; the pool's blocks hold random bytes;
-  everything else on the path (index, allocation, finalize, ``RemoteLink.entered``, ``RemoteTier.put``) runs.
-* kvtier fetch: instance B (empty CPU pool) ``lookup_tiers`` the prefix and ``wait``s the fetch task (probe,
-  admission, allocation, get with every header and payload checksum verified, index insert); all pages must come.
-  The bytes B fetched are compared with A's blocks (untimed).
-* raw: a separate ``MooncakeDistributedStore`` client puts (``batch_put_from``) and gets (``batch_get_into``) the
-  same number of values of the same size (4 KiB header + block) from / into registered numpy buffers, one range
-  per value, in batches of the tier's size (``BATCH_BYTES`` / ``MAX_BATCH_BLOCKS`` of ``remote_tier.py``);
-  ``raw_ranges``: the same with each value cut into the ranges kvtier hands Mooncake in that cell
-  (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``): 1 when staged (``layer_first``), header +
-  block (``page_first``), header + one range per layer (``layer_first:zero_copy``; a range per (layer, K/V) plane
-  before K and V of a page were adjacent: 57 at this bench's geometry).
-* hit latency: B's ``lookup_tiers`` -> ``wait(fetch)`` for a ``--hit-tokens`` prefix (512 blocks of 16 tokens at
-  8k), next to the raw get of the same values.
-* worker CPU: microseconds per block of the remote workers' own work (checksum, header, ranges, staging copy).
-
-Fresh keys every repetition (removed afterwards); one warm-up repetition, then medians of ``--reps``; kvtier's put
-goes before the raw puts in even repetitions and after them in odd ones. GB/s count value bytes (header + block) on
-every side.
-Summary: ``remote_put_over_raw``, ``remote_get_over_raw`` (median kvtier GB/s over median raw GB/s, the worst of
-the tier's cells; ``:zero_copy`` and ``:staged`` cells apart), the GB/s, ``hit_8k_ms``; per cell the same and the
-failures.
-
-Runs (``--runs N``): the whole bench N times, each in a process of its own with its own master, holder and clients
-(the hit latency in the first only). On a small machine one process's figures stay apart from another's for its
-whole life (which cores its threads share), so the ratios are taken per run and the summary gives their median over
-runs, with every run's value and the worst run beside it.
+One ``mooncake_master`` and one segment-holder process that mounts the store's only segment (both killed by pid at
+the end); every client mounts none, so every value crosses loopback TCP, for kvtier and the raw client alike. Per
+cell (``--cells``: a host layout, ``LAYOUT:zero_copy`` or ``LAYOUT:staged``): kvtier's put (instance A stores fresh
+blocks, D2H skipped, until its put job drains) and fetch (instance B ``lookup_tiers`` then ``wait``, every byte
+compared with A's), the raw client's ``batch_put_from`` / ``batch_get_into`` of the same values (``raw``, and
+``raw_ranges`` in kvtier's ranges), the hit latency of a ``--hit-tokens`` prefix and the workers' CPU per block.
+The JSON's ``method`` says how each is timed. Summary: ``remote_put_over_raw``, ``remote_get_over_raw`` (the worst
+shipped cell), the GB/s, ``hit_8k_ms``; ``--runs N`` runs the whole bench N times, each in its own process, and
+takes medians over runs.
 
 Run: ``python bench/bench_remote.py --runs 5 --out bench/results/remote_cpu.json`` (about 12 minutes on 2 cores)
 """

@@ -1,31 +1,17 @@
 """How long the remote tier holds the engine: engine-facing calls under a hung master, and a heartbeat thread's
 stalls beside a tier under master and peer chaos on a loaded machine, with and without the remote tier.
 
-Both parts run a real ``mooncake_master`` (started here, stopped by its pid) on loopback, a tier whose copies are
-skipped (:class:`SkipCopies`: on the CPU the kernels run in the Triton interpreter and are not what is measured;
-index, allocation, finalize and the remote tier all run), ``remote_timeout_s`` ``--timeout`` (1 s).
+Both parts run a real ``mooncake_master`` on loopback and a tier whose copies are skipped (index, allocation,
+finalize and the remote tier all run), ``remote_timeout_s`` ``--timeout``.
 
-* ``hung``: ``--rounds`` rounds, each on a fresh tier: it stores and puts a few prefixes, empties its CPU pool and
-  starts a fetch whose probe returns; then the master is stopped (SIGSTOP) and the engine thread calls, each timed:
-  ``store`` (its put hangs), ``lookup`` (a probe hangs), ``poll`` (the fetch's get starts and hangs), ``load``,
-  ``stats``, ``wait`` of the fetch, ``wait_all``, ``reset``, another ``store`` and ``lookup``, ``destroy``, while a
-  second thread calls ``stats`` every 10 ms (timed too: it waits on the tier's lock). The master is resumed after
-  the round. Target: the longest call <= ``remote_timeout_s`` + 0.5 s (on an unloaded machine). Then a tier is
-  built (``remote_required: false``) in a child process while the master is stopped, beside a heartbeat thread:
-  Mooncake's set-up holds the GIL while it retries such a master (20 tries of 30 s), so the child is killed past
-  ``--build-limit-s``.
-* ``chaos``: ``--burners`` busy processes load the cores; ``--peers`` peer processes (a remote tier each) store
-  and fetch prefixes all along; a chaos thread stops (SIGSTOP, 0.5-6 s) and kills (then restarts) the master and the
-  peers, one action every 0.5-2 s, from a seeded schedule. ``--threads`` engine threads drive one tier (stores,
-  lookups that fetch what peers put, waits on half of the fetches, loads, polls, stats, a reset every 20 rounds),
-  each call timed, while a heartbeat thread sleeps 5 ms at a time and records how late it wakes, split by the
-  kernel's own account of the thread (``/proc/self/task/<tid>/schedstat``) into time spent runnable but not running
-  (the cores busy) and the rest (waiting for the GIL or a lock). Phases alternate without and with the remote tier
-  (``--phases``, ABBA order; ``--order``: modes given, ``on:nice=N`` puts from threads N nicer), each ``--phase-s``
-  seconds, the same chaos schedule in each pair; the remote tier is built and destroyed
-  between phases with the master and peers running (building it is not an engine call). Target: the heartbeat's
-  worst stall with the remote tier <= 2x without it. Each phase's ``destroy`` is timed apart, with the heartbeat's
-  worst stall during it (Mooncake's close holds the GIL while it joins the client's threads).
+* ``hung``: per round, a fresh tier with puts landed and a probed fetch; the master is stopped (SIGSTOP) and every
+  engine call is timed (store, lookup, poll, load, stats, wait, wait_all, reset, destroy) while a second thread
+  calls ``stats``. Target: the longest call <= ``remote_timeout_s`` + 0.5 s. Then a tier is built in a child
+  process while the master is stopped, killed past ``--build-limit-s``.
+* ``chaos``: busy processes load the cores, peer processes store and fetch, a seeded chaos thread stops and kills
+  the master and the peers; engine threads drive one tier while a heartbeat thread records how late it wakes
+  (runnable but not running, or waiting for the GIL or a lock). Phases alternate without and with the remote tier
+  (ABBA, ``--order`` to choose). Target: the heartbeat's worst stall with the remote tier <= 2x without it.
 
 Run: ``python bench/bench_remote_stalls.py --phases 8 --phase-s 30 --out bench/results/remote_stalls_cpu.json`` (about
 7 minutes)

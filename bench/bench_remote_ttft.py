@@ -1,17 +1,11 @@
 """TTFT of prefixes another instance put to the remote tier, against recompute (issue 19, part 7).
 
-A real ``mooncake_master`` runs on loopback. Instance A (a :class:`kvtier.e2e.engine.TierEngine` whose remote tier
-mounts the store's memory) serves each prefix once, so its blocks are put to the store. Instance B (a second
-engine over the same random-weight Qwen3, its own device pool, CPU pool and Mooncake client, mounting no memory)
-then serves the prefix with a fresh suffix twice per repetition: ``recompute`` (nothing cached; the engine reports
-the prefill rate that admission uses) and ``remote`` (B's CPU tier emptied first, so the prefix is only in A's
-segment: the request waits for B's fetch when admission lets it in, then loads it layer by layer, or, with
-``--graphs`` as in ``bench_ssd_ttft.py``, whole). A cell's figure
-is median(remote TTFT) / median(recompute TTFT); a cell where admission refused the fetch recomputes (~1).
-
-Both instances run in one process over TCP loopback (two Mooncake clients; B's gets cross the loopback from A's
-segment). Summary: ``ttft_remote_over_recompute_admission`` (the worst prefix) and ``..._no_admission``, with the
-fetch GB/s measured.
+A real ``mooncake_master`` on loopback; instance A (a :class:`kvtier.e2e.engine.TierEngine` mounting the store's
+memory) serves each prefix once, so its blocks reach the store; instance B (its own pools and Mooncake client,
+mounting none) serves the prefix with a fresh suffix twice a repetition: ``recompute``, then ``remote`` with its
+CPU tier emptied (the fetch waited for when admission lets it in). A cell's figure is median(remote TTFT) /
+median(recompute TTFT). Summary: ``ttft_remote_over_recompute_admission`` (the worst prefix), ``..._no_admission``
+and the fetch GB/s.
 
 Run on the GPU machine: ``python bench/bench_remote_ttft.py --out $OUT/remote_ttft_h200.json``; ``--smoke`` runs
 toy sizes on a CPU.

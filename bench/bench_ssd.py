@@ -1,23 +1,14 @@
 """The SSD tier's data path against the same disk's raw bandwidth, in one run (issue 18, part 9).
 
-For each directory (a disk, and a RAM-backed one for the software's own ceiling):
-* raw: sequential O_DIRECT writes then reads of one new preallocated file from ``--io-threads`` threads, fdatasync
-  at the end of the writes; buffered where the file system refuses O_DIRECT; the best of three request patterns
-  (:func:`raw_bandwidth`: 16 MiB per thread region, 16 MiB from one pass, the tier's vectored 7-slot requests);
-* tier: :class:`kvtier.tier.ssd_tier.SsdTier` over :class:`kvtier.storage.SsdStore`, as the CPU tier drives it: one
-  write job of ``--bytes`` of Qwen3-8B-sized blocks (16 tokens x 36 layers x 2 x 8 KV heads x 128 x bf16 = 2.25
-  MiB) from a CPU pool (durable batches: headers and payloads, sync, journal records, sync), then one read job into
-  other CPU blocks (header, checksum, chain hash, namespace and tokens checked per block), on the same number of IO
-  threads; once per CPU pool layout (``--layouts``); the bytes read back are compared with those written;
-* recovery: the SSD tier's restart path (open the store, recover what it holds, fill the slot index) over
-  ``--recovery-blocks`` held blocks, per million blocks (median of ``--reps``): from the journal (one sequential
-  read) and from the slot headers (the journal removed: every header read, and the journal rebuilt);
-  ``--only-recovery`` measures these alone and merges them into ``--out``.
-Each repetition runs every raw pattern and every layout once, in a shuffled order (the disk's speed drifts, and
-jumps between states on the CPU machine's virtual disk); figures are medians of ``--reps``, each layout's over the
-raw pattern with the best median, and a directory's ``write_over_raw`` / ``read_over_raw`` are the slower layout's.
-Summary: ``ssd_write_over_raw``, ``ssd_read_over_raw`` (the disk), ``ram_write_over_raw``, ``ram_read_over_raw``,
-``recovery_s_per_million_blocks``, ``recovery_headers_s_per_million_blocks``.
+For each directory (a disk, and a RAM-backed one for the software's own ceiling): raw O_DIRECT write and read GB/s
+of one preallocated file in three request patterns (:func:`raw_bandwidth`); the SSD tier's write and read jobs of
+``--bytes`` of Qwen3-8B blocks (2.25 MiB) from and to a CPU pool of each layout (:func:`tier_bandwidth`, every byte
+read back compared); its restart from the journal and from the slot headers (:func:`recovery`). Repetitions run
+raw and tier units in a shuffled order; a layout's figure is its median over the raw pattern with the best median,
+a directory's ``write_over_raw`` / ``read_over_raw`` the slower layout's. ``--only-recovery`` measures the restart
+alone and merges it into ``--out``. Summary: ``ssd_write_over_raw``, ``ssd_read_over_raw`` (the disk),
+``ram_write_over_raw``, ``ram_read_over_raw``, ``recovery_s_per_million_blocks``,
+``recovery_headers_s_per_million_blocks``.
 
 Run: ``python bench/bench_ssd.py --dir /var/tmp/kvtier-ssd --ram-dir /dev/shm/kvtier-ssd \
 --out bench/results/ssd_cpu.json``
@@ -62,13 +53,10 @@ RAW_PATTERNS = ("regions", "shared", "slots")
 
 
 def raw_bandwidth(directory: str, nbytes: int, threads: int, pattern: str) -> dict:
-    """Sequential write then read GB/s of one new preallocated file from ``threads`` threads, O_DIRECT where taken,
-    between the disk and a CPU pool of the tier's kind (:class:`kvtier.tier.HostBlockPool`, ``page_first``: on a
-    virtual disk the request sizes the guest sends, and so its speed, follow how contiguous the memory is), in one of
-    three patterns: 16 MiB requests, each thread through its own region (``regions``); 16 MiB requests, every thread
-    taking the next one of one pass (``shared``); the tier's requests without the tier (``slots``): 7 blocks and
-    their 4 KiB headers (16.5 MB) in one vectored request, the next one of one pass. :func:`measure` holds the tier
-    to the pattern with the best median: the disk's best of these, not one the tier's own request shape beats."""
+    """Sequential write (fdatasync at the end) then read GB/s of one new preallocated file from ``threads`` threads,
+    O_DIRECT where taken (else buffered, the pages dropped before reading), between the disk and a ``page_first``
+    CPU pool, in requests of ``pattern``: 16 MiB, each thread through its own region (``regions``) or the next of one
+    pass (``shared``); the tier's requests without the tier (``slots``: 7 blocks and their headers, vectored)."""
     path = os.path.join(directory, "raw.bin")
     slot = ALIGN + padded(BLOCK_BYTES)
     size = {"regions": 16 * MiB, "shared": 16 * MiB, "slots": 7 * slot}[pattern]
@@ -133,11 +121,9 @@ def _random_blocks() -> np.ndarray:
 
 
 def tier_bandwidth(directory: str, nbytes: int, threads: int, layout: str) -> dict:
-    """GB/s of the SSD tier's data path (:class:`kvtier.tier.ssd_tier.SsdTier` over the CPU tier's own
-    :class:`kvtier.tier.HostBlockPool` in ``layout``, pinned where CUDA is, its ``block_rows`` as the tier's view,
-    as :class:`kvtier.tier.ssd_link.SsdLink` builds it): one write job of the pool's first half (durable on
-    completion), then one read job of those blocks into its second half (every block checked); the bytes read back
-    are compared with those written."""
+    """GB/s of :class:`SsdTier` over a CPU pool in ``layout`` (as ``SsdLink`` builds it): one write job of the
+    pool's first half (durable on completion), then one read job of those blocks into its second half; the bytes
+    read back are compared with those written."""
     n = max(1, nbytes // BLOCK_BYTES)
     pool = HostBlockPool(GEOMETRY, 2 * n, layout=layout)
     pool.host.zero_()  # every page mapped, as in a pool in use
@@ -181,11 +167,9 @@ def tier_bandwidth(directory: str, nbytes: int, threads: int, layout: str) -> di
 
 
 def recovery(directory: str, n: int, io_threads: int) -> dict:
-    """Seconds of the SSD tier's restart path over a store of ``n`` held blocks (4 KiB each, so that ``n`` slots fit
-    the disk; a record's and a header's size do not depend on its block's), per million: open the store (with a
-    trusted journal, a replay: one sequential read; ``headers``: the journal removed, every slot's header read,
-    ``4 x io_threads`` at once, and the journal rebuilt from them), :meth:`SsdStore.recover_hashes`, fill a
-    :class:`SlotIndex`."""
+    """Seconds per million blocks of the SSD tier's restart over ``n`` held 4 KiB blocks: open the store (replaying
+    the journal, or with it removed reading every slot's header), :meth:`SsdStore.recover_hashes`, a
+    :class:`SlotIndex` filled."""
     directory = os.path.join(directory, "recovery")
     os.makedirs(directory, exist_ok=True)
     kw = dict(capacity_bytes=n * (ALIGN + ALIGN), block_bytes=ALIGN, fingerprint=fingerprint(model="bench-recovery"),

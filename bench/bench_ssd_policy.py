@@ -1,12 +1,8 @@
 """The SSD write policies side by side: ``write_through`` against ``write_back`` on one workload (issue 18, part 2).
 
-A stream of FlexKV-style long prompts (groups sharing long prefixes; :func:`kvtier.e2e.workloads.long_prompts`,
-scaled down) goes through a :class:`~kvtier.tier.KVTier` over a small CPU-tensor KV pool, one request at a time:
-look up (waiting for an admitted promotion), load the hit, store the prompt. The CPU pool holds a quarter of the
-workload's blocks, the SSD all of them. Pass 1 runs on a cold tier; the tier is then shut down cleanly and rebuilt
-over the same directory (a restart), and pass 2 serves the same prompts again. Per policy: the host hit fraction of
-each pass (CPU hits and promoted SSD blocks), the bytes written to the SSD, the stores the CPU tier dropped, and the
-SSD writes dropped, and the time from building the restarted tier to its first SSD hit being a CPU hit.
+FlexKV-style long prompts go through a KVTier (CPU pool a quarter of the workload, the SSD all of it) one request at
+a time, on a cold tier, then again after a clean restart over the same directory. Per policy: the host hit fraction
+of each pass, the SSD bytes written, the stores and writes dropped, the time from the restart to the first SSD hit.
 
 Run: ``python bench/bench_ssd_policy.py --dir /var/tmp/kvtier-policy --out bench/results/ssd_policy_cpu.json``
 """

@@ -1,18 +1,11 @@
 """Crash loop for the SSD store: SIGKILL a storing process at random points, restart, check every block.
 
-A writer process (:data:`WRITER`) opens an :class:`~kvtier.storage.SsdStore` (journal on, blocks striped over two
-directories) and stores batches of 1-4 blocks to random slots, reusing slots in place as the tier does after an
-LRU eviction: it says ``begin slot chain`` for each block of a batch before the put (the slot's old block is then
-gone) and ``done slot chain`` once the put has returned (the batch is durable). The loop kills it after a random
-number of lines plus a random delay, then reopens the store as a restart would and checks:
-
-* ``durable_lost``: a block acknowledged durable, and not being replaced at the kill, that recovery does not list
-  or that does not read back exactly;
-* ``corrupt_served``: a read that returns bytes other than the block its header names, or a block never begun in
-  that slot; a slot being replaced may read as empty, its old block or its new one, each exactly.
-
-SIGKILL tests the process dying, not the machine losing power (the page cache survives a kill; O_DIRECT writes
-and ``fdatasync`` make the ordering the same either way on a disk that honours flushes).
+A writer process (:data:`WRITER`) stores batches of 1-4 blocks to random slots of a journaled, striped
+:class:`~kvtier.storage.SsdStore`, reusing slots in place, and logs ``begin`` / ``done`` per block around each put.
+The loop kills it after a random number of lines and delay, reopens the store as a restart would and counts
+``durable_lost`` (an acknowledged block, not being replaced, missing or not read back exactly) and
+``corrupt_served`` (a read returning bytes other than the block its header names, or a block never begun there).
+SIGKILL tests the process dying, not the machine losing power.
 
 Run: ``python bench/ssd_crash.py --dir /var/tmp/kvtier-crash --kills 200 --out bench/results/ssd_cpu.json``
 (merges a ``crash`` section and ``crash_*`` summary keys into the file).
