@@ -40,7 +40,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -96,6 +96,7 @@ class Plan:
     chunk: int
     max_prefill: int
     stop_at: float = float("inf")  # time.monotonic() past which no new (repeat, mode) run starts (--deadline-s)
+    on_run: Optional[Callable[[str, dict], None]] = None  # after each run: (workload, its results so far)
 
 
 def gpu_plan(layers: int) -> Plan:
@@ -216,6 +217,8 @@ def each_mode(model, plan: Plan, modes: list, dirs: dict, repeats: int, log, out
                 engine, server = make(model, plan, mode, kv_tokens, host_gb, dirs, max_context)
                 warm(server, plan)
                 body(engine, server, mode, rep)
+                if plan.on_run is not None:
+                    plan.on_run(name, out)
             except Exception:  # noqa: BLE001 - recorded: a mode that cannot run says why, the others go on
                 failed[mode] = traceback.format_exc()
                 log(f"{name} {mode}: FAILED\n{failed[mode]}")
@@ -494,12 +497,16 @@ def main(argv=None) -> int:
                 ("multiturn", "system", "distinct")))
     progress.plan(per_mode * len(modes) * args.repeats)
     model = build_model(plan)
-    res: dict = {"env": env_info(), "plan": {k: (str(v) if isinstance(v, torch.dtype) else v)
-                                             for k, v in dataclasses.asdict(plan).items() if k != "stop_at"},
+    sizes = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("stop_at", "on_run")}
+    res: dict = {"env": env_info(), "plan": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in sizes.items()},
                  "modes": modes, "args": vars(args),
                  # UnifiedRadixCache's TreeCore (the Rust one needs the torch sglang was built for)
                  "sglang_tree_core": os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "rust")}
     workloads = args.workloads.split(",")
+
+    def save_partial(name: str, out: dict) -> None:  # a run cut short by the device's limit keeps what it measured
+        write_json(args.out, {**res, name: out, "summary": summary({**res, name: out}, modes), "partial": True})
+    plan.on_run = save_partial
     if "swe" in workloads:
         res["swe"] = run_swe(model, plan, modes, dirs, args.repeats, log)
         if args.replay:
