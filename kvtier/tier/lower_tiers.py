@@ -168,6 +168,14 @@ class LowerTiers:
             elif not tier.wait_read(job, self.released):
                 return
 
+    def wait_progress(self, rec: InsertRecord, timeout_s: float) -> None:
+        """Block at most ``timeout_s``, the owner's lock let go of, until the read's IO returns (at once when it is
+        done or wants CPU blocks: the next drain advances it)."""
+        job = rec.completion
+        if not (job.done() or job.awaiting_blocks()):
+            with self.released():
+                job.wait(timeout_s)
+
     def finalize(self, rec: InsertRecord, cancelled: bool) -> None:
         """A read's verified leading blocks enter the index; the others go back to the pool, once no IO uses them
         (a read given up on: its tier holds them)."""

@@ -300,17 +300,11 @@ class KVTier(HostTier):
 
     @synchronized
     def wait_progress(self, task: TierTask, timeout_s: float) -> None:
-        """Block at most ``timeout_s`` until the lower-tier read ``task`` makes progress (its IO returns, or it wants
-        CPU blocks), this thread's hold on the tier let go of; nothing is finalized (the next :meth:`poll` does).
-        An engine with nothing to run waits here instead of spinning: the read's IO threads need the GIL."""
+        """Block at most ``timeout_s``, the lock let go of, until the lower-tier read ``task``'s IO returns; nothing
+        is finalized. An engine with nothing to run waits here instead of spinning (the IO threads need the GIL)."""
         rec = self._record(task)
-        if rec is None or not rec.task.kind.reads_lower_tier:
-            return
-        job = cast(InsertRecord, rec).completion
-        if job.done() or job.awaiting_blocks():
-            return
-        with self.below.released():
-            job.wait(timeout_s)
+        if rec is not None and rec.task.kind.reads_lower_tier:
+            self.below.wait_progress(cast(InsertRecord, rec), timeout_s)  # a read's record
 
     @synchronized
     def wait_all(self) -> None:
