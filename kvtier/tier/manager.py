@@ -210,8 +210,7 @@ class KVTier(HostTier):
             The task; its pages become visible to ``lookup``/``load`` once it completes. Keep the slots' KV
             unchanged until then.
         """
-        toks = as_tokens(tokens)
-        slots = as_slots(slot_indices)
+        toks, slots = as_tokens(tokens), as_slots(slot_indices)
         self._drain()
         B, G = self.block_tokens, self._pages_per_block
         n = toks.size // B  # blocks
@@ -346,11 +345,10 @@ class KVTier(HostTier):
         if rec is None or task.status != TaskStatus.FAILED or rec.retry is None:
             raise ValueError(f"task {task.id} is not a failed copy kept for ordered finalization")
         task.num_pages, task.status = rec.retry_pages, TaskStatus.INFLIGHT
-        stream = "store" if task.kind == TaskKind.STORE else "load"
         try:
             self._inflight[task.id] = rec.retry()
         except Exception as e:
-            self._failed(task, stream, e, ids=rec.block_ids, handle=rec.handle, retry=rec.retry)
+            self._failed(task, task.kind.stream, e, ids=rec.block_ids, handle=rec.handle, retry=rec.retry)
             return False
         return True
 
@@ -486,8 +484,7 @@ class KVTier(HostTier):
 
     def _load(self, tokens, ns, slot_indices, *, layerwise: bool, start_page: int = 0) -> TierTask:
         start_page = check_count("start_page", start_page, 0)
-        toks = as_tokens(tokens)
-        slots = as_slots(slot_indices)
+        toks, slots = as_tokens(tokens), as_slots(slot_indices)
         self._drain()
         P, B = self.page_size, self.block_tokens
         start = start_page * P  # tokens on the device already
@@ -522,10 +519,7 @@ class KVTier(HostTier):
         finalizes the task (which then discards it): TP ranks whose copies failed and succeeded alike hold the same
         blocks until they agree, so their host pools and indexes evolve identically."""
         self.copies.settle(stream)
-        if stream == "store":
-            self._stats.failed_stores += 1
-        else:
-            self._stats.failed_loads += 1
+        self._stats.count_failure(stream)
         logger.warning("kvtier: %s of %d pages failed and was unwound (%s: %s)", task.kind, task.num_pages,
                        type(error).__name__, error, exc_info=error)
         pages = task.num_pages
@@ -581,8 +575,7 @@ class KVTier(HostTier):
         cancelled = cancelled or failed
         secs = rec.completion.seconds()
         if task.kind == TaskKind.STORE:
-            self._stats.bytes_d2h += rec.nbytes
-            self._stats.seconds_d2h += secs or 0.0
+            self._stats.count_copy(task.kind.stream, rec.nbytes, secs)
             if cancelled:
                 self.pool.free(rec.block_ids)
             else:
@@ -592,8 +585,7 @@ class KVTier(HostTier):
         elif task.kind.reads_lower_tier:
             self.below.finalize(cast(InsertRecord, rec), cancelled)  # a read's record
         else:
-            self._stats.bytes_h2d += rec.nbytes
-            self._stats.seconds_h2d += secs or 0.0
+            self._stats.count_copy(task.kind.stream, rec.nbytes, secs)
             if not cancelled:
                 self._stats.pages_loaded += task.num_pages
         if rec.handle is not None:
@@ -601,7 +593,6 @@ class KVTier(HostTier):
         if cancelled and not failed:
             self._stats.cancelled += 1
         if self._observers and not cancelled and not task.kind.reads_lower_tier and task.num_pages:
-            self._observers.notify("transfer_done", Transfer("cpu", "store" if task.kind == TaskKind.STORE else "load",
-                                                   task.num_pages, rec.nbytes, secs))
+            self._observers.notify("transfer_done", Transfer("cpu", task.kind.stream, task.num_pages, rec.nbytes, secs))
         task.status = TaskStatus.FAILED if failed else TaskStatus.CANCELLED if cancelled else TaskStatus.DONE
         self.tasks.finished.append(task.id)

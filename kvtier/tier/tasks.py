@@ -42,6 +42,11 @@ class TaskKind(_Named):
         return self is TaskKind.READ
 
     @property
+    def stream(self) -> str:
+        """The executor stream its copy runs on: ``"store"`` (device to host) or ``"load"``."""
+        return "store" if self is TaskKind.STORE else "load"
+
+    @property
     def inserts(self) -> bool:
         """Whether its blocks enter the CPU index when it is finalized (a store, a read)."""
         return self not in (TaskKind.LOAD, TaskKind.LOAD_LAYERWISE)

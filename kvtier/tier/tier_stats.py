@@ -44,6 +44,19 @@ class TierStats:
     seconds_d2h: float = 0.0  # device time of completed stores (CUDA events; wall time on CPU)
     seconds_h2d: float = 0.0
 
+    def count_copy(self, stream: str, nbytes: int, seconds: Optional[float]) -> None:
+        """A completed ``"store"`` (device to host) or ``"load"`` (host to device) copy."""
+        d = "d2h" if stream == "store" else "h2d"
+        setattr(self, f"bytes_{d}", getattr(self, f"bytes_{d}") + nbytes)
+        setattr(self, f"seconds_{d}", getattr(self, f"seconds_{d}") + (seconds or 0.0))
+
+    def count_failure(self, stream: str) -> None:
+        """A ``"store"`` or ``"load"`` copy whose issue raised."""
+        if stream == "store":
+            self.failed_stores += 1
+        else:
+            self.failed_loads += 1
+
     @property
     def gbps_d2h(self) -> Optional[float]:
         return self.bytes_d2h / self.seconds_d2h / 1e9 if self.seconds_d2h > 0 else None
