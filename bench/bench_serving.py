@@ -354,9 +354,9 @@ def summary(res: dict, modes: list) -> dict:
     kv = [m for m in modes if m.startswith("kvtier") and "ssd" not in m]
     hi = "hicache" if "hicache" in modes else None
     thr, p99 = [], []
-    for name in ("swe", "multiturn"):
+    for name in ("swe", "multiturn", "system"):
         w = res.get(name)
-        if not w or hi is None:
+        if not w or not w.get("runs") or hi is None:
             continue
         match = {"qps": w["runs"][0]["qps"]} if name == "swe" else {}
         ref_t, ref_p = _median(w["runs"], hi, "req_per_s", **match), _median(w["runs"], hi, "ttft_p99_ms", **match)

@@ -531,6 +531,13 @@ def serving_table() -> str:
         notes.append(f"{card.upper()}: Qwen3-8B shapes with {plan['layers']} of its 36 layers (random weights), "
                      f"{swe.get('prompts')} prompts, device pool {swe.get('kv_tokens')} tokens, host pools "
                      f"{swe.get('host_gb', 0):.1f} GiB")
+        ratios = res.get("summary", {})
+        per = [(w, ratios.get(f"{w}_throughput_over_hicache"), ratios.get(f"{w}_ttft_p99_over_hicache"))
+               for w in ("swe", "multiturn", "system")]
+        per = [(w, t, p) for w, t, p in per if t is not None and p is not None]
+        if per:
+            notes.append(f"{card.upper()} kvtier over HiCache in the same run, req/s and TTFT p99: "
+                         + ", ".join(f"{w} {t:.2f}x and {p:.2f}x" for w, t, p in per))
         for qps in sorted({r["qps"] for r in swe.get("runs", [])}):
             for mode in res["modes"]:
                 runs = [r for r in swe["runs"] if r["mode"] == mode and r["qps"] == qps]
