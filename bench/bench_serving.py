@@ -44,6 +44,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -172,11 +173,14 @@ def make(model, plan: Plan, mode: str, kv_tokens: int, host_gb: float, dirs: dic
     if ssd is not None:
         shutil.rmtree(ssd, ignore_errors=True)
         os.makedirs(ssd, exist_ok=True)
-    base = mode.split("@")[0]
+    base, _, variant = mode.partition("@")
+    overrides = {"ssd_admission": "always"} if base == "kvtier_ssd" else {}
+    if "=" in variant:  # e.g. kvtier@transfer_mode=direct: a kvtier config key set for this mode
+        key, _, value = variant.partition("=")
+        overrides[key] = yaml.safe_load(value)
     cfg = EngineConfig(mode=base, kv_tokens=kv_tokens, page_size=plan.page, max_running_requests=plan.max_running,
                        max_context=max_context, chunked_prefill_size=plan.chunk, max_prefill_tokens=plan.max_prefill,
-                       host_gb=host_gb, ssd_dir=ssd, ssd_gb=4 * host_gb,
-                       tier_overrides={"ssd_admission": "always"} if base == "kvtier_ssd" else {})
+                       host_gb=host_gb, ssd_dir=ssd, ssd_gb=4 * host_gb, tier_overrides=overrides)
     engine = Engine(model, cfg)
     return engine, BatchServer(engine, verify_every=16)
 
@@ -351,7 +355,7 @@ def _median(runs: list, mode: str, key: str, **match) -> Optional[float]:
 
 def summary(res: dict, modes: list) -> dict:
     s: dict = {}
-    kv = [m for m in modes if m.startswith("kvtier") and "ssd" not in m]
+    kv = [m for m in modes if m.startswith("kvtier") and "ssd" not in m and "@" not in m]  # variants: beside
     hi = "hicache" if "hicache" in modes else None
     thr, p99 = [], []
     for name in ("swe", "multiturn", "system"):
@@ -444,7 +448,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", choices=("gpu", "smoke"), default="gpu")
     ap.add_argument("--layers", type=int, default=8, help="Qwen3-8B layers the GPU plan's model has")
-    ap.add_argument("--modes", default=None, help="comma-separated (default: every mode the device runs)")
+    ap.add_argument("--modes", default=None, help="comma-separated (default: every mode the device runs); "
+                    "kvtier@KEY=VALUE: kvtier with one config key set (e.g. kvtier@transfer_mode=direct)")
     ap.add_argument("--workloads", default="swe,multiturn,system,distinct")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ssd-dir", default=None, help="the SSD modes' directory on the machine's disk")

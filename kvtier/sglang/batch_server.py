@@ -150,8 +150,8 @@ class Engine:
             extra = dict(cfg.tier_overrides)
             if cfg.mode == "kvtier_ssd":
                 extra.update(ssd_cache_gb=cfg.ssd_gb, ssd_cache_dir=cfg.ssd_dir)
-            config = TierConfig(cpu_cache_gb=cfg.host_gb, page_size=P, transfer_mode=cfg.transfer_mode,
-                                layerwise=cfg.mode == "kvtier_layerwise", **extra)
+            config = TierConfig(**{"cpu_cache_gb": cfg.host_gb, "page_size": P, "transfer_mode": cfg.transfer_mode,
+                                   "layerwise": cfg.mode == "kvtier_layerwise", **extra})
             self.cache = KVTierRadixCache(params, config, model_identity={"model": "kvtier-batch-server",
                                                                           "layers": shape.num_layers})
         elif cfg.mode in ("unified",) + tuple(CUDA_MODES):
