@@ -10,6 +10,8 @@ from typing import Optional
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvtier.tier.manager as manager
 from kvtier.config import TierConfig
@@ -192,3 +194,87 @@ def test_the_in_flight_view_is_read_only_and_builtin_tiers_stay_registered(toy):
     with pytest.raises(ValueError, match="ships with kvtier"):
         unregister("ssd")
     tier.destroy()
+
+
+class HeldWriteJob:
+    def __init__(self, ids: np.ndarray) -> None:
+        self.host_ids = ids
+
+
+class SlowWriteTier(ToyTier):
+    """The toy, its writes holding their CPU blocks until :meth:`complete` (or a drain that waits) ends them: one
+    rank's IO timing."""
+
+    name = "slow"
+
+    def __init__(self, pool, holds) -> None:
+        super().__init__(pool, holds)
+        self.pending: list[HeldWriteJob] = []
+
+    @classmethod
+    def open(cls, config, pool, holds, block_tokens, identity) -> "SlowWriteTier":
+        return cls(pool, holds)
+
+    def entered(self, ids, tokens, ns, positions, hashes, source) -> None:
+        super().entered(ids, tokens, ns, positions, hashes, source)
+        job = HeldWriteJob(ids.copy())
+        self.holds.hold(job.host_ids)
+        self.pending.append(job)
+
+    def complete(self, k: int) -> None:
+        """The ``k`` oldest writes return."""
+        for job in self.pending[:k]:
+            self.holds.drop(job.host_ids)
+        del self.pending[:k]
+
+    def drain(self, wait: bool = False, until=None) -> None:
+        if wait:
+            self.complete(len(self.pending))
+
+
+@pytest.fixture
+def slow():
+    register("slow", SlowWriteTier.open, lambda config: True)
+    SlowWriteTier.opened.clear()
+    yield
+    unregister("slow")
+
+
+def _ordered(seed: int) -> KVTier:
+    kv = make_kv(TINY, 128, "cpu", torch.Generator().manual_seed(seed))
+    return KVTier(kv, TierConfig(page_size=P, tokens_per_block=P, cpu_cache_gb=1.0), model_identity=IDENTITY,
+                  pool=HostBlockPool(TINY, 12), finalize="ordered")
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["store", "complete_a", "complete_b", "evict"]), st.integers(0, 5),
+                         st.integers(1, 6)), min_size=1, max_size=40)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=OPS)
+def test_ranks_whose_lower_tier_writes_return_at_other_moments_keep_identical_indexes(slow, ops):
+    """Two ranks' tiers (finalize="ordered") under the same stores and evictions, each rank's lower-tier writes
+    returning at its own moments: a block evicted while its write runs is held on one rank and free on the other,
+    yet every allocation evicts the same blocks and gets as many on both, so their indexes stay identical; and with
+    several ranks the lookup starts no lower-tier read (the ranks have not agreed on one)."""
+    SlowWriteTier.opened.clear()
+    a, b = _ordered(0), _ordered(0)
+    slow_a, slow_b = SlowWriteTier.opened
+    prompts = [prompt(i, 6) for i in range(6)]
+    for op, i, k in ops:
+        if op == "store":
+            for t in (a, b):
+                task = t.store(prompts[i][:k * P], None, page_slots(0, k, P))
+                t.finalize(task)
+        elif op == "complete_a":
+            slow_a.complete(k)
+        elif op == "complete_b":
+            slow_b.complete(k)
+        else:
+            assert a.evict(k) == b.evict(k)
+        held = [[t.lookup(p) for p in prompts] for t in (a, b)]
+        assert held[0] == held[1], (op, i, k)
+        assert a.index.total_pages == b.index.total_pages
+        assert all(t.lookup_tiers(prompts[i], None).read is None for t in (a, b))
+    for t in (a, b):
+        t.destroy()

@@ -525,14 +525,12 @@ def test_blocks_are_keyed_per_tp_rank_for_mha_and_once_for_mla():
     assert remote_fingerprint(mha, 4, r0) != remote_fingerprint(mha, 8, r0)
 
 
-def test_a_remote_tier_needs_a_model_identity_and_auto_finalize(mooncake_master):
+def test_a_remote_tier_needs_a_model_identity(mooncake_master):
     kv = make_kv(TINY, 16, "cpu", torch.Generator().manual_seed(0))
     cfg = TierConfig(page_size=P, tokens_per_block=P, cpu_cache_gb=1 / 1024, remote_backend="mooncake",
                      remote_master=mooncake_master.addr)
     with pytest.raises(ValueError, match="remote tier needs model_identity"):
         KVTier(kv, cfg)
-    with pytest.raises(ValueError, match="remote tier does not run with finalize='ordered'"):
-        KVTier(kv, cfg, finalize="ordered", model_identity=ID)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])  # staged values, zero-copy values

@@ -3,10 +3,15 @@
 Free blocks first; when too few are free, unlocked blocks are evicted (the eviction policy's choice) and go back to
 the pool through the lower tiers' write policies (a write-back tier writes them now), once no lower-tier IO holds
 them (:class:`~kvtier.tier.block_holds.BlockHolds`).
+
+``ordered`` (the ranks of one cache finalize in an agreed order and their indexes must evolve alike): how many blocks
+to evict, and how many an allocation gets, count free and held blocks together, which is the same on every rank
+whatever its IO's timing; blocks this rank's IO still holds are waited for (each tier by its deadline).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -22,9 +27,9 @@ class BlockRoom:
     """Allocation and eviction of one tier's CPU blocks; ``on_evicted(ids)`` hears of every eviction first."""
 
     def __init__(self, pool: HostBlockPool, index, eviction, holds: BlockHolds, lower: Sequence[LowerTier],
-                 on_evicted: Callable[[np.ndarray], None]) -> None:
+                 on_evicted: Callable[[np.ndarray], None], *, ordered: bool = False) -> None:
         self.pool, self.index, self.eviction, self.holds = pool, index, eviction, holds
-        self.lower, self.on_evicted = lower, on_evicted
+        self.lower, self.on_evicted, self.ordered = lower, on_evicted, ordered
 
     def evict(self, n: int) -> int:
         """Evict up to ``n`` unlocked blocks, chosen by the eviction policy, and let them go; returns how many."""
@@ -39,6 +44,8 @@ class BlockRoom:
         """Up to ``n`` free blocks, evicting for room; fewer when not enough can be evicted, or when the evicted
         blocks are held by lower-tier writes (a write-back tier then has blocks evicted ahead of the next
         allocation, :meth:`~kvtier.tier.lower.LowerTier.reclaim`)."""
+        if self.ordered:
+            return self._alloc_ordered(n)
         ids = self.pool.alloc(n)
         if ids is None:
             for t in self.lower:
@@ -50,6 +57,26 @@ class BlockRoom:
             if ids.size < n:
                 for t in self.lower:
                     t.came_short(n, held=self.holds.num_deferred)
+        return self._reclaim(ids)
+
+    def _alloc_ordered(self, n: int) -> np.ndarray:
+        """:meth:`alloc` the same on every rank: room is free and held blocks together; this rank's IO holding
+        blocks it needs is waited for."""
+        room = self.pool.num_free + self.holds.num_deferred
+        if room < n:
+            room += self.evict(n - room)
+        k = min(n, room)
+        for t in self.lower if self.pool.num_free < k else ():
+            t.drain(wait=True, until=time.monotonic() + t.close_timeout_s)
+        ids = self.pool.alloc(k)
+        if ids is None:
+            raise RuntimeError(f"kvtier: {k - self.pool.num_free} CPU blocks are still held by lower-tier IO past "
+                               "its deadline: this rank's host tier can no longer evolve as the other ranks' do")
+        return self._reclaim(ids)
+
+    def _reclaim(self, ids: np.ndarray) -> np.ndarray:
+        """After an allocation: a write-back tier's blocks evicted ahead of the next (``ids`` given back if that
+        raises)."""
         if self.lower:
             ahead = max(t.reclaim(self.pool.num_free, self.holds.num_deferred) for t in self.lower)
             if ahead:

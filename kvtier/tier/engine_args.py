@@ -30,8 +30,6 @@ def lower_tier_identity(asked: list[str], finalize: str, identity: Optional[Mapp
     if finalize not in ("auto", "ordered"):
         raise ValueError(f"finalize must be 'auto' or 'ordered', got {finalize!r}")
     for name in asked:
-        if finalize == "ordered":
-            raise ValueError(f"the {name} tier does not run with finalize='ordered' (TP ranks) yet")
         if identity is None:
             raise ValueError(f"the {name} tier needs model_identity (model path and revision, TP rank and size): "
                              "its blocks outlive the process, and another model must never read them")

@@ -81,7 +81,7 @@ class LowerTiers:
         o = self.owner
         G, held = o._pages_per_block, m.num_pages
         hit = held * G
-        if held >= n or not self.lower:
+        if held >= n or not self.lower or not o._auto_finalize:  # several ranks: no read until they agree on it
             return TierHit(hit, 0, None)
         chain = page_hashes(toks[:n * o.block_tokens], o.block_tokens, ns)  # once, for every lower tier
         for tier in self.lower:

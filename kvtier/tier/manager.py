@@ -135,7 +135,8 @@ class KVTier(HostTier):
         self.lower: list[LowerTier] = open_lower_tiers(self.config, pool, self.holds, self.block_tokens,
                                                        model_identity)
         self.below = LowerTiers(self, self.lower)
-        self.room = BlockRoom(pool, self.index, self.eviction, self.holds, self.lower, self._evicted)
+        self.room = BlockRoom(pool, self.index, self.eviction, self.holds, self.lower, self._evicted,
+                              ordered=not self._auto_finalize)
         for t in self.lower:
             t.observe(functools.partial(self._written, t.name),
                       *(functools.partial(self._observers.notify, hook, t.name) for hook in ("lower_stored",
@@ -541,10 +542,10 @@ class KVTier(HostTier):
         self._stats.pages_evicted += ids.size * self._pages_per_block
 
     def _drain(self) -> None:
-        if not self._auto_finalize:
-            return
         for t in self.lower:
             t.drain()
+        if not self._auto_finalize:
+            return
         for rec in list(self._inflight.values()):
             if rec.task.kind.reads_lower_tier:
                 self.below.poll(cast(InsertRecord, rec))  # a read's record
