@@ -8,9 +8,12 @@
   puts only some pages in the table, so the verified answer is a lower bound the walk continues from. It lost to
   the walk (docs/DESIGN.md, "Host index"); the state machines compare the two on every step.
 * ``remove``: free the held pages of one sequence from the deepest up while they are unlocked leaves (it frees
-  pages in an order eviction never does, which exercises ``_free``'s hint, table and tick hand-off).
+  pages in an order eviction never does, which exercises ``_free_chain``'s hint, table and tick hand-off).
+* ``evict_per_page``: LRU eviction one page at a time (a heap pop, or the parent known to come next, then a free
+  of that page alone), the algorithm ``tr_evict``'s chain step must agree with: same block ids in the same order,
+  same free list, same live pages, table and heap.
 
-:class:`ExtrasTrie` is a :class:`~kvtier.index.PageTrie` with both; ``narrow_trie(bits)`` one whose page hashes
+:class:`ExtrasTrie` is a :class:`~kvtier.index.PageTrie` with all three; ``narrow_trie(bits)`` one whose page hashes
 keep ``bits`` bits, so collisions are everywhere.
 """
 
@@ -21,12 +24,13 @@ import numpy as np
 
 from kvtier.index import MatchResult, Namespace, PageTrie
 from kvtier.index._config import NUMBA_CACHE
-from kvtier.index._heap import hp_remove
-from kvtier.index._state import BLOCK, DEPTH, HASH, HPOS, LOCK, M_MASK, M_WIDE, NCHILD, NS_BASE, PARENT
-from kvtier.index._table import EMPTY, tb_home, tb_node, tb_tag
+from kvtier.index._heap import hp_pop, hp_precedes, hp_push, hp_remove
+from kvtier.index._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, FREE_PARENT, GEN, HASH, HINT, HITS, HPOS, LOCK,
+                                 M_FREE, M_INDEXED, M_MASK, M_NFREE, M_TOTAL, M_WIDE, NCHILD, NS_BASE, PARENT, TICK)
+from kvtier.index._table import EMPTY, tb_delete, tb_home, tb_node, tb_tag
 from kvtier.index._tokens import in_range_from
 from kvtier.index.page_trie import _token_key
-from kvtier.index.trie_jit import BAD_TOKENS, F_TOUCH, OK, _free, _match_end, _page_diff, _walk
+from kvtier.index.trie_jit import BAD_TOKENS, F_TOUCH, OK, _free_chain, _match_end, _page_diff, _walk
 from kvtier.index.xxh64 import xxh64_token_range
 
 
@@ -128,9 +132,68 @@ def _remove(i32, i64, i8, tokens, table, meta, q, ns_id):
         if hpos[x] >= 0:
             hp_remove(i32, i64, meta, x)
         p = i32[PARENT, x]
-        _free(i32, i64, i8, table, meta, x)
+        _free_chain(i32, i64, i8, table, meta, x, x)
         x = p
     return OK, out[:k]
+
+
+_HITS_MAX = 2147483647
+_FREE_PARENT = FREE_PARENT
+
+
+@numba.njit(inline="always")
+def _free_page(i32, i64, i8, table, meta, x):
+    """Free leaf x alone: unlink it from its parent (which inherits max(tick) and the saturating sum of hits) and
+    the table, and push its slot on the free list."""
+    p = i32[PARENT, x]
+    if p >= 0:
+        if i64[TICK, x] > i64[TICK, p]:
+            i64[TICK, p] = i64[TICK, x]
+        i32[HITS, p] = min(np.int64(i32[HITS, p]) + np.int64(i32[HITS, x]), _HITS_MAX)
+        i32[NCHILD, p] -= 1
+        if i32[HINT, p] == x:
+            i32[HINT, p] = -1
+    else:
+        nsh = NS_BASE + 2 * (-1 - p)
+        if meta[nsh] == x:
+            meta[nsh] = -1
+    if i8[FLAGS, x] & FL_INDEXED:
+        tb_delete(table, i64[HASH, x], x)
+        meta[M_INDEXED] -= 1
+    i8[FLAGS, x] = 0
+    i32[PARENT, x] = _FREE_PARENT
+    i32[DEPTH, x] = -1
+    i32[GEN, x] += 1
+    i32[HINT, x] = meta[M_FREE]
+    meta[M_FREE] = x
+    meta[M_NFREE] += 1
+    meta[M_TOTAL] -= 1
+
+
+@numba.njit(cache=NUMBA_CACHE)
+def _evict_per_page(i32, i64, i8, table, meta, n):
+    """Up to n pages, LRU unlocked leaf first, one page at a time: their block ids in order."""
+    out = np.empty(max(0, min(n, meta[M_TOTAL])), dtype=np.int64)
+    k = 0
+    x = -1  # the next page to free when known without the heap
+    while k < out.shape[0]:
+        if x < 0:
+            x = hp_pop(i32, i64, meta)
+            if x < 0:
+                break
+        out[k] = i64[BLOCK, x]
+        k += 1
+        p = i32[PARENT, x]
+        _free_page(i32, i64, i8, table, meta, x)
+        x = -1
+        if p >= 0 and i32[NCHILD, p] == 0 and i32[LOCK, p] == 0:
+            if hp_precedes(i32, i64, meta, p):
+                x = p
+            else:
+                hp_push(i32, i64, meta, p)
+    if x >= 0:
+        hp_push(i32, i64, meta, x)
+    return out[:k]
 
 
 class ExtrasTrie(PageTrie):
@@ -172,6 +235,10 @@ class ExtrasTrie(PageTrie):
         if status != OK:
             self._raise(status)
         return blocks
+
+    def evict_per_page(self, n: int) -> np.ndarray:
+        """:meth:`evict` one page at a time (see the module docstring)."""
+        return _evict_per_page(self._st.i32, self._st.i64, self._st.i8, self._st.table, self._st.meta, int(n))
 
 
 def narrow_trie(bits: int) -> type[ExtrasTrie]:

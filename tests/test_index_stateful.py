@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtier.index import Namespace, PageTrie
-from kvtier.index._state import BLOCK, DEPTH, FL_INDEXED, HINT, HPOS, LOCK, M_HEAP, M_INDEXED, NCHILD, PARENT, TICK
+from kvtier.index._state import (BLOCK, DEPTH, FL_HASHED, FL_INDEXED, HINT, HPOS, LOCK, M_HEAP, M_INDEXED, NCHILD,
+                                 PARENT, TICK)
 from tests.index_extras import ExtrasTrie, narrow_trie
 
 PAGE = 2
@@ -317,9 +318,9 @@ class IndexMachine(RuleBasedStateMachine):
     def lazy_index(self):
         """Lazy indexing (trie_jit.py): the table holds exactly the indexed live pages, each once, under
         their chained hash (recomputed from the tokens along the path, not from stored hashes);
-        I1 an indexed page's stored hash is that chain hash; I2 an indexed page's parent is indexed;
-        I3 a page that is not indexed is its parent's only child and its parent's hint; first pages
-        are always indexed."""
+        I1 a hashed page's stored hash is that chain hash, and indexed pages are hashed; I2 a hashed page's
+        parent is hashed; I3 a page that is not indexed is its parent's only child and its parent's hint;
+        first pages are always indexed."""
         s = self.trie._st
         mask = int(self.trie._mask)
         chain: dict = {}
@@ -334,13 +335,15 @@ class IndexMachine(RuleBasedStateMachine):
 
         live = np.flatnonzero(s.i32[DEPTH] >= 0)
         indexed = {int(x) for x in live if s.flags[x] & FL_INDEXED}
-        assert not any(s.flags[x] & FL_INDEXED for x in np.flatnonzero(s.i32[DEPTH] < 0)), "free slot flagged"
+        hashed = {int(x) for x in live if s.flags[x] & FL_HASHED}
+        assert not s.flags[s.i32[DEPTH] < 0].any(), "free slot flagged"
+        assert indexed <= hashed, "indexed page without a hash"
         for x in map(int, live):
             p = int(s.i32[PARENT, x])
-            if x in indexed:
+            if x in hashed:
                 assert int(s.hashes[x]) == h(x), "stored hash is not the chained page hash"
-                assert p < 0 or p in indexed, "indexed page under a page that is not indexed"
-            else:
+                assert p < 0 or p in hashed, "hashed page under a page that is not hashed"
+            if x not in indexed:
                 assert p >= 0, "first page not indexed"
                 assert s.i32[NCHILD, p] == 1 and s.i32[HINT, p] == x, "page not indexed and not findable by the hint"
         entries = [int(e) for e in s.table if e != -1]

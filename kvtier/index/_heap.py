@@ -17,10 +17,13 @@ the one eager keys give; each touch costs at most one extra sift at eviction tim
 from __future__ import annotations
 
 import numba
+import numpy as np
 
 from ._state import HEAP, HKEY, HPOS, M_HEAP, TICK
 
-__all__ = ["hp_push", "hp_pop", "hp_remove", "hp_precedes"]
+_KEY_MAX = 2**63 - 1
+
+__all__ = ["hp_push", "hp_pop", "hp_remove", "hp_precedes", "hp_precedes_key", "hp_key_floor"]
 
 
 @numba.njit(inline="always")
@@ -92,12 +95,28 @@ def hp_remove(i32, i64, meta, x):
 
 
 @numba.njit(inline="always")
-def hp_precedes(i32, i64, meta, x):
-    """Whether node ``x`` (not in the heap) comes before every node in it: (tick[x], x) is less than the root's
-    (stored key, node), which is at most every node's (tick, node). Pushing ``x`` and popping would return ``x``."""
+def hp_precedes_key(i32, i64, meta, k, x):
+    """Whether node ``x`` (not in the heap) keyed ``k`` comes before every node in it: (k, x) is less than the
+    root's (stored key, node), which is at most every node's (tick, node). Reads the heap, writes nothing."""
     if meta[M_HEAP] == 0:
         return True
-    return _less(i64[TICK, x], x, i64[HKEY, 0], i32[HEAP, 0])
+    return _less(k, x, i64[HKEY, 0], i32[HEAP, 0])
+
+
+@numba.njit(inline="always")
+def hp_key_floor(i32, i64, meta):
+    """The root's stored key (2**63 - 1 when the heap is empty): a node keyed below it comes before every node in
+    the heap, whatever the node ids."""
+    if meta[M_HEAP] == 0:
+        return np.int64(_KEY_MAX)
+    return i64[HKEY, 0]
+
+
+@numba.njit(inline="always")
+def hp_precedes(i32, i64, meta, x):
+    """Whether node ``x`` (not in the heap) comes before every node in it, keyed by its tick: pushing ``x`` and
+    popping would return ``x``."""
+    return hp_precedes_key(i32, i64, meta, i64[TICK, x], x)
 
 
 @numba.njit(inline="always")

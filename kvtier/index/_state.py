@@ -3,7 +3,7 @@
 Every array argument costs numba about 15-40 ns to unbox per call, so the per-node fields are packed
 into an int32, an int64 and an int8 block, and the namespace table lives in ``meta``. The
 six arrays are views of one 64-byte-aligned byte buffer ``blob`` (a 128-byte int64 header with the
-sizes and offsets, then the arrays); the hot entry points (``tr_match``, ``tr_insert``) take only the
+sizes and offsets, then the arrays); the hot entry points (``tr_match``, ``tr_insert``, ``tr_evict``) take only the
 buffer and rebuild the views in jitted code (``blob_views``), the others take the views.
 
 Node ``x`` (0 <= x < number of node slots) is described by column ``x`` of every per-node array:
@@ -28,9 +28,9 @@ Node ``x`` (0 <= x < number of node slots) is described by column ``x`` of every
                              tick of x is the max over its subtree, exact for leaves (the only heap
                              keys) because a freed page hands max(tick) to its parent
     i64[HASH, x]     int64   chained page hash h_depth of the prefix ending at this page (page_hash.py),
-                             the uint64 bit pattern stored as int64; valid only when FL_INDEXED is set
-    i8[FLAGS, x]     int8    FL_INDEXED: the node is in ``table`` and ``i64[HASH, x]`` is valid (lazy
-                             indexing: see trie_jit.py); a node without it has a stale hash field
+                             the uint64 bit pattern stored as int64; valid only when FL_HASHED is set
+    i8[FLAGS, x]     int8    FL_HASHED: ``i64[HASH, x]`` is valid (a node without it has a stale hash
+                             field); FL_INDEXED: the node is in ``table`` too (lazy indexing: see trie_jit.py)
     tokens[x, :]     uint32  the page's token ids (a hash hit is confirmed against these)
 
 Rows indexed by heap position ``i`` (not by node): ``i32[HEAP, i]`` the node at heap position i and
@@ -62,7 +62,8 @@ N_I64 = 4
 # rows of i8
 FLAGS = 0
 N_I8 = 1
-FL_INDEXED = 1    # i8[FLAGS] bit: in the table, hash valid
+FL_INDEXED = 1    # i8[FLAGS] bit: in the table (always with FL_HASHED)
+FL_HASHED = 2     # i8[FLAGS] bit: hash valid
 # meta
 M_TOTAL = 0       # live pages
 M_HIGH = 1        # slots ever used (slots >= HIGH were never allocated)

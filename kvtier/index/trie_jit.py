@@ -18,23 +18,26 @@ arrays and raises):
   compared, so a hash collision costs time, never a wrong page. (Gallop + binary search over table probes is the
   other exact matcher; it lost to the walk and is kept in the tests as a second opinion: docs/DESIGN.md,
   "Host index".)
-* Lazy indexing: a page is hashed and put in the table only when it can be reached no
-  other way. FL_INDEXED (``i8[FLAGS, x]``) marks a page that is in the table with a valid stored hash;
-  invariants (checked by the state machine after every step):
-  I1 an indexed page's stored hash is its chained page hash; the table holds exactly the indexed pages;
-  I2 the parent of an indexed page is indexed (its hash seeds the child's), first pages always are;
+* Lazy indexing: a page is put in the table only when it can be reached no other way, and hashed only when it
+  or a page below it is put there. In ``i8[FLAGS, x]``, FL_HASHED marks a page whose stored hash is valid and
+  FL_INDEXED one that is also in the table; invariants (checked by the state machine after every step):
+  I1 a hashed page's stored hash is its chained page hash; the table holds exactly the indexed pages, which
+     are hashed;
+  I2 the parent of a hashed page is hashed (its hash seeds the child's); first pages are always indexed;
   I3 a page that is not indexed is its parent's only child and its parent's hint.
-  So the walk finds an unindexed child through ``node + 1`` or the hint, and under an unindexed node
+  So the walk finds an unindexed child through ``node + 1`` or the hint, and under a node that is not hashed
   it never probes the table (no indexed child can exist, I2). An insert writes a new chain without
   hashing; only a chain's first page is indexed, and only if it gets a sibling (it then indexes the
-  old only child too, after ``tr_index_path`` indexed the parent and its unindexed ancestors).
+  old only child too, after ``tr_index_path`` hashed the parent and its unhashed ancestors). The ancestors
+  stay out of the table: each is its parent's only child, found through ``node + 1`` or the hint, so a long
+  prefix with one branch at its end costs the table two entries, and its eviction two deletes.
 * Token range: a query page can only equal a stored page if its ids lie in [0, 2**32) (the compare
   extends stored uint32 and query ids to int64), so only the tokens after the matched prefix are
   range-checked; an insert stores nothing before that check passed.
 * Ticks: every touching match/insert takes the next tick; logically every page of its path gets it.
   Lazy ticks: only the deepest page of the path is written (an insert that adds pages writes the new
   ones); a page's logical tick is the max stored tick in its subtree, kept exact for leaves because
-  a freed page hands max(tick) and the sum of hits to its parent (``_free``). Only leaves are ever
+  a freed page hands max(tick) and the sum of hits to its parent (``_free_chain``). Only leaves are ever
   keyed in the heap, so the eviction order is the same as writing every page. Evictable = unlocked leaf; the
   heap holds exactly the evictable nodes, ordered by (tick, node) with lazy keys (a touch writes the tick only;
   ``hp_pop`` refreshes stale keys, see _heap.py).
@@ -47,11 +50,11 @@ import numba
 import numpy as np
 
 from ._config import NUMBA_CACHE
-from ._heap import hp_pop, hp_precedes, hp_push, hp_remove
+from ._heap import hp_key_floor, hp_pop, hp_precedes, hp_precedes_key, hp_push, hp_remove
 from ._simd import diff16, prefetch
-from ._state import (BLOCK, DEPTH, FL_INDEXED, FLAGS, FREE_PARENT, GEN, HASH, HINT, HITS, HPOS, LOCK, M_FREE, M_HIGH,
-                     M_INDEXED, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, M_WIDE, NCHILD, NS_BASE, OWN, PARENT,
-                     TABLE_MAX_LOAD_DEN, TABLE_MAX_LOAD_NUM, TICK, blob_views)
+from ._state import (BLOCK, DEPTH, FL_HASHED, FL_INDEXED, FLAGS, FREE_PARENT, GEN, HASH, HINT, HITS, HPOS, LOCK,
+                     M_FREE, M_HIGH, M_INDEXED, M_MASK, M_NFREE, M_PROT, M_TICK, M_TOTAL, M_WIDE, NCHILD, NS_BASE,
+                     OWN, PARENT, TABLE_MAX_LOAD_DEN, TABLE_MAX_LOAD_NUM, TICK, blob_views)
 from ._table import EMPTY, tb_delete, tb_home, tb_insert, tb_node, tb_tag
 from ._tokens import in_range_from
 from .xxh64 import xxh64_token_range
@@ -74,6 +77,8 @@ F_TOUCH = 1   # tr_match flag: tick the matched path (LRU) and count a hit
 
 _HITS_MAX = 2147483647
 _PF = 32  # pages ahead the chain loop prefetches (docs/DESIGN.md, "Tuned constants")
+_CB = 16  # pages a chain's measure checks at a time (one cache line of an int32 row)
+_PF_ROWS = 64  # pages ahead of the measure its rows are prefetched
 _FREE_PARENT = FREE_PARENT  # a numba global constant
 
 # Hot loops never pass the state namedtuple to a helper: each such call increments and decrements
@@ -181,7 +186,7 @@ def _walk(i32, i64, i8, tokens, table, meta, q, ps, n, ns_id, blocks_out, k0, no
             c = meta[nsh]
         else:
             c = i32[HINT, node]
-            if (i8[FLAGS, node] & FL_INDEXED) == 0:  # no indexed child: the hint is the only candidate
+            if (i8[FLAGS, node] & FL_HASHED) == 0:  # no indexed child (I2): the hint is the only candidate
                 if c >= 0 and i32[PARENT, c] == code and _page_diff(tokens, c, q, s, ps) == 0:
                     if write:
                         blocks_out[k] = i64[BLOCK, c]
@@ -259,44 +264,97 @@ def _alloc(meta, hint):
 
 
 @numba.njit(inline="always")
-def _free(i32, i64, i8, table, meta, x):
-    """Unlink node x (a leaf, not in the heap) from its parent and the table; put its slot on the free list.
+def _free_chain(i32, i64, i8, table, meta, top, x):
+    """Free the pages in slots ``top..x``: leaf ``x`` and its ancestors ``x - 1 .. top``, each the only child of
+    the slot below it (``_chain_top``), none locked, none in the heap. Unlinks ``top`` from its parent (or its
+    namespace root), drops the indexed ones from the table, and puts the slots on the free list as freeing them
+    one at a time from ``x`` up would: ``top`` at the head, then ``top + 1`` .. ``x``, then the old list.
 
-    Lazy ticks/hits: the parent inherits max(tick) and the (saturating) sum of hits of x.
+    Lazy ticks/hits: the parent of ``top`` inherits the max tick and the (saturating) sum of hits of the chain,
+    what it gets when the pages go one at a time. The slots' own ticks and hits are left as they are (a slot
+    taken from the free list is written whole). Each row is read or written by its own loop over the range
+    (each vectorizes): a page costs a few vector lanes, not a pass over its fields.
     """
-    p = i32[PARENT, x]
+    parent = i32[PARENT]
+    depth = i32[DEPTH]
+    nchild = i32[NCHILD]
+    hint = i32[HINT]
+    gen = i32[GEN]
+    hits = i32[HITS]
+    tick = i64[TICK]
+    flags = i8[FLAGS]
+    n = x - top + 1
+    t0 = np.uint64(top)  # unsigned indices: no wraparound select, the loops vectorize
+    nu = np.uint64(n)
+    m = tick[t0]
+    for j in range(nu):
+        v = tick[t0 + j]
+        m = v if v > m else m
+    hs = np.int64(0)
+    for j in range(nu):
+        hs += hits[t0 + j]
+    p = parent[t0]
     if p >= 0:
-        if i64[TICK, x] > i64[TICK, p]:
-            i64[TICK, p] = i64[TICK, x]
-        hsum = np.int64(i32[HITS, p]) + np.int64(i32[HITS, x])
-        i32[HITS, p] = min(hsum, _HITS_MAX)
-        i32[NCHILD, p] -= 1
-        if i32[HINT, p] == x:
-            i32[HINT, p] = -1
+        if m > tick[p]:
+            tick[p] = m
+        hits[p] = min(np.int64(hits[p]) + hs, _HITS_MAX)
+        nchild[p] -= 1
+        if hint[p] == top:
+            hint[p] = -1
     else:
         nsh = NS_BASE + 2 * (-1 - p)
-        if meta[nsh] == x:
+        if meta[nsh] == top:
             meta[nsh] = -1
-    if i8[FLAGS, x] & FL_INDEXED:
-        tb_delete(table, i64[HASH, x], x)
-        i8[FLAGS, x] = 0
-        meta[M_INDEXED] -= 1
-    i32[PARENT, x] = _FREE_PARENT  # guesses (node + 1, hints) check the parent: a free slot never passes
-    i32[DEPTH, x] = -1
-    i32[GEN, x] += 1
-    i32[HINT, x] = meta[M_FREE]
-    meta[M_FREE] = x
-    meta[M_NFREE] += 1
-    meta[M_TOTAL] -= 1
+    # the table drops the indexed pages deepest first, as one-at-a-time frees do; a chain holds few (I3: only a
+    # page that had a sibling), so blocks of 16 flags are skipped with one vector OR
+    b = x + 1
+    while b > top:
+        a = max(b - 16, top)
+        fl = np.int8(0)
+        for j in range(np.uint64(b - a)):
+            fl |= flags[np.uint64(a) + j]
+        if fl & FL_INDEXED:
+            for i in range(b - 1, a - 1, -1):
+                if flags[i] & FL_INDEXED:
+                    tb_delete(table, i64[HASH, i], i)
+                    meta[M_INDEXED] -= 1
+        if fl != 0:
+            for j in range(np.uint64(b - a)):
+                flags[np.uint64(a) + j] = 0
+        b = a
+    for j in range(nu):
+        parent[t0 + j] = _FREE_PARENT  # guesses (node + 1, hints) check the parent: a free slot never passes
+    for j in range(nu):
+        depth[t0 + j] = -1
+    for j in range(nu):
+        nchild[t0 + j] = 0
+    for j in range(nu):
+        gen[t0 + j] += 1
+    nxt = np.int32(top + 1)
+    for j in range(nu):
+        hint[t0 + j] = nxt + np.int32(j)  # a free slot's hint is the next free slot
+    hint[x] = meta[M_FREE]
+    meta[M_FREE] = top
+    meta[M_NFREE] += n
+    meta[M_TOTAL] -= n
+
+
+@numba.njit(inline="always")
+def _hash(i64, i8, tokens, meta, x, seed):
+    """Hash node x from its parent's hash (or namespace seed) ``seed`` and store it."""
+    h = xxh64_token_range(tokens[x], 0, tokens.shape[1], np.uint64(seed)) & np.uint64(meta[M_MASK])
+    i64[HASH, x] = np.int64(h)
+    i8[FLAGS, x] = FL_HASHED
 
 
 @numba.njit(inline="always")
 def _index(i64, i8, tokens, table, meta, x, seed):
-    """Hash node x from its parent's hash (or namespace seed) ``seed``, store it, put x in the table."""
-    h = xxh64_token_range(tokens[x], 0, tokens.shape[1], np.uint64(seed)) & np.uint64(meta[M_MASK])
-    i64[HASH, x] = np.int64(h)
-    tb_insert(table, np.int64(h), x)
-    i8[FLAGS, x] = FL_INDEXED
+    """Put node x (not indexed) in the table, hashing it first from ``seed`` (its parent's hash or namespace
+    seed) unless it is hashed."""
+    if (i8[FLAGS, x] & FL_HASHED) == 0:
+        _hash(i64, i8, tokens, meta, x, seed)
+    tb_insert(table, i64[HASH, x], x)
+    i8[FLAGS, x] = FL_HASHED | FL_INDEXED
     meta[M_INDEXED] += 1
 
 
@@ -348,7 +406,7 @@ def tr_insert(blob, q, ns_id, blocks, new_mask):
     Returns (status, pages already held, pages stored, deepest node of the path, its gen). NEED_NODES /
     NEED_TABLE: nothing changed,
     grow and call again (the count needed is in the third field). NEED_HASH: nothing changed, the
-    deepest held page (fourth field) must be indexed first (``tr_index_path``), then call again.
+    deepest held page (fourth field) must be hashed first (``tr_index_path``), then call again.
 
     Lazy indexing (see the module docstring): the new chain's pages are written in one sequential
     pass and none of them is hashed, except its first page when its parent already has a child (that
@@ -384,9 +442,9 @@ def tr_insert(blob, q, ns_id, blocks, new_mask):
     tick_arr = i64[TICK]
     block = i64[BLOCK]
     flags = i8[FLAGS]
-    # the new first page goes into the table iff it gets a sibling (I3), which needs its parent indexed (I2)
+    # the new first page goes into the table iff it gets a sibling (I3), which needs its parent hashed (I2)
     branch = want > 0 and node >= 0 and nchild[node] > 0
-    if branch and (flags[node] & FL_INDEXED) == 0:
+    if branch and (flags[node] & FL_HASHED) == 0:
         return NEED_HASH, m, 0, node, 0
     nsh = NS_BASE + 2 * ns_id
     tick = meta[M_TICK] + 1
@@ -448,22 +506,21 @@ def tr_insert(blob, q, ns_id, blocks, new_mask):
 
 
 @numba.njit(cache=NUMBA_CACHE)
-def tr_index_path(i32, i64, i8, tokens, table, meta, node):
-    """Index ``node`` and its unindexed ancestors (top down: each hash is chained from its parent's).
+def tr_index_path(i32, i64, i8, tokens, meta, node):
+    """Hash ``node`` and its unhashed ancestors (top down: each hash is chained from its parent's); returns how
+    many were hashed.
 
-    Called when a page that is not indexed gets a second child (NEED_HASH from ``tr_insert``): the
-    ancestors of an indexed page must be indexed (I2). Costs one hash and one table insert per page
-    made indexed, once: the pages stay indexed until freed.
+    Called when a page that is not hashed gets a second child (NEED_HASH from ``tr_insert``): the parent of a
+    hashed page must be hashed (I2). Costs one hash per page, once: the pages stay hashed until freed. None of
+    them enters the table (each is its parent's only child, I3).
     """
     flags = i8[FLAGS]
     parent = i32[PARENT]
     j = 0
     x = node
-    while x >= 0 and (flags[x] & FL_INDEXED) == 0:
+    while x >= 0 and (flags[x] & FL_HASHED) == 0:
         j += 1
         x = parent[x]
-    if (meta[M_INDEXED] + j + 2) * TABLE_MAX_LOAD_DEN > table.shape[0] * TABLE_MAX_LOAD_NUM:
-        return -(j + 2)  # grow the table for j + 2 more entries first (nothing changed)
     path = np.empty(j, dtype=np.int64)
     x = node
     for i in range(j - 1, -1, -1):
@@ -473,7 +530,7 @@ def tr_index_path(i32, i64, i8, tokens, table, meta, node):
         x = path[i]
         p = parent[x]
         seed = i64[HASH, p] if p >= 0 else meta[NS_BASE + 2 * (-1 - p) + 1]
-        _index(i64, i8, tokens, table, meta, x, seed)
+        _hash(i64, i8, tokens, meta, x, seed)
     return j
 
 
@@ -507,25 +564,103 @@ def tr_lock(i32, i64, meta, node, gen, delta):
     return OK
 
 
-@numba.njit(cache=NUMBA_CACHE)
-def tr_evict(i32, i64, i8, table, meta, n):
-    """Free up to n pages, least-recently used unlocked leaf first; returns their block ids in order.
+@numba.njit(inline="always")
+def _prefetch_rows(i32, i64, i8, c):
+    """Prefetch the fields of pages ``c .. c + 15`` that a chain's free reads or writes: a chain is walked
+    downwards through ten rows at once, each a separate stream."""
+    for r in (PARENT, DEPTH, NCHILD, HINT, LOCK, GEN, HITS):
+        prefetch(i32[r], c)
+    for r in (BLOCK, TICK):
+        prefetch(i64[r], c)
+        prefetch(i64[r], c + 8)
+    prefetch(i8[FLAGS], c)
 
-    A chain goes up without the heap: a parent left an unlocked leaf that precedes every node in the heap is
-    the next to go (pushing and popping it would return it), so a chain of pages costs a free each."""
-    out = np.empty(max(0, min(n, meta[M_TOTAL])), dtype=np.int64)
+
+@numba.njit(inline="always")
+def _chain_top(i32, i64, i8, meta, x, most):
+    """The top slot of the chain that leaves with leaf ``x`` (just popped or known to come first) in one step:
+    ``x`` and then, while fewer than ``most`` pages are taken, its parent when it is the slot ``x - 1`` (an insert
+    allocates a chain consecutively), unlocked, has no other child, and comes before every node in the heap keyed
+    by the max tick of the pages below it and its own (the key it inherits once they are freed). One page at a
+    time, each of them would be freed right after its child: LRU frees it next without touching the heap
+    (``tr_evict``). The heap does not change while the chain is measured.
+
+    Blocks of ``_CB`` pages are checked a row at a time (each check vectorizes, no branch a page) while the rows
+    ``_free_chain`` then touches are prefetched ahead; a block that holds the chain's end, or a tick not below
+    every heap key, is walked page by page for the exact end (a tie with the root's key is decided by node id)."""
+    parent = i32[PARENT]
+    nchild = i32[NCHILD]
+    lock = i32[LOCK]
+    tick = i64[TICK]
+    m = tick[x]
+    lo = max(x - most + 1, 0)
+    floor = hp_key_floor(i32, i64, meta)
+    t = x
+    while t - _CB >= lo:
+        b = t - _CB
+        _prefetch_rows(i32, i64, i8, b - _PF_ROWS)
+        bu = np.uint64(b)
+        b32 = np.int32(b)
+        bad = np.int32(0)
+        for j in range(np.uint64(_CB)):  # page b + j is the parent of slot b + j + 1
+            bad |= parent[bu + j + np.uint64(1)] ^ (b32 + np.int32(j))
+        for j in range(np.uint64(_CB)):
+            bad |= nchild[bu + j] ^ np.int32(1)
+        for j in range(np.uint64(_CB)):
+            bad |= lock[bu + j]
+        bm = m
+        for j in range(np.uint64(_CB)):
+            v = tick[bu + j]
+            bm = v if v > bm else bm
+        if bad != 0 or bm >= floor:
+            break
+        m = bm
+        t = b
+    while t > lo:
+        c = t - 1
+        if parent[t] != c or nchild[c] != 1 or lock[c] != 0:
+            break
+        mc = max(m, tick[c])
+        if not hp_precedes_key(i32, i64, meta, mc, c):
+            break
+        m = mc
+        t = c
+    return t
+
+
+@numba.njit(cache=NUMBA_CACHE, _nrt=False)  # type: ignore[call-overload]  # _nrt: numba's private flag
+def tr_evict(blob, out):
+    """Free up to ``out.shape[0]`` pages, least-recently used unlocked leaf first; their block ids go to ``out`` in
+    eviction order. Returns how many.
+
+    A leaf popped from the heap goes with the chain above it in one step: the ancestors in consecutive slots that,
+    one page at a time, would each be the next page freed (``_chain_top``: an unlocked only-child parent that,
+    keyed by the tick it inherits, precedes every node in the heap), freed by ``_free_chain`` a row at a time.
+    The chain's parent is then the next page too if it is left an unlocked leaf that precedes every node in the
+    heap, else it joins the heap. So the order, the block ids, the free list and every live page's fields are
+    those of freeing one page at a time, and a chain costs one heap pop and a few stores a page.
+
+    Compiled without numba's reference counting (``_nrt=False``; the caller allocates ``out``): a call costs one
+    array unboxing for the state (``_state.blob_views``) and one for ``out``.
+    """
+    i32, i64, i8, tokens, table, meta = blob_views(blob)
     block = i64[BLOCK]
+    n = out.shape[0]
     k = 0
     x = -1  # the next page to free when known without the heap
-    while k < out.shape[0]:
+    while k < n:
         if x < 0:
             x = hp_pop(i32, i64, meta)
             if x < 0:
                 break
-        out[k] = block[x]
-        k += 1
-        p = i32[PARENT, x]
-        _free(i32, i64, i8, table, meta, x)
+        top = _chain_top(i32, i64, i8, meta, x, n - k)
+        ku = np.uint64(k)
+        xu = np.uint64(x)
+        for j in range(np.uint64(x - top + 1)):
+            out[ku + j] = block[xu - j]
+        k += x - top + 1
+        p = i32[PARENT, top]
+        _free_chain(i32, i64, i8, table, meta, top, x)
         x = -1
         if p >= 0 and i32[NCHILD, p] == 0 and i32[LOCK, p] == 0:
             if hp_precedes(i32, i64, meta, p):
@@ -534,7 +669,7 @@ def tr_evict(i32, i64, i8, table, meta, n):
                 hp_push(i32, i64, meta, p)
     if x >= 0:  # enough freed: the parent waits in the heap
         hp_push(i32, i64, meta, x)
-    return out[:k]
+    return k
 
 
 @numba.njit(cache=NUMBA_CACHE)
