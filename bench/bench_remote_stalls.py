@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import gil_trace  # noqa: E402
 from bench.common import ROOT, SkipCopies, command, kill, machine, send_signal, write_json  # noqa: E402
 from kvtier.config import TierConfig  # noqa: E402
 from kvtier.geometry import KVGeometry  # noqa: E402
@@ -49,6 +50,7 @@ GEO = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16,
 IDENTITY = {"model": "bench-remote-stalls", "revision": "0", "tp_rank": 0, "tp_size": 1}
 PAGES = 8  # pages (= blocks) of every prefix
 HEARTBEAT_S = 0.005
+STALL_LOG_S = 0.03  # heartbeat ticks later than this are listed with their times (``heartbeat_stalls``)
 SLACK_S = 0.5  # the hung-master target's slack over remote_timeout_s
 
 
@@ -213,9 +215,11 @@ class Heartbeat:
     def __init__(self) -> None:
         self.phase: Optional[str] = None
         self.ticks: dict[str, list[tuple[float, float]]] = {}  # phase -> (late s, of which runnable not running)
+        self.stalls: dict[str, list[tuple[float, float, float]]] = {}  # phase -> (slept at, late s, runnable s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
+        self.native_id = self._thread.native_id
 
     def _run(self) -> None:
         tid = threading.get_native_id()
@@ -225,7 +229,10 @@ class Heartbeat:
             now, rq_now = time.monotonic(), _schedstat_wait_ns(tid)
             phase = self.phase
             if phase is not None:
-                self.ticks.setdefault(phase, []).append((now - last - HEARTBEAT_S, (rq_now - rq) / 1e9))
+                late, runnable = now - last - HEARTBEAT_S, (rq_now - rq) / 1e9
+                self.ticks.setdefault(phase, []).append((late, runnable))
+                if late > STALL_LOG_S:
+                    self.stalls.setdefault(phase, []).append((last, late, runnable))
             last, rq = now, rq_now
 
     def stop(self) -> None:
@@ -246,7 +253,9 @@ class Heartbeat:
                 "not_runnable_over_50ms": int((other > 0.05).sum()),
                 "p99_s": round(float(np.quantile(late, 0.99)), 4), "p999_s": round(float(np.quantile(late, 0.999)), 4),
                 "late_total_s": round(float(late.clip(0).sum()), 3),
-                "runnable_total_s": round(float(np.minimum(cpu, late.clip(0)).sum()), 3)}
+                "runnable_total_s": round(float(np.minimum(cpu, late.clip(0)).sum()), 3),
+                "stalls": [[round(at, 4), round(late_s, 4), round(runnable, 4)]
+                           for at, late_s, runnable in self.stalls.get(phase, [])]}
 
 
 PEER = """
@@ -395,6 +404,8 @@ def build_phase_tier(mode: str, master: str, timeout_s: float) -> KVTier:
 def run_chaos(args, log_dir: str) -> dict:
     cluster = Cluster(args, log_dir)
     beat = Heartbeat()
+    lay = {**gil_trace.layout(), "watch_tid": beat.native_id} if args.gil_trace else {}
+    tracer = gil_trace.start(lay, args.gil_trace) if args.gil_trace else None
     phases: list[dict] = []
     try:
         cluster.wait_peers()
@@ -424,6 +435,7 @@ def run_chaos(args, log_dir: str) -> dict:
                 for i in range(args.threads)]
             for e in engines:
                 e.start()
+            threads = {t.native_id: t.name for t in threading.enumerate()}
             for e in engines:
                 e.join()
             rounds = sum(counts)
@@ -443,11 +455,20 @@ def run_chaos(args, log_dir: str) -> dict:
                            "chaos_actions": actions, "heartbeat": beat.summary(name), **calls.worst(),
                            "remote_counters": {k2: v for k2, v in s.items() if k2.startswith("remote_") and
                                                isinstance(v, (int, float)) and v}})
+            if tracer is not None:
+                phases[-1]["threads"] = threads
             print(json.dumps({k2: phases[-1][k2] for k2 in ("phase", "rounds", "worst_call", "worst_s",
                                                              "heartbeat")}), flush=True)
     finally:
         beat.stop()
         cluster.close()
+        if tracer is not None:
+            gil_trace.stop(tracer)
+            for p in phases:  # each stall's GIL holders from the trace
+                names = p["threads"]
+                p["stall_holders"] = [{"at": at, "late_s": late, **gil_trace.holders(
+                    args.gil_trace, at + HEARTBEAT_S, at + HEARTBEAT_S + late, names)}
+                    for at, late, _ in p["heartbeat"].get("stalls", [])]
     off = [p for p in phases if not p["remote"]]
     on = [p for p in phases if p["remote"]]
     worst = lambda ps: max(p["heartbeat"].get("worst_s", 0.0) for p in ps) if ps else None  # noqa: E731
@@ -458,7 +479,7 @@ def run_chaos(args, log_dir: str) -> dict:
             "heartbeat_p999_off_s": p999(off), "heartbeat_p999_on_s": p999(on),
             "on_over_off_p999": round(p999(on) / p999(off), 3) if on and off and p999(off) else None,
             "within_target": bool(w_on is not None and w_off and w_on <= 2 * w_off),
-            "late_peers": cluster.late_peers,
+            "late_peers": cluster.late_peers, **({"gil_layout": lay} if lay else {}),
             "engine_worst_on": max(on, key=lambda p: p["worst_s"])["worst_call"] if on else None,
             "engine_worst_on_s": max(p["worst_s"] for p in on) if on else None,
             "engine_worst_off_s": max(p["worst_s"] for p in off) if off else None}
@@ -479,6 +500,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=4, help="engine threads driving the one tier")
     ap.add_argument("--seed", type=int, default=49)
     ap.add_argument("--machine", default="", help="what the machine is (recorded)")
+    ap.add_argument("--gil-trace", default="", help="sample the GIL's holder into this .npz (bench/gil_trace.py) "
+                    "and list each heartbeat stall's holders")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "remote_stalls_cpu.json"))
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]

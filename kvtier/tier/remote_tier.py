@@ -66,16 +66,15 @@ _WATCH_S = 0.02  # how often a waiting owner checks the calls' deadlines
 # 4; none (the worker alone) below 8 CPUs, where Mooncake's own calls already keep the cores busy.
 _CPUS = os.cpu_count() or 1
 PREP_THREADS = min(4, _CPUS // 4) if _CPUS >= 8 else 0
-# Niceness added to the thread that makes the put calls (background write-through): a synchronous Mooncake call
-# busy-waits for its transfers on its calling thread, and at a lower priority that wait yields the cores to the
-# transfer's own threads, the batch preparation and the engine. Probes and gets, which a request waits for, keep the
-# caller's priority. Moderate rather than 19: the thread still holds the GIL around each call and must not starve
-# past its call's deadline (docs/DESIGN.md, "Tuned constants").
-PUT_CALL_NICE = 10
-# Niceness added to the put worker's own thread, which prepares the next batch (staging copy, checksum, header)
-# while a call runs: background work beside the transfer's threads and the engine's. The fetch worker, whose checks
-# a request waits for, keeps the caller's priority.
-PUT_PREP_NICE = 10
+# Niceness added to the thread that makes the put calls and to the put worker's own thread (which prepares the next
+# batch: staging copy, checksum, header); both 0. Every thread of the tier takes the GIL, and CPython hands the GIL
+# over under a mutex that the taking and the dropping thread lock for a moment: a nicer thread preempted there (at
+# 10, a tenth of a nice-0 thread's share of a core) holds every Python thread of the process until the scheduler
+# runs it again. On 2 loaded cores a put thread at 10 held them 30-90 ms at a time (``bench_remote_stalls.py
+# --gil-trace``: the GIL free, the engine's threads asleep on its mutex or condition, a put thread the only Python
+# thread runnable; docs/DESIGN.md, "Tuned constants"). The bench's ``on:nice=N`` phases set both.
+PUT_CALL_NICE = 0
+PUT_PREP_NICE = 0
 
 ViewFn = Callable[[int], np.ndarray]  # CPU block id -> its bytes, uint8 [layers, row] (rows contiguous)
 # Clients closed with a call still running or their master not answering: kept until the process exits (a destructor
