@@ -105,12 +105,17 @@ class ToyTier(LowerTier):
         self.closed = True
 
 
+def _registered(cls):
+    """Register ``cls`` as the medium of its name (asked for by every config) for the test, then unregister it."""
+    register(cls.name, cls.open, lambda config: True)
+    cls.opened.clear()
+    yield
+    unregister(cls.name)
+
+
 @pytest.fixture
 def toy():
-    register("toy", ToyTier.open, lambda config: True)
-    ToyTier.opened.clear()
-    yield
-    unregister("toy")
+    yield from _registered(ToyTier)
 
 
 def make(seed: int, num_blocks: int = 16) -> KVTier:
@@ -234,10 +239,7 @@ class SlowWriteTier(ToyTier):
 
 @pytest.fixture
 def slow():
-    register("slow", SlowWriteTier.open, lambda config: True)
-    SlowWriteTier.opened.clear()
-    yield
-    unregister("slow")
+    yield from _registered(SlowWriteTier)
 
 
 def _ordered(seed: int) -> KVTier:
