@@ -355,7 +355,7 @@ def _median(runs: list, mode: str, key: str, **match) -> Optional[float]:
 
 def summary(res: dict, modes: list) -> dict:
     s: dict = {}
-    kv = [m for m in modes if m.startswith("kvtier") and "ssd" not in m and "@" not in m]  # variants: beside
+    kv = [m for m in modes if m.startswith("kvtier") and "ssd" not in m and "@" not in m]  # not the @-variants
     hi = "hicache" if "hicache" in modes else None
     thr, p99 = [], []
     for name in ("swe", "multiturn", "system"):

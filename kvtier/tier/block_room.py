@@ -66,8 +66,9 @@ class BlockRoom:
         if room < n:
             room += self.evict(n - room)
         k = min(n, room)
-        for t in self.lower if self.pool.num_free < k else ():
-            t.drain(wait=True, until=time.monotonic() + t.close_timeout_s)
+        if self.pool.num_free < k:
+            for t in self.lower:
+                t.drain(wait=True, until=time.monotonic() + t.close_timeout_s)
         ids = self.pool.alloc(k)
         if ids is None:
             raise RuntimeError(f"kvtier: {k - self.pool.num_free} CPU blocks are still held by lower-tier IO past "

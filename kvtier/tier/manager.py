@@ -575,8 +575,9 @@ class KVTier(HostTier):
         failed = task.status == TaskStatus.FAILED
         cancelled = cancelled or failed
         secs = rec.completion.seconds()
-        if task.kind == TaskKind.STORE:
+        if not task.kind.reads_lower_tier:
             self._stats.count_copy(task.kind.stream, rec.nbytes, secs)
+        if task.kind == TaskKind.STORE:
             if cancelled:
                 self.pool.free(rec.block_ids)
             else:
@@ -585,10 +586,8 @@ class KVTier(HostTier):
                 self._stats.pages_store_duplicate += int((~owned).sum()) * self._pages_per_block
         elif task.kind.reads_lower_tier:
             self.below.finalize(cast(InsertRecord, rec), cancelled)  # a read's record
-        else:
-            self._stats.count_copy(task.kind.stream, rec.nbytes, secs)
-            if not cancelled:
-                self._stats.pages_loaded += task.num_pages
+        elif not cancelled:
+            self._stats.pages_loaded += task.num_pages
         if rec.handle is not None:
             self.index.unlock(rec.handle)
         if cancelled and not failed:

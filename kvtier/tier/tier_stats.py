@@ -46,9 +46,12 @@ class TierStats:
 
     def count_copy(self, stream: str, nbytes: int, seconds: Optional[float]) -> None:
         """A completed ``"store"`` (device to host) or ``"load"`` (host to device) copy."""
-        d = "d2h" if stream == "store" else "h2d"
-        setattr(self, f"bytes_{d}", getattr(self, f"bytes_{d}") + nbytes)
-        setattr(self, f"seconds_{d}", getattr(self, f"seconds_{d}") + (seconds or 0.0))
+        if stream == "store":
+            self.bytes_d2h += nbytes
+            self.seconds_d2h += seconds or 0.0
+        else:
+            self.bytes_h2d += nbytes
+            self.seconds_h2d += seconds or 0.0
 
     def count_failure(self, stream: str) -> None:
         """A ``"store"`` or ``"load"`` copy whose issue raised."""
