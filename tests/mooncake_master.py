@@ -20,6 +20,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` in ``/proc`` (R, S, T for stopped, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def stop(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and wait until the kernel shows it stopped: on a loaded machine a process answers for a
+    few more milliseconds after the signal is sent."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while process_state(pid) not in ("T", "t"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} did not stop within {timeout_s} s")
+        time.sleep(0.001)
+
+
 def master_binary() -> Optional[str]:
     """The ``mooncake_master`` console script of this interpreter's environment (or on PATH)."""
     here = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
@@ -80,8 +97,9 @@ class Master:
         self.proc = None
 
     def pause(self) -> None:
-        """SIGSTOP: the master keeps its sockets but answers nothing (a hung server)."""
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        """Stop the master (:func:`stop`): it keeps its sockets but answers nothing (a hung server)."""
+        assert self.proc is not None
+        stop(self.proc.pid)
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -30,7 +29,7 @@ from kvtier.tier import HostBlockPool, KVTier, remote_tier
 from kvtier.tier.remote_link import remote_fingerprint
 from kvtier.tier.ssd_tier import signed64
 from tests.kv_helpers import make_kv
-from tests.mooncake_master import Master, free_port, require_mooncake
+from tests.mooncake_master import Master, free_port, require_mooncake, stop
 from tests.tier_helpers import TINY, lower_hit_and_load as fetch_and_load, page_slots, prompt, same, slot_bytes
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
@@ -70,11 +69,24 @@ def put_by_a(master: str, pages: int) -> tuple[KVTier, np.ndarray]:
 
 
 def probed_fetch(tier: KVTier, toks: np.ndarray, found: int):
-    """Start a fetch of ``toks`` and wait for its probe only, which must find ``found`` blocks (the get is
-    started by the next drain or wait); the task."""
-    task = tier.lookup_tiers(toks, None).read
+    """Start a fetch of ``toks`` and wait for its probe only, which must find ``found`` blocks; the task. The
+    probe's call waits until the lookup has returned (a probe that returned inside it would have its get started
+    there), so the get is started by the next drain or wait, never before."""
+    store = tier.lower_tier("remote").medium.store
+    exists, looked_up = store.exists, threading.Event()
+
+    def gated(*args):
+        assert looked_up.wait(30)
+        return exists(*args)
+    store.exists = gated
+    try:
+        task = tier.lookup_tiers(toks, None).read
+    finally:
+        looked_up.set()
     job = tier.in_flight()[task.id].completion
     assert job.wait(30) and job.found == found
+    store.exists = exists
+    assert not job.host_ids.size  # no get started
     return task
 
 
@@ -386,13 +398,14 @@ def test_a_process_exits_while_a_call_given_up_on_still_hangs(mooncake_master):
     get was given up on (its master hung) did not exit until the master answered again. Now it exits once
     Mooncake's own clean-up at exit has waited out its RPC timeout (30 s; it then aborts the process)."""
     child = textwrap.dedent(f"""
-        import os, signal, sys
+        import sys
         sys.path.insert(0, {ROOT!r})
+        from tests.mooncake_master import stop
         from tests.test_tier_remote import make_remote_tier, probed_fetch, put_by_a
         a, toks = put_by_a(sys.argv[1], 4)
         b = make_remote_tier(sys.argv[1], seed=1)
         task = probed_fetch(b, toks, 4)
-        os.kill(int(sys.argv[2]), signal.SIGSTOP)  # the master hangs: the get's call hangs
+        stop(int(sys.argv[2]))  # the master hangs: the get's call hangs
         b.wait(task)
         print("given up", flush=True)
     """)
@@ -793,6 +806,7 @@ def remote_thread_priorities(master: str, monkeypatch) -> tuple[dict, dict]:
     def recorded(store, method: str) -> None:
         before_calls(store, method, lambda: nice.setdefault(method, set()).add(
             os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    before = {t.ident for t in threading.enumerate()}  # other tests' tiers' threads, if any outlived them
     a = make_remote_tier(master)
     b = make_remote_tier(master, seed=1)
     recorded(a.lower_tier("remote").medium.store, "put")
@@ -805,7 +819,8 @@ def remote_thread_priorities(master: str, monkeypatch) -> tuple[dict, dict]:
     workers: dict[str, set] = {}
     for t in threading.enumerate():
         name = t.name.rsplit("_", 1)[0]  # a pool's threads: PREFIX_i
-        if name in ("kvtier-remote-put", "kvtier-remote-fetch", "kvtier-remote-probe", "kvtier-remote-prep"):
+        if t.ident not in before and name in ("kvtier-remote-put", "kvtier-remote-fetch", "kvtier-remote-probe",
+                                              "kvtier-remote-prep"):
             try:
                 workers.setdefault(name, set()).add(os.getpriority(os.PRIO_PROCESS, t.native_id))
             except ProcessLookupError:  # another test's tier's thread, ended since
@@ -890,7 +905,7 @@ def test_a_hung_then_dead_peer_is_a_counted_transfer_failure_never_corruption(tm
         assert peer.stdout.readline().split() == ["stored", "4"]
         b = make_remote_tier(master.addr, seed=1)
         toks = prompt(1, 4)
-        peer.send_signal(signal.SIGSTOP)  # hung: its sockets open, nothing served
+        stop(peer.pid)  # hung: its sockets open, nothing served
         t0 = time.monotonic()
         b.wait(b.lookup_tiers(toks, None).read)
         assert time.monotonic() - t0 < 2 * TIMEOUT + 1

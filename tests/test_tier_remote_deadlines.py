@@ -32,7 +32,7 @@ import torch
 from kvtier.index import page_hashes
 from kvtier.tier import KVTier, remote_tier
 from tests.kv_helpers import as_bytes, make_kv
-from tests.mooncake_master import Master, require_mooncake
+from tests.mooncake_master import Master, require_mooncake, stop
 from tests.test_tier_remote import ROOT, before_calls, make_remote_tier
 from tests.tier_helpers import TINY, page_slots, prompt, slot_bytes
 
@@ -109,7 +109,7 @@ class World:
         elif fault == "kill_master":
             self.master.kill()
         else:
-            os.kill(self.peer.pid, 19)  # SIGSTOP
+            stop(self.peer.pid)
 
     def heal(self) -> None:
         """Everything answers again: the master resumed or restarted (the peer's prompts then put again), the peer
