@@ -30,13 +30,16 @@ class ToyJob:
     """A toy read: done once it has its CPU blocks (the copy is synchronous)."""
 
     def __init__(self, plan: ReadPlan) -> None:
-        self.plan, self.host_ids, self.given = plan, np.empty(0, np.int64), False
+        self.plan, self.host_ids, self.given, self.ok = plan, np.empty(0, np.int64), False, 0
 
     def awaiting_blocks(self) -> bool:
         return not self.given
 
     def done(self) -> bool:
         return self.given
+
+    def verified(self) -> int:
+        return self.ok
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         return True
@@ -54,6 +57,7 @@ class ToyTier(LowerTier):
     def __init__(self, pool, holds) -> None:
         self.pool, self.holds = pool, holds
         self.blocks: dict[int, np.ndarray] = {}
+        self.bad: set[int] = set()  # chain hashes whose reads fail verification (torn)
         self.reads = self.writes = 0
         self.closed = False
         ToyTier.opened.append(self)
@@ -92,11 +96,12 @@ class ToyTier(LowerTier):
     def fill(self, job, ids) -> None:
         for i, h in zip(ids, job.plan.hashes):
             self.pool.block_rows(int(i))[...] = self.blocks[int(h)]
-        job.host_ids, job.given = ids, True
+        bad = [k for k, h in enumerate(job.plan.hashes[:ids.size]) if int(h) in self.bad]
+        job.host_ids, job.given, job.ok = ids, True, bad[0] if bad else int(ids.size)
         self.reads += 1
 
     def end_read(self, job, cancelled) -> int:
-        return 0 if cancelled else int(job.host_ids.size)
+        return 0 if cancelled else job.ok
 
     def stats(self) -> dict:
         return {"toy_blocks": len(self.blocks), "toy_reads": self.reads}
@@ -118,11 +123,11 @@ def toy():
     yield from _registered(ToyTier)
 
 
-def make(seed: int, num_blocks: int = 16) -> KVTier:
+def make(seed: int, num_blocks: int = 16, finalize: str = "auto") -> KVTier:
     """A tier over a tiny random KV pool (blocks of one page) with the toy below it."""
     kv = make_kv(TINY, 128, "cpu", torch.Generator().manual_seed(seed))
     return KVTier(kv, TierConfig(page_size=P, tokens_per_block=P, cpu_cache_gb=1.0), model_identity=IDENTITY,
-                  pool=HostBlockPool(TINY, num_blocks))
+                  pool=HostBlockPool(TINY, num_blocks), finalize=finalize)
 
 
 def test_a_toy_medium_registered_through_the_protocol_serves_what_the_cpu_pool_evicted(toy):

@@ -204,6 +204,44 @@ def test_the_policy_alone():
     assert not PrefetchWaits(TierConfig(prefetch_policy="best_effort")).start("f", TierHit(0, 32, _read()))
 
 
+def test_ranks_admit_a_timed_out_request_together():
+    """Several ranks wait for one read by their own clocks: rank 1's passes the deadline first, and both admit the
+    request in that same round, through ``agree_late`` (each rank asks it at the same point; any late rank decides).
+    Without it rank 1 admits the request a round before rank 0, and their batches differ."""
+    clocks = [[0.0], [0.0]]
+    cfg = TierConfig(prefetch_policy="timeout", prefetch_timeout_base=1.0, prefetch_timeout_per_ki_token=0.0)
+    waits = [PrefetchWaits(cfg, clock=lambda r=r: clocks[r][0]) for r in range(2)]
+    barrier, lates = threading.Barrier(2), [False, False]
+
+    def agree_late(rank: int, late: bool) -> bool:
+        lates[rank] = late
+        barrier.wait()
+        out = any(lates)
+        barrier.wait()
+        return out
+    for r, w in enumerate(waits):
+        w.agree_late = lambda late, r=r: agree_late(r, late)
+        assert w.start("a", TierHit(0, 64, _read(pages=64)))
+
+    def round_(times: tuple) -> list[bool]:
+        for r, t in enumerate(times):
+            clocks[r][0] = t
+        out = [False, False]
+
+        def ask(r: int) -> None:
+            out[r] = waits[r].ready("a")
+        threads = [threading.Thread(target=ask, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        return out
+    assert round_((0.0, 0.0)) == [False, False]  # the deadline starts (no agreement asked: the same round)
+    assert round_((0.5, 0.9)) == [False, False]
+    assert round_((0.9, 1.2)) == [True, True]  # rank 1 is late: both admit
+    assert [w.counts.timed_out for w in waits] == [1, 1] and not any(w.pending for w in waits)
+
+
 def test_the_start_up_log_says_whether_a_request_waits():
     import logging
     import types

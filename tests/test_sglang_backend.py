@@ -109,7 +109,7 @@ def test_factory_refuses_an_ssd_tier_with_pipeline_stages(built, tmp_path, monke
     cfg = tmp_path / "kvtier.yaml"
     cfg.write_text(f"page_size: 4\nssd_cache_gb: 0.001\nssd_cache_dir: {tmp_path}\n")
     monkeypatch.setenv("KVTIER_CONFIG", str(cfg))
-    with pytest.raises(ValueError, match=r"SSD tier .* does not run with several ranks yet \(--pp-size 2\)"):
+    with pytest.raises(ValueError, match=r"SSD tier .* does not run with pipeline stages yet \(--pp-size 2\)"):
         ks.factory(_ctx(built))
 
 
@@ -181,12 +181,26 @@ def test_an_ssd_hit_after_a_restart_serves_the_prefix_on_real_sglang_pools(tmp_p
     s.cache.tier.destroy()
 
 
-def test_factory_refuses_an_ssd_tier_with_tp_ranks(built, tmp_path, monkeypatch):
+def test_each_tp_rank_keeps_its_ssd_blocks_in_a_directory_of_its_own(built, tmp_path, monkeypatch):
+    """Every rank reads one config: under TP each rank's SSD directories are ``tp<rank>`` under the configured ones
+    (one store per directory: two ranks over one failed at start)."""
+    a, b = tmp_path / "a", tmp_path / "b"
     cfg = tmp_path / "kvtier.yaml"
-    cfg.write_text(f"page_size: 4\nssd_cache_gb: 0.001\nssd_cache_dir: {tmp_path}\n")
+    cfg.write_text(f"page_size: 4\nssd_cache_gb: 0.001\nssd_cache_dir: {a};{b}\n")
     monkeypatch.setenv("KVTIER_CONFIG", str(cfg))
-    with pytest.raises(ValueError, match=r"SSD tier .* does not run with several ranks yet \(--tp-size 2\)"):
-        ks.factory(_ctx(built, tp_size=2))
+    ctx = _ctx(built, tp_size=2)
+    ctx.tp_rank = 1
+    cache = ks.factory(ctx)
+    try:
+        assert cache.tier.lower_tier("ssd").medium.store.dirs == [str(a / "tp1"), str(b / "tp1")]
+        assert cache.tier.config.ssd_cache_dir == f"{a / 'tp1'};{b / 'tp1'}"
+    finally:
+        cache.release_host_resources()
+    one = ks.factory(_ctx(built))  # one rank: the directories as configured
+    try:
+        assert one.tier.lower_tier("ssd").medium.store.dirs == [str(a), str(b)]
+    finally:
+        one.release_host_resources()
 
 
 def test_device_prefix_plus_host_hit():

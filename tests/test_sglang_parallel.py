@@ -62,7 +62,8 @@ def same_within_dp(topo: Topology, digests: list) -> None:
 
 def assert_clean(ends: list) -> None:
     for rank, e in enumerate(ends):
-        leaks = {k: v for k, v in e.items() if k not in ("host_pages", "kv_checks", "host_loads", "repairs") and v}
+        counts = ("host_pages", "kv_checks", "host_loads", "repairs", "lower_reads", "pages_read")
+        leaks = {k: v for k, v in e.items() if k not in counts and v}
         assert not leaks and e["host_pages"] == 0, f"rank {rank} leaked: {e}"
 
 
@@ -226,6 +227,7 @@ class ParallelMachine(RuleBasedStateMachine):
 
     topo = PP2
     fail_rate = 0.0
+    ssd = False  # an SSD tier below each rank's host pool
 
     def __init__(self):
         super().__init__()
@@ -234,7 +236,7 @@ class ParallelMachine(RuleBasedStateMachine):
 
     @initialize(seed=st.integers(0, 2**20))
     def new_ranks(self, seed):
-        self.R.call("new", self.fail_rate, 2 * seed)
+        self.R.call("new", self.fail_rate, 2 * seed, False, self.ssd)
 
     def _step(self, op, *args):
         self.R.call(op, *args)
@@ -287,14 +289,21 @@ class ParallelMachine(RuleBasedStateMachine):
     def evict_host(self, data, n):
         self._step("on_dp", self._dp(data), "evict_host", n)
 
+    @precondition(lambda self: self.ssd)
+    @rule(data=st.data())
+    def ssd_delay(self, data):
+        self._step("ssd_delay", tuple(data.draw(st.sampled_from([0.0, 0.002, 0.02])) for _ in range(self.topo.world)))
+
     def _count(self, key: str, n: int) -> None:
-        mine = STEPS_RUN.setdefault(type(self).__name__, {"steps": 0, "kv_checks": 0, "host_loads": 0})
+        mine = STEPS_RUN.setdefault(type(self).__name__, {"steps": 0, "kv_checks": 0, "host_loads": 0,
+                                                          "lower_reads": 0})
         mine[key] += n
 
     def teardown(self):
         ends = self.R.call("teardown")
         self._count("kv_checks", sum(e["kv_checks"] for e in ends))
         self._count("host_loads", sum(e["host_loads"] for e in ends))
+        self._count("lower_reads", sum(e["lower_reads"] for e in ends))
         assert_clean(ends)
 
 
@@ -302,8 +311,8 @@ STEPS = int(os.environ.get("KVTIER_PARALLEL_STEPS", "300"))  # per machine
 STEPS_PER_EXAMPLE = 30  # short examples, many of them (the first one hypothesis tries is its simplest)
 
 
-def _machine(name: str, topo: Topology, fail_rate: float):
-    machine = type(name, (ParallelMachine,), {"topo": topo, "fail_rate": fail_rate})
+def _machine(name: str, topo: Topology, fail_rate: float, ssd: bool = False):
+    machine = type(name, (ParallelMachine,), {"topo": topo, "fail_rate": fail_rate, "ssd": ssd})
     machine.TestCase.settings = settings(max_examples=max(2, STEPS // STEPS_PER_EXAMPLE),
                                          stateful_step_count=STEPS_PER_EXAMPLE, deadline=None,
                                          suppress_health_check=list(HealthCheck))
@@ -316,6 +325,8 @@ TP2xPP2Machine = _machine("TP2xPP2Machine", TP2_PP2, 0.2)
 DP2Machine = _machine("DP2Machine", DP2, 0.0)
 DP2xTP2Machine = _machine("DP2xTP2Machine", DP2_TP2, 0.2)
 MLATP2Machine = _machine("MLATP2Machine", MLA_TP2, 0.2)
+SsdDP2xTP2Machine = _machine("SsdDP2xTP2Machine", DP2_TP2, 0.2, ssd=True)
+SsdMLATP2Machine = _machine("SsdMLATP2Machine", MLA_TP2, 0.2, ssd=True)  # a pool of its own per rank
 
 test_pp2_stateful_with_skewed_completions = PP2Machine.TestCase
 test_pp2_stateful_with_skewed_and_failing_copies = FailingPP2Machine.TestCase
@@ -323,3 +334,5 @@ test_tp2_x_pp2_stateful_with_skewed_and_failing_copies = TP2xPP2Machine.TestCase
 test_dp_attention_ranks_agree_only_within_their_group = DP2Machine.TestCase
 test_dp2_x_tp2_stateful_with_skewed_and_failing_copies = DP2xTP2Machine.TestCase
 test_mla_tp2_shared_pool_stateful_with_skewed_and_failing_copies = MLATP2Machine.TestCase
+test_dp2_x_tp2_stateful_with_an_ssd_tier = SsdDP2xTP2Machine.TestCase
+test_mla_tp2_stateful_with_an_ssd_tier = SsdMLATP2Machine.TestCase

@@ -45,8 +45,48 @@ def test_match_prefix_issues_no_collective_under_tp():
     assert all(e["slots_leaked"] == 0 and e["inflight"] == 0 for e in ends)
 
 
+def test_a_block_on_one_ranks_ssd_only_is_read_by_no_rank_until_every_rank_holds_it():
+    """Rank 1's SSD write lands late: a request matched meanwhile finds the prefix on rank 0's SSD only, and no rank
+    reads it (the MIN of the offers; a read on rank 0 alone would fork the host indexes). Once every rank holds
+    it, the next request's read is agreed, runs on both, and the request after that loads the prefix's KV (checked
+    on each rank) from the CPU tier."""
+    import time
+
+    RANKS.call("new", 0.0, 0, False, True)
+    RANKS.call("ssd_delay", (0.0, 1.0))
+    RANKS.call("finished_request", 0, 16, [], 0, False)
+    RANKS.call("complete", (4, 4))
+    RANKS.call("round")  # the stores enter the host index; the SSD writes start
+    RANKS.call("flush_device")
+    RANKS.call("evict_host", 16)  # the prefix is below the CPU tier only (where its write has landed)
+    time.sleep(0.2)  # rank 0's write has landed, rank 1's has not
+    RANKS.call("finished_request", 0, 16, [], 0, False)
+    d = RANKS.call("digest")
+    assert d[0] == d[1] and d[0][-1] == 0, d  # no read on either rank
+    ends = RANKS.call("ssd_read_counts")
+    assert ends == [[0, 0], [0, 0]], ends  # (reads, pages read)
+    RANKS.call("ssd_delay", (0.0, 0.0))
+    RANKS.call("wait_ssd_writes")
+    RANKS.call("flush_device")
+    RANKS.call("evict_host", 16)
+    RANKS.call("finished_request", 0, 16, [], 0, False)  # offered by both: read on both
+    d = RANKS.call("digest")
+    assert d[0] == d[1] and d[0][-1] == 1, d
+    RANKS.call("wait_reads")
+    RANKS.call("round")  # the read's blocks enter both host indexes
+    RANKS.call("flush_device")
+    RANKS.call("start_request", 0, 16, 0)  # a host hit, loaded and checked on each rank
+    d = RANKS.call("digest")
+    assert d[0] == d[1], d
+    assert [c[1] for c in RANKS.call("ssd_read_counts")] == [4, 4]
+    RANKS.call("end_request", False)
+    ends = RANKS.call("teardown")
+    assert all(e["host_loads"] == 1 and e["slots_leaked"] == 0 and e["host_blocks_leaked"] == 0 for e in ends), ends
+
+
 class TPBackendMachine(RuleBasedStateMachine):
     fail_rate = 0.0
+    ssd = False
 
     def __init__(self):
         super().__init__()
@@ -54,7 +94,8 @@ class TPBackendMachine(RuleBasedStateMachine):
 
     @initialize(seed=st.integers(0, 2**20))
     def new_ranks(self, seed):
-        RANKS.call("new", self.fail_rate, 2 * seed)  # each rank adds its rank: the ranks fail different copies
+        RANKS.call("new", self.fail_rate, 2 * seed, False, self.ssd)  # each rank adds its rank: the ranks fail
+        # different copies
     def _step(self, op, *args):
         RANKS.call(op, *args)
         self._count("steps", 1)
@@ -99,15 +140,18 @@ class TPBackendMachine(RuleBasedStateMachine):
         self._step("evict_host", n)
 
     def _count(self, key: str, n: int) -> None:
-        mine = STEPS_RUN.setdefault(type(self).__name__, {"steps": 0, "kv_checks": 0, "host_loads": 0})
+        mine = STEPS_RUN.setdefault(type(self).__name__, {"steps": 0, "kv_checks": 0, "host_loads": 0,
+                                                          "lower_reads": 0, "pages_read": 0})
         mine[key] += n
 
     def teardown(self):
         ends = RANKS.call("teardown")
         self._count("kv_checks", ends[0]["kv_checks"])
-        self._count("host_loads", ends[0]["host_loads"])
+        for key in ("host_loads", "lower_reads", "pages_read"):
+            self._count(key, ends[0][key])
         for rank, e in enumerate(ends):
-            leaks = {k: v for k, v in e.items() if k not in ("host_pages", "kv_checks", "host_loads") and v}
+            leaks = {k: v for k, v in e.items()
+                     if k not in ("host_pages", "kv_checks", "host_loads", "lower_reads", "pages_read") and v}
             assert not leaks and e["host_pages"] == 0, f"rank {rank} leaked: {e}"
 
 
@@ -128,3 +172,39 @@ class FailingTPBackendMachine(TPBackendMachine):
 FailingTPBackendMachine.TestCase.settings = settings(max_examples=max(1, STEPS // 100), stateful_step_count=100,
                                                      deadline=None, suppress_health_check=list(HealthCheck))
 test_tp_backend_stateful_with_skewed_and_failing_copies = FailingTPBackendMachine.TestCase
+
+
+class SsdTPBackendMachine(TPBackendMachine):
+    """An SSD tier below each rank's host pool, written through by each rank's own write threads: a block
+    evicted from the host is on one rank's SSD and not yet on the other's, reads of it are agreed at the request's
+    first match (the MIN of the ranks' offers) and end in the round's agreement (the MIN of what each verified)."""
+
+    ssd = True
+
+    @rule(per_rank=st.tuples(*[st.sampled_from([0.0, 0.002, 0.02])] * 2))
+    def ssd_delay(self, per_rank):
+        self._step("ssd_delay", per_rank)
+
+
+SsdTPBackendMachine.TestCase.settings = settings(max_examples=max(1, STEPS // 1000), stateful_step_count=100,
+                                                 deadline=None, suppress_health_check=list(HealthCheck))
+test_tp_backend_stateful_with_an_ssd_tier = SsdTPBackendMachine.TestCase
+
+
+class FailingSsdTPBackendMachine(SsdTPBackendMachine):
+    """The SSD machine with a fifth of the copies failing, each rank drawing its own."""
+
+    fail_rate = 0.2
+
+
+FailingSsdTPBackendMachine.TestCase.settings = settings(max_examples=max(1, STEPS // 1000), stateful_step_count=100,
+                                                        deadline=None, suppress_health_check=list(HealthCheck))
+test_tp_backend_stateful_with_an_ssd_tier_and_failing_copies = FailingSsdTPBackendMachine.TestCase
+
+
+def test_the_ssd_machines_read_from_the_ssd():
+    """The SSD machines above did what they are for: reads agreed, run and inserted (run after them)."""
+    ssd = [v for k, v in STEPS_RUN.items() if "Ssd" in k]
+    if not ssd:
+        pytest.skip("run with the SSD machines")
+    assert sum(v["lower_reads"] for v in ssd) > 0 and sum(v["pages_read"] for v in ssd) > 0, STEPS_RUN

@@ -21,6 +21,7 @@ import datetime
 import types
 import os
 import queue
+import shutil
 import tempfile
 import time
 import traceback
@@ -144,6 +145,8 @@ class RankState:
         seed: the failure draws' seed (each rank adds its rank: the ranks fail different copies).
         topo: the layout of the ranks (default: two TP ranks).
         lasting: failures on a later pipeline stage recur when the copy is issued again (default: transient).
+        ssd: an SSD tier below each rank's host pool (a directory of its own, written through at each rank's own
+            moments by its write threads).
 
     A DP rank's requests use tokens of its own (``dp_rank * 100000`` added), so two DP ranks never hold alike.
     Failures on a later pipeline stage are transient (:class:`TransientFailingExecutor`): the stage issues the copy
@@ -153,7 +156,7 @@ class RankState:
     BASES = [list(range(1000 * b + 1, 1000 * b + 17)) for b in range(2)]  # 16 tokens each
     NAMESPACES = [None, "lora-a"]
 
-    def __init__(self, rank: int, fail_rate: float, seed: int, lasting: bool = False, *,
+    def __init__(self, rank: int, fail_rate: float, seed: int, lasting: bool = False, ssd: bool = False, *,
                  topo: Optional[Topology] = None) -> None:
         from kvtier.tier.executor import DeferredExecutor, FailingExecutor
         from tests import sglang_helpers as h
@@ -172,11 +175,22 @@ class RankState:
         # 16 device pages of 4 tokens; 4 KiB of host blocks on every rank (8 blocks of 2 MHA layers, fewer of more
         # layers: the ranks agree on the smallest count), so the host evicts too
         start, layers = topo.stage_layers(self.stage)
+        self.ssd_dir = tempfile.mkdtemp(prefix=f"kvtier_ssd_rank{rank}_") if ssd else None
         self.s = h.build(kv_size=64, page_size=4, host_blocks_kb=4, max_reqs=8, executor=executor,
-                         agreement=agreement, mla=topo.mla, layers=layers, start_layer=start,
-                         metrics_labels={"tp_rank": str(rank % topo.tp_size), "pp_rank": str(self.stage)})
+                         agreement=agreement, mla=topo.mla, layers=layers, start_layer=start, ssd_dir=self.ssd_dir,
+                         metrics_labels={"tp_rank": str(rank % topo.tp_size), "pp_rank": str(self.stage)},
+                         **({"model_identity": {"model": "tp-ranks", "tp_rank": rank}} if ssd else {}))
         if isinstance(executor, TransientFailingExecutor):
             executor.attach(self.s.cache)
+        self.ssd_delay_s = 0.0
+        if ssd:  # each write's IO takes ssd_delay_s longer (ssd_delay): this rank's blocks reach its SSD late
+            store = self.s.cache.tier.lower_tier("ssd").medium.store
+            put = store.put
+
+            def slow_put(*args, **kwargs):
+                time.sleep(self.ssd_delay_s)
+                return put(*args, **kwargs)
+            store.put = slow_put
         self.free0 = self.s.allocator.available_size()
         self.host_free0 = self.s.cache.tier.pool.num_free
         self.running = []
@@ -237,6 +251,26 @@ class RankState:
                 time.sleep(seconds)
                 return completed(*args, **kwargs)
             agreement.completed = late
+
+    def ssd_delay(self, per_rank):
+        """Each rank's SSD writes take ``per_rank[rank]`` seconds longer from now on (no agreement)."""
+        self.ssd_delay_s = per_rank[self.rank]
+
+    def wait_ssd_writes(self):
+        """Every SSD write of this rank queued so far is durable and accounted."""
+        self.s.cache.tier.flush_lower()
+
+    def wait_reads(self):
+        """This rank's lower-tier reads in flight have ended (no agreement: they are finalized by a round)."""
+        tier = self.s.cache.tier
+        for rec in tier.in_flight().values():
+            if rec.task.kind == "read":
+                rec.completion.wait(10)
+
+    def ssd_read_counts(self) -> list:
+        """(reads started, pages they brought in) on this rank."""
+        st = self.s.cache.tier.stats()
+        return [st["reads"], st["pages_promoted"]]
 
     def on_dp(self, dp_rank, op, *args):
         """``op(*args)`` on the ranks of DP rank ``dp_rank`` only (None: on every rank); None elsewhere."""
@@ -301,8 +335,9 @@ class RankState:
         and the host pool's every allocation and free in order (its block digest: the same blocks given to the same
         copies, whatever failed where)."""
         s = self.s
+        pool = s.cache.tier.pool  # with an SSD tier a block held by a write goes back at this rank's own moment
         return [self.h.tree_digest(s), s.allocator.available_size(), s.cache.num_inflight, len(self.running),
-                s.cache.tier.pool.num_blocks, s.cache.tier.pool.block_digest]
+                pool.num_blocks, 0 if self.ssd_dir else pool.block_digest, s.cache.num_reads]
 
     def teardown(self) -> dict:
         """Release everything and report the leaks (each must be 0) and the KV checks made."""
@@ -312,12 +347,20 @@ class RankState:
         s.cache.wait_all()
         inflight, protected = s.cache.num_inflight, s.cache.protected_size()
         self.h.flush_device(s)
-        s.cache.tier.evict(s.cache.tier.pool.num_blocks)
-        return {"inflight": inflight, "protected": protected, "device_tokens": s.cache.total_size(),
-                "slots_leaked": self.free0 - s.allocator.available_size(),
-                "host_blocks_leaked": self.host_free0 - s.cache.tier.pool.num_free,
-                "host_pages": s.cache.tier.index.total_pages, "kv_checks": self.kv_checks,
-                "host_loads": self.host_loads, "repairs": s.cache.repairs}
+        tier = s.cache.tier
+        tier.evict(tier.pool.num_blocks)
+        tier.flush_lower()  # SSD writes hold the blocks they read until they are durable
+        tier.poll()
+        out = {"inflight": inflight, "protected": protected, "device_tokens": s.cache.total_size(),
+               "slots_leaked": self.free0 - s.allocator.available_size(),
+               "host_blocks_leaked": self.host_free0 - tier.pool.num_free, "reads_tracked": s.cache.num_reads,
+               "host_pages": tier.index.total_pages, "kv_checks": self.kv_checks, "host_loads": self.host_loads,
+               "repairs": s.cache.repairs, "lower_reads": tier.stats()["reads"],
+               "pages_read": tier.stats().get("pages_promoted", 0)}
+        if self.ssd_dir:
+            s.cache.release_host_resources()  # the SSD tier's threads and files
+            shutil.rmtree(self.ssd_dir, ignore_errors=True)
+        return out
 
 
 def _rank_main(rank: int, world: int, init_file: str, commands, replies, topo: Topology) -> None:

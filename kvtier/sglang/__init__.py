@@ -26,7 +26,8 @@ MIN_HOST_SHARE_BYTES = 1 << 20  # a rank's share of host memory below this holds
 logger = logging.getLogger(__name__)
 
 __all__ = ["SUPPORTED_SGLANG_VERSION", "BACKEND_NAME", "installed_sglang_version", "check_sglang_version",
-           "register", "factory", "unsupported_reasons", "model_identity", "metrics_labels", "rank_agreement"]
+           "register", "factory", "unsupported_reasons", "model_identity", "metrics_labels", "rank_agreement",
+           "per_rank_ssd_dirs"]
 
 
 def installed_sglang_version() -> str | None:
@@ -159,12 +160,13 @@ def factory(ctx):
     params = ctx.params
     config = _config_for(params)
     ranks = _ranks_text(ctx)
-    if config.ssd_cache_gb > 0 and ranks:
+    if config.ssd_cache_gb > 0 and getattr(params, "pp_size", 1) > 1:
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: the SSD tier (ssd_cache_gb > 0) does not run with "
-                         f"several ranks yet ({ranks}); set ssd_cache_gb: 0 or run one rank")
+                         f"pipeline stages yet ({ranks}); set ssd_cache_gb: 0 or run one stage (TP alone is fine)")
     if config.remote_backend is not None and ranks:
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: the remote tier (remote_backend) does not run with "
                          f"several ranks yet ({ranks}); set remote_backend: null or run one rank")
+    config = per_rank_ssd_dirs(config, ctx)
     budget = host_budget(config.cpu_cache_bytes)
     if budget is not None and budget < MIN_HOST_SHARE_BYTES:
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: this rank's share of host memory for a host pool is "
@@ -188,6 +190,16 @@ def factory(ctx):
     return KVTierRadixCache(params, config, agreement=rank_agreement(ctx), forward_stream=forward_stream,
                             host_budget_bytes=budget, model_identity=model_identity(ctx),
                             metrics_labels=metrics_labels(ctx))
+
+
+def per_rank_ssd_dirs(config, ctx):
+    """``config`` with each TP rank's SSD directories: ``tp<rank>`` under each configured one when the server runs
+    several TP ranks (one store per directory; every rank reads the same config)."""
+    if config.ssd_cache_gb <= 0 or ctx.tp_size <= 1:
+        return config
+    dirs = ";".join(os.path.join(d, f"tp{ctx.tp_rank}") for d in config.ssd_dirs)
+    logger.info("kvtier: TP rank %d keeps its SSD blocks in %s", ctx.tp_rank, dirs)
+    return dataclasses.replace(config, ssd_cache_dir=dirs)
 
 
 def prefetch_gate_note(config, server_args) -> tuple[int, str] | None:

@@ -33,7 +33,7 @@ __all__ = ["RankAgreement", "AgreementError"]
 PP_TAG = int.from_bytes(b"PpKv", byteorder="big")  # beside SGLang's P2PTag values on the same PP group
 MAX_PENDING_SENDS = 1024  # unconsumed downstream messages kept before a send waits for the oldest
 
-_KIND_MIN, _KIND_COMPLETED, _KIND_CHECK = 1, 2, 3
+_KIND_MIN, _KIND_COMPLETED, _KIND_CHECK, _KIND_READS = 1, 2, 3, 4
 
 
 class AgreementError(RuntimeError):
@@ -98,23 +98,37 @@ class RankAgreement:
 
     def min(self, value: int) -> int:
         """The MIN of ``value`` over the first stage's ranks, on every rank (a later stage's own value is ignored)."""
+        return self.mins([value])[0]
+
+    def mins(self, values: Sequence[int]) -> list[int]:
+        """The element-wise MIN of ``values`` over the first stage's ranks, on every rank (a later stage's own
+        values are ignored)."""
         if not self.decides:
-            return self._receive(_KIND_MIN)[0]
-        out = self._reduce([int(value)], dist.ReduceOp.MIN)[0]
-        self._send(_KIND_MIN, [out])
+            return self._receive(_KIND_MIN)
+        out = self._reduce([int(v) for v in values], dist.ReduceOp.MIN)
+        self._send(_KIND_MIN, out)
         return out
 
     def completed(self, local: int, failed: Callable[[int], list[int]]) -> tuple[int, list[int]]:
         """How many of the oldest tracked copies every deciding rank has completed, and which of those failed on
         any of them: ``(n, flags)`` with ``flags[i]`` 1 for a failed copy. ``failed(n)`` gives this rank's flags of
         its ``n`` oldest copies (called on the first stage only; ``local`` too is read there only)."""
+        return self._completed(_KIND_COMPLETED, local, failed, dist.ReduceOp.MAX)
+
+    def completed_reads(self, local: int, verified: Callable[[int], list[int]]) -> tuple[int, list[int]]:
+        """How many of the oldest lower-tier reads every deciding rank has completed, and for each the MIN over
+        the ranks of its leading blocks verified: ``(n, kept)``; ``verified(n)`` gives this rank's counts of its
+        ``n`` oldest reads (first stage only, as ``local``)."""
+        return self._completed(_KIND_READS, local, verified, dist.ReduceOp.MIN)
+
+    def _completed(self, kind: int, local: int, values: Callable[[int], list[int]], op) -> tuple[int, list[int]]:
         if not self.decides:
-            flags = self._receive(_KIND_COMPLETED)
-            return len(flags), flags
+            out = self._receive(kind)
+            return len(out), out
         n = self._reduce([int(local)], dist.ReduceOp.MIN)[0]
-        flags = self._reduce(failed(n), dist.ReduceOp.MAX) if n else []
-        self._send(_KIND_COMPLETED, flags)
-        return n, flags
+        out = self._reduce(values(n), op) if n else []
+        self._send(kind, out)
+        return n, out
 
     def stage_reduce(self, values: Sequence[int], op) -> list[int]:
         """All-reduce ``values`` over this stage's ranks (blocking; every stage's ranks run in lockstep)."""

@@ -60,6 +60,8 @@ class PrefetchWaits:
         self._waits: dict[Hashable, _Wait] = {}
         self._loaded: dict[Hashable, tuple[int, Optional[int]]] = {}  # what a finished wait's read brought
         self.counts = PrefetchCounts()
+        # several ranks: whether any rank's clock passed the deadline (each rank calls it at the same point)
+        self.agree_late: Callable[[bool], bool] = lambda late: late
 
     @property
     def pending(self) -> bool:
@@ -104,7 +106,7 @@ class PrefetchWaits:
             if w.deadline is None:
                 self.counts.waited += 1
                 w.deadline = now + self.config.prefetch_timeout_s(read.num_pages * self.config.page_size)
-            elif now >= w.deadline:
+            elif self.agree_late(now >= w.deadline):
                 del self._waits[handle]
                 self.counts.timed_out += 1
                 return True

@@ -14,7 +14,9 @@ What the subclass adds to ``RadixCache`` (every override calls ``super()`` first
   timing. A load that fails on one rank only is caught by the one agreement of ``init_load_back``. Under PP the
   first stage decides and later stages follow; a later stage whose own copy failed where the first stage's
   succeeded issues it again, synchronously, and raises if that fails too (its KV would differ from what every
-  other stage serves).
+  other stage serves). Lower-tier reads are agreed too: a request's first scheduler match offers, per lower tier,
+  the blocks this rank would read, and every rank reads the MIN (``KVTier.lookup_tiers``' ``agree``); reads end in
+  a queue of their own in ``_sync``, each rank inserting the MIN of the blocks every rank verified.
 * ``init_load_back``: allocates slots for the host hit (evicting device pages if needed), loads through
   ``KVTier.load`` / ``load_layerwise``, grafts a ``TreeNode`` holding the new slots under the device match and
   returns ``(loaded_len, node)``. SGLang 0.5.23 requires all promised tokens or none: when fewer pages arrive
@@ -47,6 +49,7 @@ from kvtier.index import Namespace
 from kvtier.kernels import PagedKV
 from kvtier.observe.attach import Observability, attach
 from kvtier.tier import CudaExecutor, KVTier, TaskStatus, TierTask
+from kvtier.tier.lower import asked_for
 from kvtier.tier.tier_stats import TierHit
 
 _kvtier_sglang.check_sglang_version()
@@ -135,6 +138,8 @@ class KVTierRadixCache(RadixCache):
         self._markers: dict[Any, _LoadMarker] = {}  # cache_request_handle -> host hit found by match_prefix
         self._reads: dict[Any, TierHit] = {}  # cache_request_handle -> the lower-tier read its last match started
         self.prefetch = PrefetchWaits(self.tier_config)  # requests held back for their read (the prefetch policy)
+        if self.multi_rank:  # a deadline passed on any rank admits the request on every rank
+            self.prefetch.agree_late = lambda late: self.agreement.min(int(not late)) == 0
         self._prefilled: set[str] = set()  # requests whose prefill was reported to the tier (_report_prefill)
         # task id -> (node locked for the task, the device slot tensor its copy reads, a call issuing the same copy
         # again). The slot tensor is kept referenced until the copy completes: on CUDA it was allocated on the
@@ -148,6 +153,8 @@ class KVTierRadixCache(RadixCache):
         self._held_store: dict[str, tuple] = {}  # request id -> (tokens, ns, slots, locked node) of a later checkpoint
         # several ranks: every store and load in issue order, released only as far as the ranks agree (_sync)
         self._order: collections.deque[TierTask] = collections.deque()
+        self._read_order: collections.deque[TierTask] = collections.deque()  # lower-tier reads, in agreed order
+        self._read_asked: set = set()  # requests whose one read agreement (their first match) has run
         self.tier: Optional[KVTier] = None
         self.observability = Observability()
         self.layerwise = False
@@ -162,8 +169,8 @@ class KVTierRadixCache(RadixCache):
             executor = CudaExecutor(kv.device, order_after=[forward_stream])  # copies fenced on the forward stream
         if self.multi_rank:  # every rank's pool holds as many blocks: the host indexes evolve identically
             self.tier_config = self._agreed_pool(kv)
-            if kv.geometry.is_mla:
-                self.shared = self._share_pool(kv, host_budget_bytes)
+            if kv.geometry.is_mla and not asked_for(self.tier_config):  # lower-tier IO frees blocks at each rank's
+                self.shared = self._share_pool(kv, host_budget_bytes)  # own moments: a pool of its own per rank
             if self.shared is not None:
                 pool, store_layers = self.shared.pool, self.shared.store_layers
         self.tier = self._make_tier(kv, executor=executor, pool=pool, host_budget_bytes=host_budget_bytes,
@@ -246,6 +253,8 @@ class KVTierRadixCache(RadixCache):
             self._req_of_store.clear()
             self._held_store.clear()
             self._order.clear()
+            self._read_order.clear()  # the tier's reset ended them
+            self._read_asked.clear()
 
     # --- match ---
 
@@ -266,9 +275,11 @@ class KVTierRadixCache(RadixCache):
             self._markers.pop(req.cache_request_handle, None)
             return base
         ns = _namespace(key.extra_key, key.cache_salt)
-        hit = self.tier.lookup_tiers(tokens, ns)  # several ranks: the same on every rank (see _sync), no collective
+        hit = self.tier.lookup_tiers(tokens, ns, self._read_agreement(req.cache_request_handle))
         if hit.read is not None:
             self._reads[req.cache_request_handle] = hit  # prefetch_from_storage (on arrival) may wait for it
+            if self.multi_rank:
+                self._read_order.append(hit.read)
         host_len = hit.cpu_pages * self.page_size - device_len
         if host_len <= 0:
             self._markers.pop(req.cache_request_handle, None)
@@ -276,6 +287,15 @@ class KVTierRadixCache(RadixCache):
         snapshot = tokens[:device_len + host_len]  # a copy: the live key aliases the request's fill ids
         self._markers[req.cache_request_handle] = _LoadMarker(snapshot, ns, device_len, host_len)
         return base._replace(host_hit_length=host_len)
+
+    def _read_agreement(self, handle):
+        """One rank: None (a lookup starts its read alone). Several: the ranks' MIN of their read offers at the
+        request's first match (every rank matches it at the same point; the collective runs only when the CPU hit
+        falls short and lower tiers run, the same on every rank), None at later matches (the CPU index only)."""
+        if not self.multi_rank or handle in self._read_asked:
+            return None
+        self._read_asked.add(handle)
+        return self.agreement.mins
 
     # --- load back ---
 
@@ -505,7 +525,27 @@ class KVTierRadixCache(RadixCache):
             self._repair_if_failed_here_only(task, bad)
             self.tier.finalize(task, keep=not bad)
             self._release(task.id)
+        self._sync_reads()
         self.tier.poll()  # the tier's reports: every finalized task was released above
+
+    def _sync_reads(self) -> None:
+        """Several ranks: they agree on how many of the oldest lower-tier reads every rank has completed and, for
+        each, on the MIN of its verified leading blocks; each rank inserts exactly that many. No collective while
+        no read is tracked (the same on every rank: reads start by agreement)."""
+        reads = self._read_order
+        if not reads:
+            return
+        assert self.tier is not None  # reads in flight
+        tier, local = self.tier, 0
+        if self.agreement.decides:
+            while local < len(reads) and tier.completed(reads[local]):
+                local += 1
+        n, kept = self.agreement.completed_reads(local, lambda k: [tier.verified(reads[i]) for i in range(k)])
+        if n > len(reads):
+            raise RuntimeError(f"kvtier: pipeline stage {self.agreement.pp_rank} tracks {len(reads)} reads, the "
+                               f"first stage finalized {n}: the stages' scheduling sequences drifted apart")
+        for k in kept:
+            tier.finalize(reads.popleft(), keep=k)
 
     def _repair_if_failed_here_only(self, task, failed_anywhere: int) -> None:
         """A later pipeline stage: issue ``task`` again if it failed on this rank while the ranks' agreement keeps
@@ -539,6 +579,8 @@ class KVTierRadixCache(RadixCache):
             if read is not None:
                 self.tier.wait_progress(read, poll_s)
         self._drain()
+        if self.multi_rank and self.tier is not None:
+            self._sync_reads()  # an idle server runs no batch: its reads end here
 
     def evict(self, params: EvictParams) -> EvictResult:
         self._sync()  # TP: every rank evicts when the same (identical) allocator is short, so all reach this
@@ -556,6 +598,7 @@ class KVTierRadixCache(RadixCache):
         self._prefilled.discard(handle.rid)
         self._markers.pop(handle, None)
         self._reads.pop(handle, None)
+        self._read_asked.discard(handle)
         self.prefetch.drop(handle)
 
     # --- the prefetch gate (kvtier.sglang.prefetch): SGLang 0.5.23 calls these under --enable-lmcache ---
@@ -576,7 +619,7 @@ class KVTierRadixCache(RadixCache):
         """A request joined the waiting queue, just matched (``_prefetch_kvcache``): if that match started a read
         from a lower tier, the prefetch policy may hold the request back until it is done."""
         hit = self._reads.pop(handle, None)
-        if hit is not None and not self.multi_rank:  # several ranks run no lower tier (the factory refuses it)
+        if hit is not None:  # several ranks: the same read on every rank (agreed), so the same wait
             self.prefetch.start(handle, hit)
 
     def check_prefetch_progress(self, handle) -> bool:
@@ -610,12 +653,17 @@ class KVTierRadixCache(RadixCache):
         while self.tier is not None and not self.tier.pool.destroyed:
             self.tier.wait_all()
             self._sync()  # may issue a held checkpoint's store
-            if not self._held_store and not self.tier.inflight_ids and not self._order:
+            if not self._held_store and not self.tier.inflight_ids and not self._order and not self._read_order:
                 break
 
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)
+
+    @property
+    def num_reads(self) -> int:
+        """Lower-tier reads tracked until the ranks agree that they ended (several ranks)."""
+        return len(self._read_order)
 
     @property
     def num_held_checkpoints(self) -> int:

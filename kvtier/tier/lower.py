@@ -55,7 +55,12 @@ class ReadPlan(NamedTuple):
     hashes: np.ndarray
     namespace: int
     tokens: np.ndarray  # (blocks, block_tokens)
-    detail: Any = None  # the tier's own type
+    detail: Any = None  # the tier's own type (an array of one entry per block is cut with the plan)
+
+    def head(self, k: int) -> "ReadPlan":
+        """The plan's first ``k`` blocks (the count several ranks agreed on)."""
+        detail = self.detail[:k] if isinstance(self.detail, np.ndarray) else self.detail
+        return self._replace(hashes=self.hashes[:k], tokens=self.tokens[:k], detail=detail)
 
 
 class SharedRead(NamedTuple):
@@ -90,6 +95,9 @@ class ReadJob(Protocol):
     def done(self) -> bool:
         """Whether it has ended (read, failed, or given up on)."""
 
+    def verified(self) -> int:
+        """Its leading blocks read and verified so far (final once done; 0 for one given up on)."""
+
     def seconds(self) -> Optional[float]:
         """Its IO time, once done."""
 
@@ -104,6 +112,8 @@ class LowerTier(abc.ABC, Generic[J]):
     """A tier below the CPU pool (see the module docstring). ``name`` labels its stats, metrics and transfers."""
 
     name: str = "lower"
+    agreeable: bool = True  # a plan's count is what it reads, so several ranks agree on a read at its plan (a
+    # tier that learns its count later, from a probe, does not run with several ranks)
 
     # --- blocks of the CPU pool ---
 

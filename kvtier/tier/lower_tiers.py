@@ -11,7 +11,7 @@ and task table.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -27,7 +27,9 @@ def _tier(rec: InsertRecord) -> LowerTier:
     assert rec.tier is not None
     return rec.tier
 
-__all__ = ["LowerTiers"]
+__all__ = ["LowerTiers", "Agree"]
+
+Agree = Callable[[list[int]], list[int]]  # each rank's offer per lower tier -> the MIN of each over the ranks
 
 
 class LowerTiers:
@@ -74,15 +76,18 @@ class LowerTiers:
         finally:
             self.owner._lock._acquire_restore(state)
 
-    def find(self, toks: np.ndarray, ns, m, n: int) -> TierHit:
+    def find(self, toks: np.ndarray, ns, m, n: int, agree: Optional[Agree] = None) -> TierHit:
         """The CPU hit ``m`` of ``toks``'s first ``n`` blocks, and the read that brings the blocks past it: from the
         first tier that holds (or may hold) the next block, started here unless one from the same block is in
-        flight (none when admission refuses it)."""
+        flight (none when admission refuses it). Several ranks (ordered finalization): no read, unless ``agree``
+        is given (:meth:`find_agreed`)."""
         o = self.owner
         G, held = o._pages_per_block, m.num_pages
         hit = held * G
-        if held >= n or not self.lower or not o._auto_finalize:  # several ranks: no read until they agree on it
+        if held >= n or not self.lower:
             return TierHit(hit, 0, None)
+        if not o._auto_finalize:
+            return self.find_agreed(toks, ns, m, n, agree) if agree is not None else TierHit(hit, 0, None)
         chain = page_hashes(toks[:n * o.block_tokens], o.block_tokens, ns)  # once, for every lower tier
         for tier in self.lower:
             plan = tier.plan_read(toks, ns, held, chain)
@@ -95,6 +100,34 @@ class LowerTiers:
             if tier.holds_next(chain[held:held + 1]):  # held (refused, or no room): not asked further down
                 break
         return TierHit(hit, 0, None)
+
+    def find_agreed(self, toks: np.ndarray, ns, m, n: int, agree: Agree) -> TierHit:
+        """:meth:`find` for several ranks, whose lower tiers differ (each rank's writes end at its own moments):
+        each offers, per tier, the blocks it would read (0 below the first tier that plans a read, holds the next
+        block or reads it already; 0 for a tier that is not ``agreeable``), ``agree`` returns the MIN of each offer
+        over the ranks, and the first tier with a nonzero MIN reads exactly that many blocks on every rank. A read
+        in flight is not shared: whether it covers this query depends on this rank's lower index."""
+        o = self.owner
+        held = m.num_pages
+        chain = page_hashes(toks[:n * o.block_tokens], o.block_tokens, ns)
+        plans: list[Optional[ReadPlan]] = [None] * len(self.lower)
+        for i, tier in enumerate(self.lower):
+            if not tier.agreeable:
+                break
+            plan = tier.plan_read(toks, ns, held, chain)
+            if isinstance(plan, ReadPlan):
+                plans[i] = plan
+            if plan is not None or tier.holds_next(chain[held:held + 1]):
+                break
+        agreed = agree([0 if p is None else int(p.hashes.size) for p in plans])
+        for tier, plan, k in zip(self.lower, plans, agreed):
+            if k:
+                if plan is None or k > plan.hashes.size:  # a verdict this rank did not take part in
+                    raise RuntimeError(f"kvtier: the ranks agreed on reading {k} blocks of the {tier.name} tier, "
+                                       "more than this rank offered: its lower tier lags the deciding ranks'")
+                task = self.start(tier, toks, ns, m, plan.head(k))
+                return TierHit(held * o._pages_per_block, task.num_pages if task is not None else 0, task)
+        return TierHit(held * o._pages_per_block, 0, None)
 
     def start(self, tier: LowerTier, toks: np.ndarray, ns, m, plan: ReadPlan):
         """Start ``tier``'s read of ``plan``'s blocks past the CPU-held prefix ``m`` (locked until the task is
@@ -176,12 +209,17 @@ class LowerTiers:
             with self.released():
                 job.wait(timeout_s)
 
-    def finalize(self, rec: InsertRecord, cancelled: bool) -> None:
-        """A read's verified leading blocks enter the index; the others go back to the pool, once no IO uses them
-        (a read given up on: its tier holds them)."""
+    def finalize(self, rec: InsertRecord, cancelled: bool, limit: Optional[int] = None) -> None:
+        """A read's verified leading blocks (at most ``limit``: the count several ranks agreed on) enter the index;
+        the others go back to the pool, once no IO uses them (a read given up on: its tier holds them)."""
         o = self.owner
         job, tier, G = rec.completion, _tier(rec), o._pages_per_block
         ok = tier.end_read(job, cancelled)
+        if limit is not None:
+            if ok < limit:
+                raise RuntimeError(f"kvtier: a {tier.name} read verified {ok} blocks on this rank where the ranks "
+                                   f"agreed on {limit}: this rank's CPU tier would differ from the others'")
+            ok = limit
         o.holds.release(rec.block_ids[ok:])
         inserted = int(o._insert(rec, ok).sum()) * G if ok else 0
         tier.note_read(inserted, 0 if cancelled else (rec.block_ids.size - ok) * G)

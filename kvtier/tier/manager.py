@@ -44,7 +44,7 @@ from kvtier.tier.engine_args import store_layers as check_store_layers
 from kvtier.tier.executor import CudaExecutor, ImmediateExecutor
 from kvtier.tier.host_pool import HostBlockPool, synchronized
 from kvtier.tier.lower import LowerTier, asked_for, open_lower_tiers
-from kvtier.tier.lower_tiers import LowerTiers
+from kvtier.tier.lower_tiers import Agree, LowerTiers
 from kvtier.tier.observers import Observers, TierObserver, Transfer
 from kvtier.tier.signal import LayerDoneCounter
 from kvtier.tier.room_advice import RoomAdvice
@@ -168,10 +168,11 @@ class KVTier(HostTier):
         return self.lookup_tiers(tokens, ns).cpu_pages
 
     @synchronized
-    def lookup_tiers(self, tokens, ns: Optional[Namespace] = None) -> TierHit:
+    def lookup_tiers(self, tokens, ns: Optional[Namespace] = None, agree: Optional[Agree] = None) -> TierHit:
         """Leading full pages of ``tokens`` on the CPU, and, with lower tiers, the read that brings the pages past
         them into the CPU tier: from the first tier that holds (or may hold) the next block, started here unless
-        one from the same block is in flight (none when admission refuses it). Never waits on a lower tier."""
+        one from the same block is in flight (none when admission refuses it). Never waits on a lower tier. Ordered:
+        only through ``agree``, the ranks' MIN of their offers (:meth:`LowerTiers.find_agreed`)."""
         self._drain()
         toks = as_tokens(tokens)
         B, G = self.block_tokens, self._pages_per_block
@@ -181,7 +182,7 @@ class KVTier(HostTier):
         self._stats.lookups += 1
         self._stats.hit_pages += hit
         self._stats.miss_pages += toks.size // self.page_size - hit
-        return self.below.find(toks, ns, m, n)
+        return self.below.find(toks, ns, m, n, agree)
 
     @synchronized
     def flush_lower(self) -> None:
@@ -230,9 +231,7 @@ class KVTier(HostTier):
         ids = self.room.alloc_under(m if held else None, n - held)
         self._stats.pages_store_dropped += (n - held - ids.size) * G
         if ids.size < n - held:
-            self.room_advice.host_store_dropped(dropped=n - held - int(ids.size), prefix_blocks=n,
-                                                pool_blocks=self.pool.num_blocks, block_tokens=B,
-                                                block_bytes=self.pool.block_bytes)
+            self.room_advice.host_store_dropped(n - held - int(ids.size), n, self.pool, B)
         if ids.size == 0:
             if held:
                 self.index.unlock(m)
@@ -322,14 +321,21 @@ class KVTier(HostTier):
         return rec is None or rec.completion.done()
 
     @synchronized
-    def finalize(self, task: Union[TierTask, int], *, keep: bool = True) -> None:
+    def verified(self, task: TierTask) -> int:
+        """A lower-tier read's leading blocks read and verified so far (final once it has completed)."""
+        rec = self._record(task)
+        return rec.completion.verified() if rec is not None and task.kind.reads_lower_tier else 0
+
+    @synchronized
+    def finalize(self, task: Union[TierTask, int], *, keep: Union[bool, int] = True) -> None:
         """Block until ``task``'s copy completes, then finalize it: a store's pages enter the index (``keep=False``:
-        they are discarded, as by :meth:`cancel`), the locks drop. No-op for a task already finalized."""
+        they are discarded, as by :meth:`cancel`), the locks drop; a read keeps its first ``keep`` blocks if an
+        int (the ranks' agreed count). No-op for a task already finalized."""
         rec = self._record(task)
         if rec is not None:
             self._wait(rec)
             if self._pending(rec):
-                self._finalize(rec, cancelled=not keep)
+                self._finalize(rec, cancelled=not keep, limit=None if isinstance(keep, bool) else int(keep))
 
     @synchronized
     def retry(self, task: TierTask) -> bool:
@@ -364,11 +370,8 @@ class KVTier(HostTier):
 
     @synchronized
     def cancel(self, task: Union[TierTask, int]) -> bool:
-        """Discard an in-flight task after its copy completes (a store inserts nothing and frees its blocks).
-
-        Returns:
-            True if the task was in flight, False if it had already been finalized.
-        """
+        """Discard an in-flight task after its copy completes (a store inserts nothing and frees its blocks); True
+        if the task was in flight, False if it had already been finalized."""
         rec = self._record(task)
         if rec is None:
             return False
@@ -398,11 +401,7 @@ class KVTier(HostTier):
     @synchronized
     def evict(self, num_pages: int) -> int:
         """Evict unlocked blocks now (by the eviction policy), at least ``num_pages`` pages' worth if there are;
-        returns the pages evicted.
-
-        Raises:
-            ValueError: ``num_pages`` is not an int >= 0.
-        """
+        returns the pages evicted (ValueError: ``num_pages`` is not an int >= 0)."""
         G = self._pages_per_block
         return self.room.evict(-(-check_count("num_pages", num_pages, 0) // G)) * G
 
@@ -567,7 +566,7 @@ class KVTier(HostTier):
         self.below.entered(entered, toks, rec.ns, positions, rec.task.source)
         return owned
 
-    def _finalize(self, rec: CopyRecord, *, cancelled: bool) -> None:
+    def _finalize(self, rec: CopyRecord, *, cancelled: bool, limit: Optional[int] = None) -> None:
         """The copy of ``rec`` has completed: insert / free / unlock, and account (a failed copy is discarded
         and stays failed)."""
         task = rec.task
@@ -585,7 +584,7 @@ class KVTier(HostTier):
                 self._stats.pages_stored += int(owned.sum()) * self._pages_per_block
                 self._stats.pages_store_duplicate += int((~owned).sum()) * self._pages_per_block
         elif task.kind.reads_lower_tier:
-            self.below.finalize(cast(InsertRecord, rec), cancelled)  # a read's record
+            self.below.finalize(cast(InsertRecord, rec), cancelled, limit)  # a read's record
         elif not cancelled:
             self._stats.pages_loaded += task.num_pages
         if rec.handle is not None:

@@ -64,6 +64,7 @@ class RemoteLink(LowerTier[RemoteJob]):
     """The CPU tier's remote tier (see the module docstring); built by :meth:`open`."""
 
     name = "remote"
+    agreeable = False  # a read's count comes from its probe, at each rank's own moment
 
     def __init__(self, remote: RemoteTier, pool: HostBlockPool, holds: BlockHolds, config: TierConfig,
                  block_tokens: int, *, writer: bool = True) -> None:

@@ -157,6 +157,10 @@ class RemoteJob:
         """Whether the owner can account the job (finished, or abandoned)."""
         return self.finished() or self.abandoned
 
+    def verified(self) -> int:
+        """A fetch's leading blocks read and verified (0 once abandoned)."""
+        return 0 if self.abandoned else self.ok
+
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait for the running stage; whether it has returned."""
         return self._stage.wait(timeout)

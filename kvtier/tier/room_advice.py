@@ -26,9 +26,10 @@ class RoomAdvice:
         self._last: dict[str, float] = {}  # kind -> when its last warning was logged
         self._since: dict[str, int] = {}  # kind -> units dropped since then, not yet logged
 
-    def host_store_dropped(self, *, dropped: int, prefix_blocks: int, pool_blocks: int, block_tokens: int,
-                           block_bytes: int) -> None:
-        """A host-tier store of a ``prefix_blocks``-block prefix got no block for its last ``dropped``."""
+    def host_store_dropped(self, dropped: int, prefix_blocks: int, pool, block_tokens: int) -> None:
+        """A host-tier store of a ``prefix_blocks``-block prefix into ``pool`` (a host pool of blocks of
+        ``block_tokens`` tokens) got no block for its last ``dropped``."""
+        pool_blocks, block_bytes = pool.num_blocks, pool.block_bytes
         if prefix_blocks > pool_blocks:
             self._note("host_pool_small", dropped, lambda n, s: (
                 f"kvtier: the host pool holds {pool_blocks} blocks ({pool_blocks * block_tokens} tokens) per rank, "

@@ -73,6 +73,9 @@ class Promotion:
     def done(self) -> bool:
         return self.ended or (self.io is not None and self.io.done())
 
+    def verified(self) -> int:
+        return self.io.ok if self.io is not None else 0
+
     def wait(self, timeout: Optional[float] = None) -> bool:
         return self.io.wait(timeout) if self.io is not None else self.done()
 
