@@ -311,9 +311,9 @@ STEPS = int(os.environ.get("KVTIER_PARALLEL_STEPS", "300"))  # per machine
 STEPS_PER_EXAMPLE = 30  # short examples, many of them (the first one hypothesis tries is its simplest)
 
 
-def _machine(name: str, topo: Topology, fail_rate: float, ssd: bool = False):
+def _machine(name: str, topo: Topology, fail_rate: float, ssd: bool = False, steps: int = STEPS):
     machine = type(name, (ParallelMachine,), {"topo": topo, "fail_rate": fail_rate, "ssd": ssd})
-    machine.TestCase.settings = settings(max_examples=max(2, STEPS // STEPS_PER_EXAMPLE),
+    machine.TestCase.settings = settings(max_examples=max(2, steps // STEPS_PER_EXAMPLE),
                                          stateful_step_count=STEPS_PER_EXAMPLE, deadline=None,
                                          suppress_health_check=list(HealthCheck))
     return machine
@@ -325,8 +325,7 @@ TP2xPP2Machine = _machine("TP2xPP2Machine", TP2_PP2, 0.2)
 DP2Machine = _machine("DP2Machine", DP2, 0.0)
 DP2xTP2Machine = _machine("DP2xTP2Machine", DP2_TP2, 0.2)
 MLATP2Machine = _machine("MLATP2Machine", MLA_TP2, 0.2)
-SsdDP2xTP2Machine = _machine("SsdDP2xTP2Machine", DP2_TP2, 0.2, ssd=True)
-SsdMLATP2Machine = _machine("SsdMLATP2Machine", MLA_TP2, 0.2, ssd=True)  # a pool of its own per rank
+SsdMLATP2Machine = _machine("SsdMLATP2Machine", MLA_TP2, 0.2, ssd=True, steps=STEPS // 2)  # a pool per rank
 
 test_pp2_stateful_with_skewed_completions = PP2Machine.TestCase
 test_pp2_stateful_with_skewed_and_failing_copies = FailingPP2Machine.TestCase
@@ -334,5 +333,4 @@ test_tp2_x_pp2_stateful_with_skewed_and_failing_copies = TP2xPP2Machine.TestCase
 test_dp_attention_ranks_agree_only_within_their_group = DP2Machine.TestCase
 test_dp2_x_tp2_stateful_with_skewed_and_failing_copies = DP2xTP2Machine.TestCase
 test_mla_tp2_shared_pool_stateful_with_skewed_and_failing_copies = MLATP2Machine.TestCase
-test_dp2_x_tp2_stateful_with_an_ssd_tier = SsdDP2xTP2Machine.TestCase
 test_mla_tp2_stateful_with_an_ssd_tier = SsdMLATP2Machine.TestCase

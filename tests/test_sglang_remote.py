@@ -131,9 +131,12 @@ def test_two_instances_share_a_prefix_through_the_master_on_real_sglang_pools(tm
         s.cache.tier.destroy()
 
 
-def test_factory_refuses_a_remote_tier_with_tp_ranks(built, tmp_path, monkeypatch):  # noqa: F811
+def test_factory_refuses_a_remote_tier_with_pipeline_stages(built, tmp_path, monkeypatch):  # noqa: F811
+    import dataclasses
+
+    built.cache_params = dataclasses.replace(built.cache_params, pp_size=2)
     cfg = tmp_path / "kvtier.yaml"
     cfg.write_text("page_size: 4\nremote_backend: mooncake\nremote_master: 127.0.0.1:1\n")
     monkeypatch.setenv("KVTIER_CONFIG", str(cfg))
-    with pytest.raises(ValueError, match=r"remote tier .* does not run with several ranks yet \(--tp-size 2\)"):
-        ks.factory(_ctx(built, tp_size=2))
+    with pytest.raises(ValueError, match=r"remote tier .* does not run with pipeline stages yet \(--pp-size 2\)"):
+        ks.factory(_ctx(built))

@@ -6,6 +6,7 @@ every prefix handed to a request holds exactly the KV its tokens produced (check
 end, nothing is in flight or locked, and every device slot and host block is back where it started."""
 
 import os
+import tempfile
 
 import pytest
 
@@ -20,16 +21,29 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule  # noqa: E402
 
+from tests.mooncake_master import Master  # noqa: E402
 from tests.tp_ranks import Ranks  # noqa: E402
 
 RANKS = Ranks(world=2)
 STEPS_RUN = {}  # machine -> steps run, and KV checks made on each rank
 
 
+MASTERS: list = []  # the module's Mooncake master, started by the first test that needs it
+
+
+def shared_master() -> Master:
+    """One Mooncake master on loopback for the module's remote tests (each example's keys are its own)."""
+    if not MASTERS:
+        MASTERS.append(Master(tempfile.mkdtemp(prefix="kvtier_tp_master_")))
+    return MASTERS[0]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _ranks():
     yield
     RANKS.close()
+    for m in MASTERS:
+        m.kill()
     print(f"TP state machines: {STEPS_RUN}")
 
 
@@ -84,9 +98,55 @@ def test_a_block_on_one_ranks_ssd_only_is_read_by_no_rank_until_every_rank_holds
     assert all(e["host_loads"] == 1 and e["slots_leaked"] == 0 and e["host_blocks_leaked"] == 0 for e in ends), ends
 
 
+def test_a_prefix_in_one_ranks_remote_store_only_is_fetched_by_no_rank_until_every_rank_holds_it():
+    """Rank 1's puts land late: a request matched meanwhile starts a probe on both ranks (a probe's plan asks for
+    every block past the CPU hit); rank 0's finds the prefix, rank 1's does not, and the ranks agree on fetching
+    the MIN, none, before either gives it a CPU block. Once both hold it, the count agreed is the whole prefix,
+    the gets run on both, and the next request loads the fetched KV (checked on each rank)."""
+    import time
+
+    RANKS.call("new", 0.0, 101, False, False, shared_master().addr)
+    RANKS.call("ssd_delay", (0.0, 1.0))
+    RANKS.call("finished_request", 0, 16, [], 0, False)
+    RANKS.call("complete", (4, 4))
+    RANKS.call("round")  # the stores enter the host index; the puts start
+    RANKS.call("flush_device")
+    RANKS.call("evict_host", 16)
+    time.sleep(0.2)  # rank 0's puts have landed, rank 1's have not
+    RANKS.call("finished_request", 0, 16, [], 0, False)  # the probes start on both ranks
+    RANKS.call("wait_reads")  # both probes returned: 4 blocks on rank 0, none on rank 1
+    RANKS.call("round")
+    d = RANKS.call("digest")
+    assert d[0] == d[1] and d[0][-1] == 0, d  # agreed on none: ended unread on both
+    assert RANKS.call("ssd_read_counts") == [[2, 0], [2, 0]]  # the first request's probe found nothing either
+    RANKS.call("ssd_delay", (0.0, 0.0))
+    RANKS.call("complete", (4, 4))
+    RANKS.call("round")
+    RANKS.call("wait_ssd_writes")  # every put has landed
+    RANKS.call("flush_device")
+    RANKS.call("evict_host", 16)
+    RANKS.call("finished_request", 0, 16, [], 0, False)
+    RANKS.call("wait_reads")
+    RANKS.call("round")  # the count: 4 on both; the gets start
+    RANKS.call("wait_reads")
+    RANKS.call("round")  # the gets ended on both: their blocks enter both host indexes
+    d = RANKS.call("digest")
+    assert d[0] == d[1] and d[0][-1] == 0, d
+    assert [c[1] for c in RANKS.call("ssd_read_counts")] == [4, 4]
+    RANKS.call("complete", (4, 4))
+    RANKS.call("round")
+    RANKS.call("flush_device")
+    RANKS.call("start_request", 0, 16, 0)  # a host hit, loaded and checked on each rank
+    assert RANKS.call("digest")[0] == RANKS.call("digest")[1]
+    RANKS.call("end_request", False)
+    ends = RANKS.call("teardown")
+    assert all(e["host_loads"] == 1 and e["slots_leaked"] == 0 and e["host_blocks_leaked"] == 0 for e in ends), ends
+
+
 class TPBackendMachine(RuleBasedStateMachine):
     fail_rate = 0.0
     ssd = False
+    remote = False  # a remote tier on the module's master below each rank's host pool
 
     def __init__(self):
         super().__init__()
@@ -94,8 +154,8 @@ class TPBackendMachine(RuleBasedStateMachine):
 
     @initialize(seed=st.integers(0, 2**20))
     def new_ranks(self, seed):
-        RANKS.call("new", self.fail_rate, 2 * seed, False, self.ssd)  # each rank adds its rank: the ranks fail
-        # different copies
+        RANKS.call("new", self.fail_rate, 2 * seed, False, self.ssd,  # each rank adds its rank to the seed: the
+                   shared_master().addr if self.remote else None)  # ranks fail different copies
     def _step(self, op, *args):
         RANKS.call(op, *args)
         self._count("steps", 1)
@@ -197,14 +257,32 @@ class FailingSsdTPBackendMachine(SsdTPBackendMachine):
     fail_rate = 0.2
 
 
-FailingSsdTPBackendMachine.TestCase.settings = settings(max_examples=max(1, STEPS // 1000), stateful_step_count=100,
+FailingSsdTPBackendMachine.TestCase.settings = settings(max_examples=max(1, STEPS // 2500), stateful_step_count=100,
                                                         deadline=None, suppress_health_check=list(HealthCheck))
 test_tp_backend_stateful_with_an_ssd_tier_and_failing_copies = FailingSsdTPBackendMachine.TestCase
 
 
-def test_the_ssd_machines_read_from_the_ssd():
-    """The SSD machines above did what they are for: reads agreed, run and inserted (run after them)."""
-    ssd = [v for k, v in STEPS_RUN.items() if "Ssd" in k]
-    if not ssd:
-        pytest.skip("run with the SSD machines")
-    assert sum(v["lower_reads"] for v in ssd) > 0 and sum(v["pages_read"] for v in ssd) > 0, STEPS_RUN
+
+
+class RemoteTPBackendMachine(SsdTPBackendMachine):
+    """A remote tier (a real Mooncake master) below each rank's host pool instead of the SSD: each rank's puts
+    land at their own moments, a fetch's probe starts on every rank and its count is agreed (the MIN of what each
+    rank's probe found) before any rank gives it a CPU block; some copies fail."""
+
+    ssd = False
+    remote = True
+    fail_rate = 0.2
+
+
+RemoteTPBackendMachine.TestCase.settings = settings(max_examples=max(1, STEPS // 2500), stateful_step_count=100,
+                                                    deadline=None, suppress_health_check=list(HealthCheck))
+test_tp_backend_stateful_with_a_remote_tier = RemoteTPBackendMachine.TestCase
+
+
+def test_the_lower_tier_machines_read_from_their_tiers():
+    """The SSD and remote machines above did what they are for: reads agreed, run and inserted (run after them)."""
+    for kind in ("Ssd", "Remote"):
+        runs = [v for k, v in STEPS_RUN.items() if k.startswith(kind) or k.startswith("Failing" + kind)]
+        if not runs:
+            pytest.skip("run with the lower-tier machines")
+        assert sum(v["lower_reads"] for v in runs) > 0 and sum(v["pages_read"] for v in runs) > 0, STEPS_RUN

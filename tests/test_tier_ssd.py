@@ -634,3 +634,37 @@ def test_a_model_identity_given_as_a_string_names_the_model(tmp_path):
     b.destroy()
     with pytest.raises(BlockFileError, match="another model"):
         make_ssd_tier(tmp_path, identity="Qwen/Qwen3-8B@other")
+
+
+def test_a_read_in_flight_that_got_fewer_blocks_than_planned_is_shared_for_what_it_reads(tmp_path, monkeypatch):
+    """A promotion that could get CPU blocks for one of the four blocks it planned, still reading when the same
+    prefix is looked up again: that lookup shares it for the one block it brings (it reported all four, pages no
+    read was bringing; the SSD state machine found it)."""
+    import threading
+
+    from kvtier.storage import SsdStore
+    from kvtier.tier.executor import DeferredExecutor
+    t = make_ssd_tier(tmp_path, num_blocks=8)
+    toks = prompt(1, 4)
+    store_all(t, toks)
+    assert t.evict(4) == 4
+    t.executor = DeferredExecutor()  # the next store's copy stays in flight: 7 of the 8 blocks owned by it
+    other = t.store(prompt(2, 7), None, page_slots(8, 7, P))
+    assert t.pool.num_free == 1
+    gate, real = threading.Event(), SsdStore.read
+
+    def held(self, *a, **kw):
+        gate.wait(60)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(SsdStore, "read", held)
+    try:
+        first = t.lookup_tiers(toks, None)
+        assert first.read is not None and first.read.num_pages == 1 and first.lower_pages == 1
+        again = t.lookup_tiers(toks, None)
+        assert again.read is first.read and again.lower_pages == 1
+    finally:
+        gate.set()
+    t.wait(first.read)
+    t.wait(other)
+    assert t.lookup(toks) == 1
+    t.destroy()

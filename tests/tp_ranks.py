@@ -147,6 +147,8 @@ class RankState:
         lasting: failures on a later pipeline stage recur when the copy is issued again (default: transient).
         ssd: an SSD tier below each rank's host pool (a directory of its own, written through at each rank's own
             moments by its write threads).
+        remote: the address of a Mooncake master: a remote tier below each rank's host pool, its keys of this
+            example's own (``seed`` names them).
 
     A DP rank's requests use tokens of its own (``dp_rank * 100000`` added), so two DP ranks never hold alike.
     Failures on a later pipeline stage are transient (:class:`TransientFailingExecutor`): the stage issues the copy
@@ -156,8 +158,8 @@ class RankState:
     BASES = [list(range(1000 * b + 1, 1000 * b + 17)) for b in range(2)]  # 16 tokens each
     NAMESPACES = [None, "lora-a"]
 
-    def __init__(self, rank: int, fail_rate: float, seed: int, lasting: bool = False, ssd: bool = False, *,
-                 topo: Optional[Topology] = None) -> None:
+    def __init__(self, rank: int, fail_rate: float, seed: int, lasting: bool = False, ssd: bool = False,
+                 remote: Optional[str] = None, *, topo: Optional[Topology] = None) -> None:
         from kvtier.tier.executor import DeferredExecutor, FailingExecutor
         from tests import sglang_helpers as h
 
@@ -176,21 +178,20 @@ class RankState:
         # layers: the ranks agree on the smallest count), so the host evicts too
         start, layers = topo.stage_layers(self.stage)
         self.ssd_dir = tempfile.mkdtemp(prefix=f"kvtier_ssd_rank{rank}_") if ssd else None
+        self.lower = bool(ssd or remote)
+        identity = {"model": f"tp-ranks-{seed}", "tp_rank": rank % topo.tp_size, "tp_size": topo.tp_size}
         self.s = h.build(kv_size=64, page_size=4, host_blocks_kb=4, max_reqs=8, executor=executor,
                          agreement=agreement, mla=topo.mla, layers=layers, start_layer=start, ssd_dir=self.ssd_dir,
+                         remote_master=remote,
                          metrics_labels={"tp_rank": str(rank % topo.tp_size), "pp_rank": str(self.stage)},
-                         **({"model_identity": {"model": "tp-ranks", "tp_rank": rank}} if ssd else {}))
+                         **({"model_identity": identity} if self.lower else {}))
         if isinstance(executor, TransientFailingExecutor):
             executor.attach(self.s.cache)
         self.ssd_delay_s = 0.0
-        if ssd:  # each write's IO takes ssd_delay_s longer (ssd_delay): this rank's blocks reach its SSD late
-            store = self.s.cache.tier.lower_tier("ssd").medium.store
-            put = store.put
-
-            def slow_put(*args, **kwargs):
-                time.sleep(self.ssd_delay_s)
-                return put(*args, **kwargs)
-            store.put = slow_put
+        for name in ("ssd", "remote") if self.lower else ():  # each write takes ssd_delay_s longer (ssd_delay):
+            medium = self.s.cache.tier.lower_tier(name)  # this rank's blocks reach its lower tiers late
+            if medium is not None:
+                self._slow_puts(medium.medium.store)
         self.free0 = self.s.allocator.available_size()
         self.host_free0 = self.s.cache.tier.pool.num_free
         self.running = []
@@ -252,8 +253,17 @@ class RankState:
                 return completed(*args, **kwargs)
             agreement.completed = late
 
+    def _slow_puts(self, store) -> None:
+        put = store.put
+
+        def slow_put(*args, **kwargs):
+            time.sleep(self.ssd_delay_s)
+            return put(*args, **kwargs)
+        store.put = slow_put
+
     def ssd_delay(self, per_rank):
-        """Each rank's SSD writes take ``per_rank[rank]`` seconds longer from now on (no agreement)."""
+        """Each rank's lower-tier writes (SSD writes, remote puts) take ``per_rank[rank]`` seconds longer from now
+        on (no agreement)."""
         self.ssd_delay_s = per_rank[self.rank]
 
     def wait_ssd_writes(self):
@@ -270,7 +280,7 @@ class RankState:
     def ssd_read_counts(self) -> list:
         """(reads started, pages they brought in) on this rank."""
         st = self.s.cache.tier.stats()
-        return [st["reads"], st["pages_promoted"]]
+        return [st["reads"], st.get("pages_promoted", 0) + st.get("pages_fetched", 0)]
 
     def on_dp(self, dp_rank, op, *args):
         """``op(*args)`` on the ranks of DP rank ``dp_rank`` only (None: on every rank); None elsewhere."""
@@ -335,9 +345,9 @@ class RankState:
         and the host pool's every allocation and free in order (its block digest: the same blocks given to the same
         copies, whatever failed where)."""
         s = self.s
-        pool = s.cache.tier.pool  # with an SSD tier a block held by a write goes back at this rank's own moment
+        pool = s.cache.tier.pool  # with lower tiers a block held by a write goes back at this rank's own moment
         return [self.h.tree_digest(s), s.allocator.available_size(), s.cache.num_inflight, len(self.running),
-                pool.num_blocks, 0 if self.ssd_dir else pool.block_digest, s.cache.num_reads]
+                pool.num_blocks, 0 if self.lower else pool.block_digest, s.cache.num_reads]
 
     def teardown(self) -> dict:
         """Release everything and report the leaks (each must be 0) and the KV checks made."""
@@ -356,9 +366,10 @@ class RankState:
                "host_blocks_leaked": self.host_free0 - tier.pool.num_free, "reads_tracked": s.cache.num_reads,
                "host_pages": tier.index.total_pages, "kv_checks": self.kv_checks, "host_loads": self.host_loads,
                "repairs": s.cache.repairs, "lower_reads": tier.stats()["reads"],
-               "pages_read": tier.stats().get("pages_promoted", 0)}
+               "pages_read": tier.stats().get("pages_promoted", 0) + tier.stats().get("pages_fetched", 0)}
+        if self.lower:
+            s.cache.release_host_resources()  # the lower tiers' threads, files and store clients
         if self.ssd_dir:
-            s.cache.release_host_resources()  # the SSD tier's threads and files
             shutil.rmtree(self.ssd_dir, ignore_errors=True)
         return out
 

@@ -163,9 +163,10 @@ def factory(ctx):
     if config.ssd_cache_gb > 0 and getattr(params, "pp_size", 1) > 1:
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: the SSD tier (ssd_cache_gb > 0) does not run with "
                          f"pipeline stages yet ({ranks}); set ssd_cache_gb: 0 or run one stage (TP alone is fine)")
-    if config.remote_backend is not None and ranks:
+    if config.remote_backend is not None and getattr(params, "pp_size", 1) > 1:
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: the remote tier (remote_backend) does not run with "
-                         f"several ranks yet ({ranks}); set remote_backend: null or run one rank")
+                         f"pipeline stages yet ({ranks}); set remote_backend: null or run one stage (TP alone is "
+                         "fine)")
     config = per_rank_ssd_dirs(config, ctx)
     budget = host_budget(config.cpu_cache_bytes)
     if budget is not None and budget < MIN_HOST_SHARE_BYTES:

@@ -33,7 +33,7 @@ __all__ = ["RankAgreement", "AgreementError"]
 PP_TAG = int.from_bytes(b"PpKv", byteorder="big")  # beside SGLang's P2PTag values on the same PP group
 MAX_PENDING_SENDS = 1024  # unconsumed downstream messages kept before a send waits for the oldest
 
-_KIND_MIN, _KIND_COMPLETED, _KIND_CHECK, _KIND_READS = 1, 2, 3, 4
+_KIND_MIN, _KIND_COMPLETED, _KIND_CHECK, _KIND_READS, _KIND_COUNTS = 1, 2, 3, 4, 5
 
 
 class AgreementError(RuntimeError):
@@ -120,6 +120,12 @@ class RankAgreement:
         the ranks of its leading blocks verified: ``(n, kept)``; ``verified(n)`` gives this rank's counts of its
         ``n`` oldest reads (first stage only, as ``local``)."""
         return self._completed(_KIND_READS, local, verified, dist.ReduceOp.MIN)
+
+    def counted_reads(self, local: int, wanted: Callable[[int], list[int]]) -> tuple[int, list[int]]:
+        """How many of the oldest reads still to be counted every deciding rank knows the count of (a probe
+        returned), and for each the MIN over the ranks of the blocks it would read: ``(n, counts)``;
+        ``wanted(n)`` gives this rank's (first stage only, as ``local``)."""
+        return self._completed(_KIND_COUNTS, local, wanted, dist.ReduceOp.MIN)
 
     def _completed(self, kind: int, local: int, values: Callable[[int], list[int]], op) -> tuple[int, list[int]]:
         if not self.decides:

@@ -4,7 +4,8 @@ What the subclass adds to ``RadixCache`` (every override calls ``super()`` first
 
 * ``match_prefix``: the device match, plus ``host_hit_length`` = tokens past the device match that kvtier holds
   (full pages, only when ``params.req`` is given, i.e. a scheduler match). The hit is remembered per request for
-  ``init_load_back``. No collective: with TP every rank's host index evolves identically (below).
+  ``init_load_back``. No collective for the CPU hit: with TP every rank's host index evolves identically (below);
+  one at a request's first match when lower tiers run and the CPU hit falls short (the read agreement, below).
 * Several ranks (TP, attention CP, pipeline stages; :mod:`kvtier.sglang.agreement`): every store and load is
   tracked in issue order and its node stays locked, whatever this rank's outcome, until the ranks agree that it has
   completed (``_sync``: the MIN of the completed count and the MAX of failure flags, in ``flush_pending_backups``,
@@ -155,6 +156,7 @@ class KVTierRadixCache(RadixCache):
         self._order: collections.deque[TierTask] = collections.deque()
         self._read_order: collections.deque[TierTask] = collections.deque()  # lower-tier reads, in agreed order
         self._read_asked: set = set()  # requests whose one read agreement (their first match) has run
+        self._uncounted: collections.deque[TierTask] = collections.deque()  # reads whose count is agreed later
         self.tier: Optional[KVTier] = None
         self.observability = Observability()
         self.layerwise = False
@@ -254,6 +256,7 @@ class KVTierRadixCache(RadixCache):
             self._held_store.clear()
             self._order.clear()
             self._read_order.clear()  # the tier's reset ended them
+            self._uncounted.clear()
             self._read_asked.clear()
 
     # --- match ---
@@ -280,6 +283,9 @@ class KVTierRadixCache(RadixCache):
             self._reads[req.cache_request_handle] = hit  # prefetch_from_storage (on arrival) may wait for it
             if self.multi_rank:
                 self._read_order.append(hit.read)
+                source = self.tier.lower_tier(hit.read.source)
+                if source is not None and not source.count_at_plan:  # a probe learns it: agreed later
+                    self._uncounted.append(hit.read)
         host_len = hit.cpu_pages * self.page_size - device_len
         if host_len <= 0:
             self._markers.pop(req.cache_request_handle, None)
@@ -529,18 +535,31 @@ class KVTierRadixCache(RadixCache):
         self.tier.poll()  # the tier's reports: every finalized task was released above
 
     def _sync_reads(self) -> None:
-        """Several ranks: they agree on how many of the oldest lower-tier reads every rank has completed and, for
-        each, on the MIN of its verified leading blocks; each rank inserts exactly that many. No collective while
-        no read is tracked (the same on every rank: reads start by agreement)."""
+        """Several ranks: reads whose count comes from a probe get it first, the MIN over the ranks of the blocks
+        each would read, for the oldest whose probe every rank has back (no CPU block is given before); then the
+        ranks agree on how many of the oldest reads every rank has completed and, for each, on the MIN of its
+        verified leading blocks; each rank inserts exactly that many. No collective while no read is tracked (the
+        same on every rank: reads start by agreement)."""
         reads = self._read_order
         if not reads:
             return
         assert self.tier is not None  # reads in flight
         tier, local = self.tier, 0
+        if self._uncounted:
+            pending = self._uncounted
+            if self.agreement.decides:
+                while local < len(pending) and tier.below.count_known(pending[local]):
+                    local += 1
+            n, counts = self.agreement.counted_reads(local, lambda k: [tier.below.wanted(pending[i])
+                                                                       for i in range(k)])
+            for k in counts:
+                tier.below.count(pending.popleft(), k)
+            local = 0
+        uncounted = {t.id for t in self._uncounted}
         if self.agreement.decides:
-            while local < len(reads) and tier.completed(reads[local]):
+            while local < len(reads) and reads[local].id not in uncounted and tier.completed(reads[local]):
                 local += 1
-        n, kept = self.agreement.completed_reads(local, lambda k: [tier.verified(reads[i]) for i in range(k)])
+        n, kept = self.agreement.completed_reads(local, lambda k: [tier.below.verified(reads[i]) for i in range(k)])
         if n > len(reads):
             raise RuntimeError(f"kvtier: pipeline stage {self.agreement.pp_rank} tracks {len(reads)} reads, the "
                                f"first stage finalized {n}: the stages' scheduling sequences drifted apart")

@@ -112,8 +112,8 @@ class LowerTier(abc.ABC, Generic[J]):
     """A tier below the CPU pool (see the module docstring). ``name`` labels its stats, metrics and transfers."""
 
     name: str = "lower"
-    agreeable: bool = True  # a plan's count is what it reads, so several ranks agree on a read at its plan (a
-    # tier that learns its count later, from a probe, does not run with several ranks)
+    count_at_plan: bool = True  # a plan's count is what it reads; False: a read learns its count after it starts
+    # (a probe), and with several ranks (ordered finalization) the owner agrees on it before any CPU block is given
 
     # --- blocks of the CPU pool ---
 

@@ -11,11 +11,12 @@ and task table.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, cast
 
 import numpy as np
 
 from kvtier.index import page_hashes
+from kvtier.tier.host_pool import synchronized
 from kvtier.tier.lower import LowerTier, ReadPlan, SharedRead
 from kvtier.tier.observers import Transfer
 from kvtier.tier.tasks import InsertRecord, TaskKind
@@ -37,6 +38,7 @@ class LowerTiers:
 
     def __init__(self, owner, lower: list[LowerTier]) -> None:
         self.owner, self.lower = owner, lower
+        self._lock = owner._lock  # the public calls take the owner's lock
 
     def named(self, name: str) -> Optional[LowerTier]:
         return next((t for t in self.lower if t.name == name), None)
@@ -92,8 +94,9 @@ class LowerTiers:
         for tier in self.lower:
             plan = tier.plan_read(toks, ns, held, chain)
             if isinstance(plan, SharedRead):
-                rec = o._inflight.get(plan.task_id)
-                return TierHit(hit, plan.blocks * G, rec.task) if rec is not None else TierHit(hit, 0, None)
+                rec = o._inflight.get(plan.task_id)  # it brings the blocks both share, of those it got blocks for
+                return (TierHit(hit, min(plan.blocks * G, rec.task.num_pages), rec.task) if rec is not None
+                        else TierHit(hit, 0, None))
             if plan is not None:
                 task = self.start(tier, toks, ns, m, plan)
                 return TierHit(hit, task.num_pages if task is not None else 0, task)
@@ -104,16 +107,15 @@ class LowerTiers:
     def find_agreed(self, toks: np.ndarray, ns, m, n: int, agree: Agree) -> TierHit:
         """:meth:`find` for several ranks, whose lower tiers differ (each rank's writes end at its own moments):
         each offers, per tier, the blocks it would read (0 below the first tier that plans a read, holds the next
-        block or reads it already; 0 for a tier that is not ``agreeable``), ``agree`` returns the MIN of each offer
-        over the ranks, and the first tier with a nonzero MIN reads exactly that many blocks on every rank. A read
-        in flight is not shared: whether it covers this query depends on this rank's lower index."""
+        block or reads it already), ``agree`` returns the MIN of each offer over the ranks, and the first tier with
+        a nonzero MIN reads exactly that many blocks on every rank (a tier whose count comes later, from a probe,
+        probes that many: the owner agrees on the count, :meth:`count_known`, :meth:`wanted`, :meth:`count`). A
+        read in flight is not shared: whether it covers this query depends on this rank's lower index."""
         o = self.owner
         held = m.num_pages
         chain = page_hashes(toks[:n * o.block_tokens], o.block_tokens, ns)
         plans: list[Optional[ReadPlan]] = [None] * len(self.lower)
         for i, tier in enumerate(self.lower):
-            if not tier.agreeable:
-                break
             plan = tier.plan_read(toks, ns, held, chain)
             if isinstance(plan, ReadPlan):
                 plans[i] = plan
@@ -145,7 +147,7 @@ class LowerTiers:
                            tokens=toks[:(held + plan.hashes.size) * B].copy(), ns=ns,
                            prefix_ids=np.array(m.block_ids[:held], dtype=np.int64), tier=tier)
         o._inflight[task.id] = rec
-        if job.awaiting_blocks():
+        if job.awaiting_blocks() and self._counts_alone(tier):
             try:
                 self.advance(rec)
             except BaseException:  # making room failed (an eviction policy's bug): nothing of the read is left
@@ -166,12 +168,50 @@ class LowerTiers:
         if rec.handle is not None:
             self.owner.index.unlock(rec.handle)
 
-    def advance(self, rec: InsertRecord) -> None:
-        """A read's count is known: allocate CPU blocks for what its tier admits and start reading into them (none:
-        it ends unread)."""
+    def _counts_alone(self, tier: LowerTier) -> bool:
+        """Whether this rank gives a read of ``tier`` its CPU blocks as soon as its count is known (one rank, or a
+        count known at the plan, which the ranks agreed on); else only at the count the ranks agree on."""
+        return self.owner._auto_finalize or tier.count_at_plan
+
+    def _read(self, task) -> Optional[InsertRecord]:
+        rec = self.owner._inflight.get(task.id)
+        return cast(InsertRecord, rec) if rec is not None and task.kind.reads_lower_tier else None
+
+    @synchronized
+    def count_known(self, task) -> bool:
+        """Whether the read ``task`` knows how many blocks it would read (its probe has returned, or it ended)."""
+        rec = self._read(task)
+        return rec is None or rec.completion.awaiting_blocks() or rec.completion.done()
+
+    @synchronized
+    def wanted(self, task) -> int:
+        """The blocks this rank would read for ``task`` once :meth:`count_known` (its tier's admission decides; 0
+        once it ended): the offer of the count agreement."""
+        rec = self._read(task)
+        if rec is None or not rec.completion.awaiting_blocks():
+            return 0
+        return _tier(rec).blocks_wanted(rec.completion, rec.tokens.size, rec.prefix_ids.size * self.owner.block_tokens)
+
+    @synchronized
+    def count(self, task, k: int) -> None:
+        """Give the read ``task`` CPU blocks for ``k`` blocks (the ranks' agreed count, at most :meth:`wanted`)
+        and start reading them; 0 ends it unread. No-op for a read that ended (given up on)."""
+        rec = self._read(task)
+        if rec is not None and rec.completion.awaiting_blocks():
+            self.advance(rec, k)
+
+    @synchronized
+    def verified(self, task) -> int:
+        """A read's leading blocks read and verified so far (final once it has completed)."""
+        rec = self._read(task)
+        return rec.completion.verified() if rec is not None else 0
+
+    def advance(self, rec: InsertRecord, count: Optional[int] = None) -> None:
+        """A read's count is known: allocate CPU blocks for what its tier admits (or ``count``, agreed) and start
+        reading into them (none: it ends unread)."""
         o = self.owner
         job, tier, held = rec.completion, _tier(rec), rec.prefix_ids.size
-        k = tier.blocks_wanted(job, rec.tokens.size, held * o.block_tokens)
+        k = tier.blocks_wanted(job, rec.tokens.size, held * o.block_tokens) if count is None else count
         ids = np.empty(0, np.int64)
         if k:
             with tier.pinned(job):  # making room may write back evicted CPU blocks: what the read reads stays put
@@ -183,7 +223,7 @@ class LowerTiers:
     def poll(self, rec: InsertRecord) -> None:
         """A drain met ``rec``: blocks for it if it wants them, and its tier's deadline (polled, never waited for,
         it meets the same bound)."""
-        if rec.completion.awaiting_blocks():
+        if rec.completion.awaiting_blocks() and self._counts_alone(_tier(rec)):
             self.advance(rec)
         _tier(rec).check_deadline(rec.completion)
 
@@ -197,6 +237,8 @@ class LowerTiers:
             return
         while not job.done() and self.owner._pending(rec):
             if job.awaiting_blocks():
+                if not self._counts_alone(tier):  # its count is agreed first (a round of the ranks' agreement)
+                    return
                 self.advance(rec)
             elif not tier.wait_read(job, self.released):
                 return

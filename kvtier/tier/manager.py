@@ -321,12 +321,6 @@ class KVTier(HostTier):
         return rec is None or rec.completion.done()
 
     @synchronized
-    def verified(self, task: TierTask) -> int:
-        """A lower-tier read's leading blocks read and verified so far (final once it has completed)."""
-        rec = self._record(task)
-        return rec.completion.verified() if rec is not None and task.kind.reads_lower_tier else 0
-
-    @synchronized
     def finalize(self, task: Union[TierTask, int], *, keep: Union[bool, int] = True) -> None:
         """Block until ``task``'s copy completes, then finalize it: a store's pages enter the index (``keep=False``:
         they are discarded, as by :meth:`cancel`), the locks drop; a read keeps its first ``keep`` blocks if an
@@ -543,12 +537,10 @@ class KVTier(HostTier):
     def _drain(self) -> None:
         for t in self.lower:
             t.drain()
-        if not self._auto_finalize:
-            return
         for rec in list(self._inflight.values()):
             if rec.task.kind.reads_lower_tier:
-                self.below.poll(cast(InsertRecord, rec))  # a read's record
-            if rec.completion.done():
+                self.below.poll(cast(InsertRecord, rec))  # a read's record: its deadline, and blocks when it wants
+            if self._auto_finalize and rec.completion.done():
                 self._finalize(rec, cancelled=False)
 
     def _insert(self, rec: InsertRecord, k: int) -> np.ndarray:

@@ -64,7 +64,7 @@ class RemoteLink(LowerTier[RemoteJob]):
     """The CPU tier's remote tier (see the module docstring); built by :meth:`open`."""
 
     name = "remote"
-    agreeable = False  # a read's count comes from its probe, at each rank's own moment
+    count_at_plan = False  # a fetch's count comes from its probe
 
     def __init__(self, remote: RemoteTier, pool: HostBlockPool, holds: BlockHolds, config: TierConfig,
                  block_tokens: int, *, writer: bool = True) -> None:
@@ -186,7 +186,7 @@ class RemoteLink(LowerTier[RemoteJob]):
         probe; the fetch in flight from the same block (its count unknown until its probe returns); None when there
         is nothing to ask (or the tier is down)."""
         n = chain.size
-        if held >= n or not self.medium.up:
+        if held >= n or not self.medium.can_fetch():  # a plan's probe starts: several ranks agree on the plan
             return None
         B = self.block_tokens
         k = lower_read_blocks(n - held, self.pool.num_blocks)
