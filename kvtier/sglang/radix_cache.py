@@ -512,18 +512,11 @@ class KVTierRadixCache(RadixCache):
             return
         if self.shared is not None:  # one pool's memory: every rank must have handed out the same blocks
             self.agreement.check_stage_same([self.tier.pool.block_digest], "the shared host pool's blocks")
-        local = 0
-        if self.agreement.decides:
-            for task in self._order:
-                if not self.tier.completed(task):
-                    break
-                local += 1
         order = self._order
+        local = self._leading(order, self.tier.completed)
         n, failed = self.agreement.completed(
             local, lambda k: [int(order[i].status is TaskStatus.FAILED) for i in range(k)])
-        if n > len(order):
-            raise RuntimeError(f"kvtier: pipeline stage {self.agreement.pp_rank} tracks {len(order)} copies, the "
-                               f"first stage finalized {n}: the stages' scheduling sequences drifted apart")
+        self._check_tracked(n, len(order), "copies")
         if n and self.shared is not None and not self.agreement.decides:
             self._stage_copies_done(n, failed)
         for bad in failed:
@@ -544,27 +537,38 @@ class KVTierRadixCache(RadixCache):
         if not reads:
             return
         assert self.tier is not None  # reads in flight
-        tier, local = self.tier, 0
-        if self._uncounted:
-            pending = self._uncounted
-            if self.agreement.decides:
-                while local < len(pending) and tier.below.count_known(pending[local]):
-                    local += 1
-            n, counts = self.agreement.counted_reads(local, lambda k: [tier.below.wanted(pending[i])
-                                                                       for i in range(k)])
+        tier, pending = self.tier, self._uncounted
+        if pending:
+            n, counts = self.agreement.counted_reads(self._leading(pending, tier.below.count_known),
+                                                     lambda k: [tier.below.wanted(pending[i]) for i in range(k)])
+            self._check_tracked(n, len(pending), "reads to count")
             for k in counts:
                 tier.below.count(pending.popleft(), k)
-            local = 0
-        uncounted = {t.id for t in self._uncounted}
-        if self.agreement.decides:
-            while local < len(reads) and reads[local].id not in uncounted and tier.completed(reads[local]):
-                local += 1
-        n, kept = self.agreement.completed_reads(local, lambda k: [tier.below.verified(reads[i]) for i in range(k)])
-        if n > len(reads):
-            raise RuntimeError(f"kvtier: pipeline stage {self.agreement.pp_rank} tracks {len(reads)} reads, the "
-                               f"first stage finalized {n}: the stages' scheduling sequences drifted apart")
+        uncounted = pending[0] if pending else None  # the oldest read still to count: none after it has ended
+        n, kept = self.agreement.completed_reads(self._leading(reads, lambda t: t is not uncounted and
+                                                               tier.completed(t)),
+                                                 lambda k: [tier.below.verified(reads[i]) for i in range(k)])
+        self._check_tracked(n, len(reads), "reads")
         for k in kept:
             tier.finalize(reads.popleft(), keep=k)
+
+    def _leading(self, tasks, done) -> int:
+        """How many of ``tasks``, oldest first, are ``done`` before the first that is not (the first stage's
+        offer of a completion agreement; 0 elsewhere: a later stage's own count is not asked)."""
+        if not self.agreement.decides:
+            return 0
+        n = 0
+        for task in tasks:
+            if not done(task):
+                break
+            n += 1
+        return n
+
+    def _check_tracked(self, n: int, tracked: int, what: str) -> None:
+        """Raise unless the ``n`` tasks the first stage finalized are among the ``tracked`` this stage tracks."""
+        if n > tracked:
+            raise RuntimeError(f"kvtier: pipeline stage {self.agreement.pp_rank} tracks {tracked} {what}, the first "
+                               f"stage finalized {n}: the stages' scheduling sequences drifted apart")
 
     def _repair_if_failed_here_only(self, task, failed_anywhere: int) -> None:
         """A later pipeline stage: issue ``task`` again if it failed on this rank while the ranks' agreement keeps

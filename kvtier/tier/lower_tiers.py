@@ -86,11 +86,12 @@ class LowerTiers:
         o = self.owner
         G, held = o._pages_per_block, m.num_pages
         hit = held * G
-        if held >= n or not self.lower:
+        if held >= n or not self.lower or (not o._auto_finalize and agree is None):
             return TierHit(hit, 0, None)
-        if not o._auto_finalize:
-            return self.find_agreed(toks, ns, m, n, agree) if agree is not None else TierHit(hit, 0, None)
         chain = page_hashes(toks[:n * o.block_tokens], o.block_tokens, ns)  # once, for every lower tier
+        if not o._auto_finalize:
+            assert agree is not None  # tested above
+            return self.find_agreed(toks, ns, m, chain, agree)
         for tier in self.lower:
             plan = tier.plan_read(toks, ns, held, chain)
             if isinstance(plan, SharedRead):
@@ -104,16 +105,15 @@ class LowerTiers:
                 break
         return TierHit(hit, 0, None)
 
-    def find_agreed(self, toks: np.ndarray, ns, m, n: int, agree: Agree) -> TierHit:
+    def find_agreed(self, toks: np.ndarray, ns, m, chain: np.ndarray, agree: Agree) -> TierHit:
         """:meth:`find` for several ranks, whose lower tiers differ (each rank's writes end at its own moments):
         each offers, per tier, the blocks it would read (0 below the first tier that plans a read, holds the next
         block or reads it already), ``agree`` returns the MIN of each offer over the ranks, and the first tier with
         a nonzero MIN reads exactly that many blocks on every rank (a tier whose count comes later, from a probe,
         probes that many: the owner agrees on the count, :meth:`count_known`, :meth:`wanted`, :meth:`count`). A
-        read in flight is not shared: whether it covers this query depends on this rank's lower index."""
-        o = self.owner
-        held = m.num_pages
-        chain = page_hashes(toks[:n * o.block_tokens], o.block_tokens, ns)
+        read in flight is not shared: whether it covers this query depends on this rank's lower index. ``chain``:
+        the chain hashes of the blocks looked up."""
+        held, G = m.num_pages, self.owner._pages_per_block
         plans: list[Optional[ReadPlan]] = [None] * len(self.lower)
         for i, tier in enumerate(self.lower):
             plan = tier.plan_read(toks, ns, held, chain)
@@ -128,8 +128,8 @@ class LowerTiers:
                     raise RuntimeError(f"kvtier: the ranks agreed on reading {k} blocks of the {tier.name} tier, "
                                        "more than this rank offered: its lower tier lags the deciding ranks'")
                 task = self.start(tier, toks, ns, m, plan.head(k))
-                return TierHit(held * o._pages_per_block, task.num_pages if task is not None else 0, task)
-        return TierHit(held * o._pages_per_block, 0, None)
+                return TierHit(held * G, task.num_pages if task is not None else 0, task)
+        return TierHit(held * G, 0, None)
 
     def start(self, tier: LowerTier, toks: np.ndarray, ns, m, plan: ReadPlan):
         """Start ``tier``'s read of ``plan``'s blocks past the CPU-held prefix ``m`` (locked until the task is

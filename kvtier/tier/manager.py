@@ -537,6 +537,8 @@ class KVTier(HostTier):
     def _drain(self) -> None:
         for t in self.lower:
             t.drain()
+        if not (self._auto_finalize or self.lower):  # ordered and no lower tier: nothing to poll or finalize here
+            return
         for rec in list(self._inflight.values()):
             if rec.task.kind.reads_lower_tier:
                 self.below.poll(cast(InsertRecord, rec))  # a read's record: its deadline, and blocks when it wants
